@@ -1,0 +1,47 @@
+"""Shared pieces for the benchmarks: a random model with SmolLM2-135M shapes, timing helpers."""
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def random_checkpoint(folder: Path | None = None, shards: int = 1, layers: int | None = None, seed: int = 0) -> Path:
+    """Save a random LlamaForCausalLM with SmolLM2-135M shapes (float32) and return its folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder or tempfile.mkdtemp(prefix="lora-llama-bench-"))
+    torch.manual_seed(seed)
+    cfg = dict(SMOLLM2_SHAPES, **({"num_hidden_layers": layers} if layers else {}))
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+    size = sum(p.numel() * 4 for p in model.parameters())
+    model.save_pretrained(folder, max_shard_size=f"{int(size / shards * 1.1) // 1_000_000}MB" if shards > 1 else "20GB")
+    return folder
+
+
+def median_time(fn, repeat: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,131 @@
+"""`lora-llama` sub-commands: parse, call the library, print.
+
+torch and transformers are imported inside the commands so `--help` answers at once.
+User mistakes raise `UserError`: one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _load(args):
+    """Model (with the adapter when given) and tokenizer for generate / eval."""
+    from .checkpoint import load_model, load_tokenizer
+
+    model = load_model(args.model, dtype=_torch_dtype(args.dtype), device=_device(args.device))
+    if getattr(args, "adapter", None):
+        from .lora import load_adapter
+
+        load_adapter(model, args.adapter)
+    return model, load_tokenizer(args.model)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .generate import eos_token_ids, generate
+
+    torch.set_grad_enabled(False)
+    model, tok = _load(args)
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+        if not tok.chat_template:
+            raise UserError(f"{args.model} has no chat template; drop --chat")
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tok(text, add_special_tokens=False)["input_ids"]  # the template holds BOS already
+    else:
+        prompt_ids = tok(args.prompt)["input_ids"]
+    if not prompt_ids:
+        raise UserError("the prompt is empty")
+    from transformers import TextStreamer
+
+    streamer = TextStreamer(tok, skip_special_tokens=True)
+    out = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_ids=eos_token_ids(model, tok),
+                   use_cache=not args.no_cache, on_token=lambda t: streamer.put(torch.tensor([t])))
+    streamer.end()
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .data import read_documents
+    from .train import evaluate_documents
+
+    model, tok = _load(args)
+    docs = read_documents(args.data)
+    if not docs:
+        raise UserError(f"{args.data} holds no documents")
+    result = evaluate_documents(model, tok, docs, batch_size=args.batch_size)
+    print(json.dumps(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lora-llama", description="LoRA fine-tuning for LLaMA-family models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def model_args(sp, adapter=True):
+        sp.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"HF folder, .gguf file, Hub id or registered name (default: {DEFAULT_MODEL})")
+        if adapter:
+            sp.add_argument("--adapter", help="a PEFT LoRA adapter folder to apply")
+        sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+        sp.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: auto)")
+
+    g = sub.add_parser("generate", help="generate text with the KV cache")
+    model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--system", help="system message for --chat")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; for checks)")
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="mean token loss and perplexity on a text or JSONL file")
+    model_args(e)
+    e.add_argument("--data", required=True, help="text file (one document per line) or JSON/JSONL with a 'text' field")
+    e.add_argument("--batch-size", type=int, default=8)
+    e.set_defaults(func=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"lora-llama {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lora-llama {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

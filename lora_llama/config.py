@@ -1,0 +1,229 @@
+"""Typed settings: `ModelArgs` (from an HF config.json), `LoraSettings`, `Recipe`.
+
+Everything a user writes (a recipe, overrides, LoRA settings) is validated here
+by pydantic, so a typo fails before any model is loaded and the error names the
+key path.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import UserError
+
+LLAMA_MODEL_TYPES = ("llama",)
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 32000
+    dim: int = 4096  # hidden_size
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: multi-head attention (kv heads = heads)
+    head_dim: int | None = None  # None: dim // n_heads; Gemma-style configs give it explicitly
+    intermediate_size: int = 11008
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": 8.0, ...}
+    max_seq_len: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    hf_config: dict = field(default_factory=dict, repr=False)  # the original, written back by merge
+
+    def __post_init__(self):
+        self.n_kv_heads = self.n_kv_heads or self.n_heads
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
+        if self.rope_scaling:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ("default", "llama3"):
+                raise UserError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in LLAMA_MODEL_TYPES:
+            raise UserError(f"model_type {model_type!r} is not a LLaMA-family model (expected one of {LLAMA_MODEL_TYPES})")
+        # transformers >= 5 writes `rope_parameters`; Hub checkpoints carry `rope_theta` + `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"],
+            n_kv_heads=cfg.get("num_key_value_heads"),
+            head_dim=cfg.get("head_dim"),
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=dict(scaling) if scaling else None,
+            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+            hf_config=dict(cfg),
+        )
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraSettings(Settings):
+    r: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]] = ["q", "k", "v", "o"]
+    layers: list[int] | None = None  # None: every decoder layer
+    rslora: bool = False  # scale alpha/sqrt(r) instead of alpha/r (Kalajdzievski 2023)
+
+    @field_validator("targets")
+    @classmethod
+    def _non_empty(cls, v):
+        if not v:
+            raise ValueError("at least one target is needed")
+        return list(dict.fromkeys(v))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.r ** 0.5 if self.rslora else self.r)
+
+
+# ---------------------------------------------------------------------------- recipe
+
+
+class ModelSection(Settings):
+    source: str = "smollm2-135m-instruct"  # HF folder, .gguf, Hub id or registered name
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantize: Literal["int8", "nf4"] | None = None
+    int8_threshold: float = Field(6.0, ge=0.0)  # LLM.int8() outlier threshold
+    device: str = "auto"  # auto: cuda when available, else cpu
+
+
+class DataSection(Settings):
+    source: str = "chatterbot-corpus"  # file, folder, Hub dataset id or registered name
+    format: Literal["text", "alpaca", "chat", "auto"] = "chat"
+    max_seq_len: int = Field(256, gt=1)
+    val_size: float = Field(0.1, ge=0.0, lt=1.0)
+    val_source: str | None = None  # a separate validation source instead of a split
+    packing: bool = False
+    train_on_prompt: bool = False
+    # column names for sources whose columns differ, e.g. {"instruction": "question", "output": "answer"}
+    fields: dict[str, str] = {}
+    prompt_template: str | None = None  # for alpaca data on base models without a chat template
+    max_examples: int | None = Field(None, gt=0)
+
+
+class TrainSection(Settings):
+    batch_size: int = Field(4, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    lr: float = Field(3.0e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_steps: int | None = Field(300, gt=0)
+    epochs: float | None = Field(None, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    eval_every: int = Field(50, gt=0)
+    save_every: int = Field(100, gt=0)
+    keep_last: int = Field(2, gt=0)
+    log_every: int = Field(1, gt=0)
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    compile: bool = False
+
+    @model_validator(mode="after")
+    def _one_length(self):
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set train.max_steps or train.epochs")
+        return self
+
+
+class OutputSection(Settings):
+    dir: str = "runs/smollm2-chat"
+    push_to_hub: str | None = None  # USER/NAME: push the final adapter at the end of a successful run
+
+
+class Recipe(Settings):
+    model: ModelSection = ModelSection()
+    lora: LoraSettings = LoraSettings()
+    data: DataSection = DataSection()
+    train: TrainSection = TrainSection()
+    output: OutputSection = OutputSection()
+
+
+def _describe(err: ValidationError, model: type[BaseModel]) -> str:
+    """One line naming the key path; for an unknown key, the closest valid name."""
+    e = err.errors()[0]
+    path = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        cls = model
+        for p in e["loc"][:-1]:
+            cls = cls.model_fields[p].annotation
+        near = difflib.get_close_matches(str(e["loc"][-1]), list(cls.model_fields), n=1)
+        hint = f" (did you mean {'.'.join([*map(str, e['loc'][:-1]), near[0]])!r}?)" if near else ""
+        return f"unknown recipe key {path!r}{hint}"
+    return f"recipe key {path!r}: {e['msg']} (got {e.get('input')!r})"
+
+
+def _set_path(tree: dict, path: str, value: Any) -> None:
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = tree.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise UserError(f"override {path!r}: {k!r} is not a section")
+        tree = node
+    tree[keys[-1]] = value
+
+
+def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe, apply `key.path=value` overrides (values parsed as YAML), validate."""
+    tree: dict = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise UserError(f"recipe file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise UserError(f"recipe {path} must be a mapping of sections (model, lora, data, train, output)")
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override {item!r} must look like key.path=value")
+        key, value = item.split("=", 1)
+        _set_path(tree, key.strip(), yaml.safe_load(value))
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as e:
+        raise UserError(_describe(e, Recipe)) from None
+
+
+def lora_settings(**kwargs) -> LoraSettings:
+    """Build LoraSettings, turning validation errors into one-line UserErrors."""
+    try:
+        return LoraSettings(**kwargs)
+    except ValidationError as e:
+        raise UserError(_describe(e, LoraSettings).replace("recipe key", "LoRA setting")) from None

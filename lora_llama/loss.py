@@ -1,0 +1,86 @@
+"""Cross-entropy on target positions only, chunked over the vocabulary projection.
+
+Full (batch, seq, vocab) logits are never built: only positions whose label is
+not -100 are projected, a chunk of rows at a time. For a plain (frozen or not)
+lm_head the gradient of each chunk is computed right away in the forward pass,
+so neither the logits nor their gradient are kept for backward (the idea of
+Liger's fused linear cross-entropy).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 1 << 24  # logits per chunk: 64 MB in float32, whatever the vocabulary size
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(h_i @ W.T, t_i), with the gradients computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, rows):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None  # (N, dim)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, dim)
+        total = torch.zeros((), device=h.device, dtype=torch.float32)
+        for i in range(0, h.shape[0], rows):
+            hc, tc = h[i:i + rows], targets[i:i + rows]
+            logits = (hc @ weight.T).float()  # (rows, V)
+            lse = logits.logsumexp(-1)
+            total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            if need_h or need_w:
+                dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                dlogits[torch.arange(len(tc), device=tc.device), tc] -= 1
+                dlogits = dlogits.to(h.dtype)
+                if need_h:
+                    grad_h[i:i + rows] = dlogits @ weight
+                if need_w:
+                    grad_w += (dlogits.T @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+                (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None,
+                None, None)
+
+
+def _ce_chunk(lm_head, h, t):
+    return F.cross_entropy(lm_head(h).float(), t, reduction="sum")
+
+
+def linear_cross_entropy(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of lm_head(h) (N, dim) against targets (N,)."""
+    rows = max(1, CHUNK_ELEMENTS // lm_head.out_features)
+    if type(lm_head) is nn.Linear and lm_head.bias is None:
+        return _LinearCrossEntropy.apply(h, lm_head.weight, targets, rows)
+    # an adapted lm_head: recompute each chunk's logits in backward instead of storing them
+    total = h.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.shape[0], rows):
+        chunk = (lm_head, h[i:i + rows], targets[i:i + rows])
+        total = total + (checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled() else _ce_chunk(*chunk))
+    return total
+
+
+def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None):
+    """(summed loss, number of targets): position t predicts labels[t + 1]; -100 is ignored.
+
+    Returning the sum lets gradient accumulation divide by the target count of the
+    whole accumulated batch instead of averaging per-micro-batch means.
+    """
+    h = model.hidden(input_ids, position_ids, segment_ids)  # (B, T, dim)
+    shifted = labels[:, 1:]
+    keep = shifted != IGNORE_INDEX
+    if segment_ids is not None:  # a packed row: the last token of one example does not predict the next
+        keep &= segment_ids[:, 1:] == segment_ids[:, :-1]
+    targets = shifted[keep]  # (N,)
+    n = targets.numel()
+    if n == 0:
+        return h.sum() * 0.0, 0
+    return linear_cross_entropy(h[:, :-1][keep], model.lm_head, targets), n

@@ -1,0 +1,196 @@
+"""A native LLaMA in one file: RMSNorm pre-norm, RoPE, grouped-query attention, SwiGLU, KV cache.
+
+Module names follow Hugging Face's `LlamaForCausalLM` exactly
+(`model.layers.0.self_attn.q_proj`, ...), so a checkpoint's state dict loads
+without renaming and LoRA adapters map 1:1 onto PEFT keys. q/k weights stay in
+HF's rotate-half RoPE layout (no permutation).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .config import ModelArgs
+
+# enable_gqa lets SDPA read k/v with fewer heads without a repeated copy (torch >= 2.5)
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # computed in float32 and cast back, as the checkpoints were trained
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,), with Llama 3.1 frequency scaling when configured."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = args.rope_scaling
+    if not s or s.get("rope_type", s.get("type")) != "llama3":
+        return inv_freq
+    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are stretched by `factor`, short ones kept, the band between interpolated
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin  # x: (B, heads, T, head_dim); cos/sin: (B, 1, T, head_dim)
+
+
+class KVCache:
+    """Pre-allocated keys and values for incremental decoding, one pair per layer."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device, dtype):
+        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.pos = 0  # number of positions already stored
+        self.max_len = max_len
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        end = self.pos + k.shape[2]
+        self.k[layer][:, :, self.pos:end] = k
+        self.v[layer][:, :, self.pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, n_kv, pos + T, head_dim)
+        if self.n_kv_heads != self.n_heads and not _SDPA_GQA:
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = {"enable_gqa": self.n_kv_heads != self.n_heads} if _SDPA_GQA else {}
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1 and cache is None, **gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = FeedForward(args)
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Llama(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        self._rope: dict = {}  # (device, dtype) -> (inv_freq,), built once per device
+        if args.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self):
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin (B, 1, T, head_dim) for integer positions (B, T); angles in float32 as HF does."""
+        key = positions.device
+        if key not in self._rope:
+            self._rope[key] = rope_inv_freq(self.args).to(positions.device)
+        freqs = positions[..., None].float() * self._rope[key]  # (B, T, head_dim // 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+    def hidden(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None):
+        """Final normed hidden states (B, T, dim).
+
+        position_ids (B, T): defaults to 0..T-1 (after the cache's stored positions).
+        segment_ids (B, T): for packed rows; tokens attend only within their segment.
+        """
+        B, T = input_ids.shape
+        start = cache.pos if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        x = self.model.embed_tokens(input_ids)  # (B, T, dim)
+        cos, sin = self.rope(position_ids, x.dtype)
+        mask = None  # None: plain causal, handled by SDPA's is_causal
+        if segment_ids is not None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal  # (B, T, T)
+            mask = mask[:, None]  # (B, 1, T, T)
+        elif cache is not None and T > 1:
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, cache)
+        if cache is not None:
+            cache.pos += T
+        return self.model.norm(x)
+
+    def forward(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None):
+        """Logits (B, T, vocab). For training use `hidden` + a target-only loss instead."""
+        return self.lm_head(self.hidden(input_ids, position_ids, segment_ids, cache))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.model.embed_tokens.weight
+        return KVCache(self.args, batch, max_len, p.device, p.dtype)
