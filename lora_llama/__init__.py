@@ -1,7 +1,20 @@
-"""lora-llama: LoRA fine-tuning for LLaMA-family models on a native PyTorch LLaMA."""
-from .checkpoint import load_model, load_tokenizer
-from .config import LoraSettings, ModelArgs, Recipe, load_recipe
-from .errors import UserError
+"""lora-llama: LoRA fine-tuning for LLaMA-family models on a native PyTorch LLaMA.
 
-__all__ = ["load_model", "load_tokenizer", "LoraSettings", "ModelArgs", "Recipe", "load_recipe", "UserError"]
+Names are imported lazily so that `lora-llama --help` does not pay for torch.
+"""
+import importlib
+
 __version__ = "0.1.0"
+_EXPORTS = {
+    "load_model": "checkpoint", "load_tokenizer": "checkpoint", "load_adapter": "checkpoint",
+    "save_adapter": "checkpoint", "LoraSettings": "config", "ModelArgs": "config", "Recipe": "config",
+    "load_recipe": "config", "UserError": "errors", "LoRALinear": "lora", "apply_lora": "lora",
+    "merge_lora": "lora",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'lora_llama' has no attribute {name!r}")

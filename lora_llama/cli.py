@@ -36,7 +36,7 @@ def _load(args):
 
     model = load_model(args.model, dtype=_torch_dtype(args.dtype), device=_device(args.device))
     if getattr(args, "adapter", None):
-        from .lora import load_adapter
+        from .checkpoint import load_adapter
 
         load_adapter(model, args.adapter)
     return model, load_tokenizer(args.model)

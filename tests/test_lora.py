@@ -1,0 +1,166 @@
+"""LoRA on the native model against peft on transformers' LlamaForCausalLM."""
+import json
+
+import pytest
+import torch
+
+from conftest import hf_model
+from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
+from lora_llama.lora import lora_modules
+from lora_llama.loss import target_loss
+
+ALL = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+def ids(batch=2, seq=24, seed=1):
+    return torch.randint(3, 300, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def randomise_b(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
+
+
+def peft_model(folder, adapter):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(hf_model(folder), adapter).eval()
+
+
+def test_zero_b_is_exactly_the_base_model(tiny_ckpt):
+    x = ids()
+    base = load_model(tiny_ckpt)
+    with torch.no_grad():
+        ref = base(x)
+        summary = apply_lora(base, LoraSettings(r=4, alpha=8, targets=ALL + ["lm_head"]))
+        assert torch.equal(base(x), ref)
+    assert 0 < summary["trainable"] < summary["total"]
+    assert all(("lora_" in n) == p.requires_grad for n, p in base.named_parameters())
+
+
+@pytest.mark.parametrize("extra", [{}, {"rslora": True}, {"layers": [1]}])
+def test_saved_adapter_loads_in_peft_with_same_logits(tiny_ckpt, tmp_path, extra):
+    model = load_model(tiny_ckpt)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL, **extra))
+    randomise_b(model)
+    save_adapter(model, tmp_path / "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["target_modules"] == sorted(f"{t}_proj" for t in ALL)
+    x = ids()
+    with torch.no_grad():
+        diff = (model(x) - peft_model(tiny_ckpt, tmp_path / "adapter")(x).logits).abs().max()
+    assert diff < 1e-4
+    # and it round-trips into a fresh native model
+    again = load_model(tiny_ckpt)
+    load_adapter(again, tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))
+
+
+def test_peft_adapter_loads_natively(tiny_ckpt, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(hf_model(tiny_ckpt), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    peft.save_pretrained(tmp_path / "peft")
+    model = load_model(tiny_ckpt)
+    load_adapter(model, tmp_path / "peft")
+    x = ids()
+    with torch.no_grad():
+        assert (model(x) - peft(x).logits).abs().max() < 1e-4
+
+
+def test_merge_and_unmerge(tiny_ckpt):
+    model = load_model(tiny_ckpt)
+    base_w = {n: p.detach().clone() for n, p in model.named_parameters()}
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL + ["lm_head"]))
+    randomise_b(model)
+    x = ids()
+    with torch.no_grad():
+        unmerged = model(x)
+        for m in lora_modules(model).values():
+            m.merge()
+        assert (model(x) - unmerged).abs().max() < 1e-5
+        for m in lora_modules(model).values():
+            m.unmerge()
+    for path, m in lora_modules(model).items():
+        assert (m.base_layer.weight - base_w[f"{path}.weight"]).abs().max() < 1e-6
+    with torch.no_grad():
+        merge_lora(model)
+        assert not lora_modules(model)
+        assert (model(x) - unmerged).abs().max() < 1e-5
+        # the tied embedding is untouched by the lm_head adapter
+        assert torch.equal(model.model.embed_tokens.weight, base_w["model.embed_tokens.weight"])
+
+
+def test_only_lora_gets_gradients_equal_to_peft(tiny_ckpt, tmp_path):
+    model = load_model(tiny_ckpt)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+    randomise_b(model)
+    save_adapter(model, tmp_path / "a")
+    x = ids()
+    loss, n = target_loss(model, x, x)
+    (loss / n).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+    ref = peft_model(tiny_ckpt, tmp_path / "a")
+    ref.train()
+    for n, p in ref.named_parameters():
+        p.requires_grad_("lora_" in n)
+    ref(x, labels=x).loss.backward()
+    ref_grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
+                 for n, p in ref.named_parameters() if p.grad is not None}
+    assert set(ref_grads) == set(grads)
+    for k in grads:
+        assert (grads[k] - ref_grads[k]).abs().max() < 1e-5, k
+
+
+def test_shape_mismatch_names_key_and_shapes(tiny_ckpt, make_ckpt, tmp_path):
+    other = make_ckpt("wide", hidden_size=96, num_attention_heads=4, num_key_value_heads=2)
+    model = load_model(other)
+    apply_lora(model, LoraSettings(r=4, alpha=8))
+    save_adapter(model, tmp_path / "wide_adapter")
+    with pytest.raises(UserError, match=r"model\.layers\.0\.self_attn\.\w_proj\.lora_\w\.weight.*\(4, 96\).*\(4, 64\)"):
+        load_adapter(load_model(tiny_ckpt), tmp_path / "wide_adapter")
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"use_dora": True}, "DoRA"),
+    ({"target_modules": ["q_proj", "conv1"]}, "unknown target module 'conv1'"),
+    ({"r": 0}, "r must be a positive integer"),
+])
+def test_bad_adapter_config(tiny_ckpt, tmp_path, capsys, patch, message):
+    from lora_llama.cli import main
+
+    model = load_model(tiny_ckpt)
+    apply_lora(model, LoraSettings(r=4, alpha=8))
+    folder = save_adapter(model, tmp_path / "a")
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**cfg, **patch}))
+    with pytest.raises(UserError, match=message):
+        load_adapter(load_model(tiny_ckpt), folder)
+    code = main(["generate", "--model", str(tiny_ckpt), "--adapter", str(folder), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_lora_settings_validation():
+    from lora_llama.config import lora_settings
+
+    for bad in ({"r": 0}, {"targets": ["q", "xyz"]}, {"dropout": 1.5}):
+        with pytest.raises(UserError):
+            lora_settings(**bad)
+
+
+def test_save_refuses_to_overwrite(tiny_ckpt, tmp_path):
+    model = load_model(tiny_ckpt)
+    apply_lora(model, LoraSettings())
+    save_adapter(model, tmp_path / "a")
+    with pytest.raises(UserError, match="already exists"):
+        save_adapter(model, tmp_path / "a")
+    save_adapter(model, tmp_path / "a", force=True)
