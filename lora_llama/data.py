@@ -152,10 +152,8 @@ class Tokenize:
             start = len(self._render(messages[:i], add_generation_prompt=True))
             end = len(self._render(messages[:i + 1]))
             spans.append((start, end))
-        # the template already holds BOS where the model wants it: add no special tokens again
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        in_target = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+        ids, offsets = encode_rendered(self.tok, text)
+        in_target = [any(s <= a < e for s, e in spans) for a, _ in offsets]
         labels = [t if (keep or self.train_on_prompt) else IGNORE_INDEX for t, keep in zip(ids, in_target)]
         if self.eos is not None and messages[-1]["role"] == "assistant" and self.eos not in labels[-3:]:
             ids, labels = ids + [self.eos], labels + [self.eos]  # templates that do not close a turn with EOS
@@ -179,6 +177,17 @@ class Tokenize:
 
     def _truncate(self, ids, labels) -> dict:
         return {"input_ids": ids[: self.max_len], "labels": labels[: self.max_len]}
+
+
+def encode_rendered(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of a chat-template rendering: BOS where the tokenizer
+    adds one, but never twice when the template wrote one too."""
+    enc = tokenizer(text, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids[:2] == [bos, bos]:
+        ids, offsets = ids[1:], offsets[1:]
+    return ids, offsets
 
 
 def _normalise_messages(msgs) -> list[dict]:
@@ -264,3 +273,24 @@ def split(records, val_size: float, seed: int):
     if val_size and n_val == 0 and n > 1:
         n_val = 1
     return records.select(order[n_val:]), records.select(order[:n_val])
+
+
+def build_examples(data, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, val) examples for a recipe's `data` section; packing applies to train only."""
+    records = load_records(data.source)
+    if data.max_examples:
+        records = records.select(range(min(data.max_examples, len(records))))
+    if data.val_source:
+        train_records, val_records = records, load_records(data.val_source)
+    else:
+        train_records, val_records = split(records, data.val_size, seed)
+    kw = dict(tokenizer=tokenizer, fmt=data.format, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt,
+              prompt_template=data.prompt_template, fields=data.fields)
+    train = tokenize_records(train_records, **kw)
+    val = tokenize_records(val_records, **kw) if len(val_records) else []
+    if not train:
+        raise UserError(f"data source {data.source!r} gives no training example with a target token")
+    if data.packing:
+        random.Random(seed).shuffle(train)  # mix sources before they are glued together
+        train = pack(train, data.max_seq_len)
+    return train, val

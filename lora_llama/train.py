@@ -1,11 +1,19 @@
 """The training loop: optimiser, schedule, accumulation, eval, checkpoint / resume, logging."""
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import random
+import shutil
+import time
+from pathlib import Path
 
 import torch
 
-from .data import collate
+from .checkpoint import atomic_dir, load_adapter_weights, save_adapter, write_json
+from .data import collate, count_targets
+from .errors import UserError
 from .loss import target_loss
 
 
@@ -41,3 +49,268 @@ def evaluate_documents(model, tokenizer, docs: list[str], batch_size: int = 8) -
         ids = tokenizer(doc)["input_ids"]
         examples += [{"input_ids": ids[i:i + window], "labels": ids[i:i + window]} for i in range(0, len(ids), window)]
     return evaluate(model, examples, batch_size, tokenizer.pad_token_id)
+
+
+# ---------------------------------------------------------------------------- the trainer
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    """Linear warmup, then cosine / linear decay to zero, or constant."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return f
+
+
+def total_steps(train_cfg, n_micro_batches: int) -> int:
+    if train_cfg.epochs is None:
+        return train_cfg.max_steps
+    steps = math.ceil(train_cfg.epochs * n_micro_batches / train_cfg.grad_accum)
+    # an explicit max_steps caps an epoch count
+    return min(steps, train_cfg.max_steps) if "max_steps" in train_cfg.model_fields_set else steps
+
+
+class Trainer:
+    """Fits a LoRA adapter on a recipe's data; checkpoints so that a resumed run continues bit for bit."""
+
+    def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path):
+        self.recipe, self.model, self.tok = recipe, model, tokenizer
+        self.train_examples, self.val_examples, self.out = train, val, Path(out)
+        t = recipe.train
+        self.device = next(model.parameters()).device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                                           foreach=True)
+        self.batches_per_epoch = math.ceil(len(train) / t.batch_size)
+        self.total = total_steps(t, self.batches_per_epoch)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.schedule, t.warmup_steps, self.total))
+        self.step = 0
+        self.pad_id = tokenizer.pad_token_id
+        # bf16 autocast on CUDA; CPU float32 training stays exact
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
+        self.tb = _tensorboard(self.out)
+
+    # ---------------------------------------------------------------- data order
+
+    def micro_batch(self, index: int) -> dict:
+        """The index-th micro-batch of the run: a fresh seeded shuffle each epoch, so a position is all resume needs."""
+        bs = self.recipe.train.batch_size
+        epoch, i = divmod(index, self.batches_per_epoch)
+        order = torch.randperm(len(self.train_examples), generator=torch.Generator().manual_seed(self.recipe.train.seed + epoch))
+        chosen = [self.train_examples[j] for j in order[i * bs:(i + 1) * bs].tolist()]
+        return _to(collate(chosen, self.pad_id), self.device)
+
+    # ---------------------------------------------------------------- one optimiser step
+
+    def train_step(self) -> tuple[float, int]:
+        """Forward/backward over grad_accum micro-batches; the loss is divided by the target count of all of them."""
+        ga = self.recipe.train.grad_accum
+        batches = [self.micro_batch(self.step * ga + k) for k in range(ga)]
+        n_total = sum(count_targets(b) for b in batches)
+        total_loss = 0.0
+        for batch in batches:
+            with self.autocast or contextlib.nullcontext():
+                loss_sum, _ = target_loss(self.model, **batch)
+            loss = loss_sum / max(n_total, 1)
+            if not torch.isfinite(loss):
+                raise UserError(f"non-finite loss ({float(loss.detach())}) at step {self.step + 1}; stopped before the update. "
+                                f"The last good checkpoint is kept in {self.out / 'checkpoints'}")
+            loss.backward()
+            total_loss += float(loss.detach())
+        if self.recipe.train.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, self.recipe.train.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total_loss, sum(int(b["input_ids"].numel()) for b in batches)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self) -> Path:
+        ckpt_dir = self.out / "checkpoints" / f"step-{self.step}"
+        with atomic_dir(ckpt_dir, force=True) as tmp:
+            save_adapter(self.model, tmp / "adapter", force=True)
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "rng": _rng_state()}, tmp / "state.pt")
+            write_json(tmp / "trainer_state.json", {"step": self.step, "micro_batches_done": self.step * self.recipe.train.grad_accum,
+                                                    "total_steps": self.total})
+        for old in checkpoints(self.out)[: -self.recipe.train.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return ckpt_dir
+
+    def resume(self, ckpt_dir: Path) -> None:
+        load_adapter_weights(self.model, ckpt_dir / "adapter")
+        state = torch.load(ckpt_dir / "state.pt", map_location=self.device, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        self.step = json.loads((ckpt_dir / "trainer_state.json").read_text())["step"]
+        _truncate_metrics(self.out / "metrics.jsonl", self.step)
+
+    # ---------------------------------------------------------------- the loop
+
+    def log(self, record: dict) -> None:
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb:
+            for k, v in record.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def run_eval(self) -> dict | None:
+        if not self.val_examples:
+            return None
+        with self.autocast or contextlib.nullcontext():
+            r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id)
+        record = {"step": self.step, "eval_loss": r["loss"], "eval_perplexity": r["perplexity"]}
+        self.log(record)
+        return record
+
+    def fit(self) -> dict:
+        from tqdm.auto import tqdm
+
+        t = self.recipe.train
+        self.model.train()
+        last_eval = None
+        if self.step == 0:
+            last_eval = self.run_eval()  # the starting point of the eval curve
+        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        saved_at = self.step
+        try:
+            while self.step < self.total:
+                start = time.perf_counter()
+                loss, tokens = self.train_step()
+                tps = tokens / (time.perf_counter() - start)
+                lr = self.scheduler.get_last_lr()[0]
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
+                if self.step % t.log_every == 0 or self.step == self.total:
+                    self.log({"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": tps})
+                if self.step % t.eval_every == 0 or self.step == self.total:
+                    last_eval = self.run_eval()
+                    if last_eval:
+                        bar.write(f"step {self.step}: eval_loss {last_eval['eval_loss']:.4f} "
+                                  f"perplexity {last_eval['eval_perplexity']:.2f}")
+                if self.step % t.save_every == 0 or self.step == self.total:
+                    self.save_checkpoint()
+                    saved_at = self.step
+        except KeyboardInterrupt:
+            bar.close()
+            if self.step > saved_at:
+                path = self.save_checkpoint()
+                print(f"interrupted: saved {path}; run the same command again to resume", flush=True)
+            raise
+        bar.close()
+        save_adapter(self.model, self.out / "adapter", force=True)
+        plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+        if self.tb:
+            self.tb.close()
+        return {"steps": self.step, "adapter": str(self.out / "adapter"), **(last_eval or {})}
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """A run's checkpoint folders, oldest first."""
+    found = [p for p in (Path(out) / "checkpoints").glob("step-*") if p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines written after the checkpoint we resume from, so none is repeated."""
+    if path.is_file():
+        lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+        path.write_text("".join(l + "\n" for l in lines))
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def plot_losses(metrics: Path, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()] if metrics.is_file() else []
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", alpha=0.7)
+    if val:
+        ax.plot(*zip(*val), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (per target token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=print) -> dict:
+    """Everything `lora-llama train` does. Inputs are all checked before the run folder is touched."""
+    import yaml
+
+    from .checkpoint import load_model, load_tokenizer
+    from .data import build_examples
+    from .lora import apply_lora
+
+    out = Path(recipe.output.dir)
+    found = checkpoints(out)
+    if (out / "adapter").exists() and not force and not resume:
+        raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
+    if out.exists() and any(out.iterdir()) and not found and not force:
+        raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
+    torch.manual_seed(recipe.train.seed)
+    random.seed(recipe.train.seed)
+    tok = load_tokenizer(recipe.model.source)
+    train, val = build_examples(recipe.data, tok, recipe.train.seed)
+    m = recipe.model
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if m.device == "auto" else m.device
+    model = load_model(m.source, dtype=getattr(torch, m.dtype), quantize=m.quantize, device=device,
+                       int8_threshold=m.int8_threshold)
+    summary = apply_lora(model, recipe.lora)
+    model.gradient_checkpointing = recipe.train.gradient_checkpointing
+    if recipe.train.compile:
+        for layer in model.model.layers:
+            layer.compile()
+    if force and out.exists() and not (resume and found):
+        shutil.rmtree(out)
+        found = []
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    trainer = Trainer(recipe, model, tok, train, val, out)
+    log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
+        f"({summary['percent']:.3f}%) on {device}")
+    log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
+    if found:
+        trainer.resume(found[-1])
+        log(f"resuming from {found[-1]} (step {trainer.step})")
+    return trainer.fit()
