@@ -52,6 +52,29 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_merge(args) -> int:
+    import warnings
+
+    from .merge import merge_checkpoint
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = merge_checkpoint(args.base, args.adapter, args.out, dtype=args.dtype, force=args.force)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    print(f"merged into {result['out']}: {result['shards']} shards, {result['bytes'] / 1e6:.1f} MB "
+          f"in {result['seconds']:.1f} s")
+    return 0
+
+
+def cmd_push(args) -> int:
+    from .hub import push
+
+    push(args.path, args.repo_id, token=args.token, private=args.private, revision=args.revision,
+         commit_message=args.commit_message, dry_run=args.dry_run)
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -114,6 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "(also automatic when the folder holds checkpoints)")
     t.add_argument("--force", action="store_true", help="start over in an output.dir that holds an earlier run")
     t.set_defaults(func=cmd_train)
+
+    m = sub.add_parser("merge", help="fold an adapter into the base weights and write an HF checkpoint")
+    m.add_argument("--base", required=True, help="the base model the adapter was trained on (any MODEL form)")
+    m.add_argument("--adapter", required=True, help="PEFT LoRA adapter folder")
+    m.add_argument("--out", required=True, help="output folder (refused if it exists, unless --force)")
+    m.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="output dtype (default: the base's)")
+    m.add_argument("--force", action="store_true", help="replace an existing --out")
+    m.set_defaults(func=cmd_merge)
+
+    u = sub.add_parser("push", help="upload an adapter (or a run's final adapter) to the Hugging Face Hub")
+    u.add_argument("path", metavar="ADAPTER_OR_RUN_DIR")
+    u.add_argument("--repo-id", required=True, help="USER/NAME")
+    u.add_argument("--private", action="store_true")
+    u.add_argument("--revision", help="branch to push to (created when missing)")
+    u.add_argument("--commit-message")
+    u.add_argument("--token", help="Hub token (default: HF_TOKEN, then the cached login)")
+    u.add_argument("--dry-run", action="store_true", help="list the files and print the card; contact nobody")
+    u.set_defaults(func=cmd_push)
 
     g = sub.add_parser("generate", help="generate text with the KV cache")
     model_args(g)

@@ -284,6 +284,10 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=pri
 
     out = Path(recipe.output.dir)
     found = checkpoints(out)
+    if recipe.output.push_to_hub:  # fail now, not after hours of training
+        from .hub import resolve_token
+
+        resolve_token(None)
     if (out / "adapter").exists() and not force and not resume:
         raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
     if out.exists() and any(out.iterdir()) and not found and not force:
@@ -313,4 +317,9 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=pri
     if found:
         trainer.resume(found[-1])
         log(f"resuming from {found[-1]} (step {trainer.step})")
-    return trainer.fit()
+    result = trainer.fit()
+    if recipe.output.push_to_hub:
+        from .hub import push
+
+        result["pushed"] = push(out, recipe.output.push_to_hub, log=log)
+    return result

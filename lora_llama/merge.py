@@ -1,0 +1,132 @@
+"""Streaming merge: fold ΔW = scale·B·A into the base checkpoint, shard by shard.
+
+Only one shard (plus the small adapter) is in memory at a time, so the size of
+the model does not matter. ΔW is always added to the ORIGINAL full-precision W0
+read from the base checkpoint, never to quantised weights (a GGUF base is
+dequantised first). The result is a standard HF folder that
+`AutoModelForCausalLM` and `load_model` open.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from .checkpoint import (ADAPTER_WEIGHTS, INDEX_FILE, PEFT_PREFIX, TOKENIZER_FILES, atomic_dir, read_adapter_config,
+                         read_config, resolve_source, shard_files, write_json)
+from .errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
+
+
+def _adapter_deltas(adapter: Path):
+    """{base weight name: (A, B)} from a PEFT adapter, and its scale."""
+    from safetensors.torch import load_file
+
+    settings, cfg = read_adapter_config(adapter)
+    path = adapter / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise UserError(f"{adapter} holds no {ADAPTER_WEIGHTS}")
+    pairs: dict[str, dict] = {}
+    for key, t in load_file(path).items():
+        key = key.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight")
+        module, _, kind = key.rpartition(".lora_")  # e.g. model.layers.0.self_attn.q_proj, A.weight
+        pairs.setdefault(module + ".weight", {})[kind[0]] = t
+    incomplete = [k for k, v in pairs.items() if set(v) != {"A", "B"}]
+    if incomplete:
+        raise UserError(f"{path}: {incomplete[0]} has only one of lora_A / lora_B")
+    return {k: (v["A"], v["B"]) for k, v in pairs.items()}, settings.scale, cfg
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, tuple]:
+    """Every tensor's shape from the safetensors headers, without reading the data."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                shapes[k] = tuple(sf.get_slice(k).get_shape())
+    return shapes
+
+
+def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
+    """Every adapted module exists in the base and every LoRA shape matches its weight."""
+    for name, (A, B) in deltas.items():
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes and tied else name
+        if source not in shapes:
+            raise UserError(f"the adapter targets {name.removesuffix('.weight')}, which the base model does not have")
+        out_f, in_f = shapes[source]
+        if A.shape[1] != in_f or B.shape[0] != out_f or A.shape[0] != B.shape[1]:
+            raise UserError(f"adapter for {name} has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}, "
+                            f"which do not fit the base weight {(out_f, in_f)}")
+
+
+def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
+                     force: bool = False, progress: bool = True) -> dict:
+    """Write base + adapter as one HF checkpoint in `out`; returns {"out", "bytes", "seconds", "shards"}."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r} (use fp32, bf16 or fp16)")
+    adapter = Path(adapter)
+    if not adapter.is_dir():
+        raise UserError(f"adapter folder not found: {adapter}")
+    out = Path(out)
+    if out.exists() and not force:
+        raise UserError(f"{out} already exists (pass --force to overwrite)")
+    deltas, scale, adapter_cfg = _adapter_deltas(adapter)
+    folder = resolve_source(base)
+    config = read_config(folder)
+    files = shard_files(folder)
+    tied = bool(config.get("tie_word_embeddings", False))
+    check_adapter_fits(deltas, _tensor_shapes(files), tied)
+    named = adapter_cfg.get("base_model_name_or_path")
+    if named and str(named) != str(base) and Path(str(named)).name != Path(str(base)).name:
+        warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
+    out_dtype = DTYPES[dtype]
+    # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
+    untie = tied and "lm_head.weight" in deltas
+
+    def fold(name: str, w: torch.Tensor) -> torch.Tensor:
+        target_dtype = out_dtype or w.dtype
+        if name in deltas:
+            A, B = deltas[name]
+            w = w.float() + scale * (B.float() @ A.float())
+        return w.to(target_dtype).contiguous()
+
+    n = len(files)
+    weight_map, total = {}, 0
+    with atomic_dir(out, force=force) as tmp:
+        for i, f in enumerate(tqdm(files, desc="merge", unit="shard", disable=not progress)):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            shard = {}
+            with safe_open(f, framework="pt") as sf:  # one tensor at a time: at most one shard in memory
+                for key in sf.keys():
+                    if key.endswith("rotary_emb.inv_freq"):
+                        continue
+                    shard[key] = fold(key, sf.get_tensor(key))
+                    if untie and key == "model.embed_tokens.weight":
+                        shard["lm_head.weight"] = fold("lm_head.weight", sf.get_tensor(key))
+            save_file(shard, tmp / name, metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+            weight_map.update({k: name for k in shard})
+            del shard
+        write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if untie:
+            config["tie_word_embeddings"] = False
+        if out_dtype is not None:
+            config["torch_dtype"] = config["dtype"] = str(out_dtype).removeprefix("torch.")
+        config.pop("quantization_config", None)
+        write_json(tmp / "config.json", config)
+        for extra in ("generation_config.json", *TOKENIZER_FILES):
+            if (folder / extra).is_file():
+                shutil.copy2(folder / extra, tmp / extra)
+    return {"out": str(out), "bytes": total, "seconds": time.perf_counter() - start, "shards": n}

@@ -1,0 +1,139 @@
+"""`lora-llama merge` against peft's merge_and_unload, its memory bound, and its refusals."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, build_checkpoint, hf_model
+from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
+from lora_llama.cli import main
+from lora_llama.lora import lora_modules
+
+ALL = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+def make_adapter(base, out, targets=ALL, seed=0):
+    model = load_model(base)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
+    return save_adapter(model, out)
+
+
+def ids():
+    return torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    d = tmp_path_factory.mktemp("merge")
+    base = build_checkpoint(d / "base", shards=3, seed=5)
+    return base, make_adapter(base, d / "adapter")
+
+
+def test_merge_matches_peft_and_native(sharded, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, adapter = sharded
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "m")]) == 0
+    assert "merged into" in capsys.readouterr().out
+    out = tmp_path / "m"
+    assert len(list(out.glob("model-*-of-00003.safetensors"))) == 3 and (out / "model.safetensors.index.json").is_file()
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    x = ids()
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(x).logits
+        ref = PeftModel.from_pretrained(hf_model(base), adapter).merge_and_unload()(x).logits
+        native = load_model(base)
+        load_adapter(native, adapter)
+        unmerged = native(x)
+        assert (merged - ref).abs().max() < 1e-5
+        assert (merged - unmerged).abs().max() < 1e-4
+        assert (load_model(out)(x) - merged).abs().max() < 1e-4
+
+
+def test_merge_bf16(sharded, tmp_path):
+    from safetensors import safe_open
+
+    base, adapter = sharded
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "b"), "--dtype", "bf16"]) == 0
+    for f in (tmp_path / "b").glob("*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            assert all(sf.get_tensor(k).dtype == torch.bfloat16 for k in sf.keys())
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    x = ids()
+    with torch.no_grad():
+        ref = load_model(tmp_path / "b", dtype=torch.float32)(x)
+        fp32 = load_model(base)
+        load_adapter(fp32, adapter)
+        exact = fp32(x)
+    assert (ref - exact).abs().max() / exact.abs().max() < 0.05
+
+
+def test_tied_lm_head_adapter_leaves_embedding(tmp_path):
+    base = build_checkpoint(tmp_path / "tied", tie_word_embeddings=True)
+    adapter = make_adapter(base, tmp_path / "a", targets=["q", "lm_head"])
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "m")]) == 0
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["tie_word_embeddings"] is False
+    x = ids()
+    native = load_model(base)
+    load_adapter(native, adapter)
+    with torch.no_grad():
+        assert (load_model(tmp_path / "m")(x) - native(x)).abs().max() < 1e-4
+        assert torch.equal(load_model(tmp_path / "m").model.embed_tokens.weight, load_model(base).model.embed_tokens.weight)
+
+
+def test_refusals_leave_nothing(sharded, tmp_path, make_ckpt, capsys):
+    base, adapter = sharded
+    wide = make_ckpt("wide", hidden_size=96)
+    wide_adapter = make_adapter(wide, tmp_path / "wa")
+    cases = {
+        "other hidden size": (["--adapter", str(wide_adapter)], "do not fit"),
+        "missing adapter file": (["--adapter", str(tmp_path / "nothing")], "not found"),
+    }
+    capsys.readouterr()  # drop what building the checkpoints printed
+    for label, (extra, message) in cases.items():
+        out = tmp_path / label.replace(" ", "_")
+        assert main(["merge", "--base", str(base), "--out", str(out), *extra]) == 2, label
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (label, err)
+        assert not out.exists()
+        assert not list(tmp_path.glob(f".{out.name}*")), "temporary folder left behind"
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(existing)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert [p.name for p in existing.iterdir()] == ["keep.txt"]
+
+
+MEASURE = r"""
+import resource, sys, json
+import torch, safetensors, tqdm, lora_llama.merge as m
+from lora_llama.checkpoint import read_adapter_config
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m.merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)
+print(json.dumps({"base_kb": base, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def test_merge_peak_memory_is_about_one_shard(tmp_path):
+    base = build_checkpoint(tmp_path / "big", shards=8, vocab_size=4000, hidden_size=384, intermediate_size=1536,
+                            num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2)
+    shards = list(base.glob("model-*.safetensors"))
+    assert len(shards) >= 8
+    adapter = make_adapter(base, tmp_path / "a")
+    r = subprocess.run([sys.executable, "-c", MEASURE, str(base), str(adapter), str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    mem = json.loads(r.stdout.strip().splitlines()[-1])
+    largest = max(f.stat().st_size for f in shards)
+    adapter_size = (adapter / "adapter_model.safetensors").stat().st_size
+    grown = (mem["peak_kb"] - mem["base_kb"]) * 1024
+    model_size = sum(f.stat().st_size for f in shards)
+    assert grown < 2.5 * largest + adapter_size, (grown, largest, model_size)
