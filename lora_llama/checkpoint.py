@@ -185,6 +185,21 @@ def iter_shards(folder: Path) -> Iterator[tuple[Path, dict]]:
             raise UserError(f"cannot read {f}: truncated or not a safetensors file ({e})") from None
 
 
+def read_tensors(folder: Path, keys: list[str]) -> dict:
+    """Read only the named tensors of a checkpoint (e.g. original weights to merge into)."""
+    from safetensors import safe_open
+
+    wanted, found = set(keys), {}
+    for f in shard_files(folder):
+        with safe_open(f, framework="pt") as sf:
+            for k in wanted.intersection(sf.keys()):
+                found[k] = sf.get_tensor(k)
+    missing = wanted - set(found)
+    if missing:
+        raise UserError(f"{folder} lacks {sorted(missing)[0]!r}")
+    return found
+
+
 def load_tokenizer(source: str | os.PathLike):
     from transformers import AutoTokenizer
 

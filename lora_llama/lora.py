@@ -144,9 +144,31 @@ def lora_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def merge_lora(model) -> None:
-    """Fold every adapter into its base weight and unwrap it, leaving a plain Llama."""
-    for path, m in lora_modules(model).items():
-        m.merge()
+    """Fold every adapter into its base weight and unwrap it, leaving a plain Llama.
+
+    A quantised base layer is never merged into: its ORIGINAL full-precision weight is
+    read again from the checkpoint, ΔW added, and a plain nn.Linear takes its place.
+    """
+    from .checkpoint import read_tensors
+
+    modules = lora_modules(model)
+    quantized = [p for p, m in modules.items() if not m.base_layer.weight.is_floating_point()]
+    originals = read_tensors(model.folder, [f"{p}.weight" for p in quantized]) if quantized else {}
+    dtype = model.model.embed_tokens.weight.dtype
+    for path, m in modules.items():
+        if path in quantized:
+            base = m.base_layer
+            merged = nn.Linear(m.in_features, m.out_features, bias=base.bias is not None,
+                               device=m.lora_A.weight.device, dtype=dtype)
+            with torch.no_grad():
+                w0 = originals[f"{path}.weight"].to(merged.weight.device)
+                merged.weight.copy_((w0.float() + m.delta_weight()).to(dtype))
+                if base.bias is not None:
+                    merged.bias.copy_(base.bias)
+            merged.requires_grad_(False)
+        else:
+            m.merge()
+            merged = m.base_layer
         parent_path, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent_path) if parent_path else model, child, m.base_layer)
+        setattr(model.get_submodule(parent_path) if parent_path else model, child, merged)
     model.lora_settings = None

@@ -313,6 +313,9 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=pri
     trainer = Trainer(recipe, model, tok, train, val, out)
     log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}")
+    from .quant import base_weight_bytes
+
+    log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or m.dtype})")
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
     if found:
         trainer.resume(found[-1])
