@@ -198,3 +198,21 @@ def test_default_recipe_runs_three_steps(smollm2, tmp_path):
     assert (out / "recipe.yaml").is_file() and (out / "loss.png").is_file()
     cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == "smollm2-135m-instruct"
+
+
+def test_shipped_recipes_validate():
+    names = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
+    assert {"smollm2-chat-cpu.yaml", "smollm2-shakespeare-cpu.yaml", "llama2-7b-alpaca-int8.yaml",
+            "llama3-8b-chat-int8.yaml"} <= set(names)
+    for name in names:
+        r = load_recipe(str(ROOT / "recipes" / name))
+        assert r.lora.r > 0 and r.output.dir.startswith("runs/")
+
+
+def test_epochs_set_the_length_and_max_steps_caps_it():
+    from lora_llama.train import total_steps
+
+    r = load_recipe(None, ["train.epochs=2", "train.grad_accum=2"])
+    assert total_steps(r.train, n_micro_batches=10) == 10
+    capped = load_recipe(None, ["train.epochs=2", "train.max_steps=3"])
+    assert total_steps(capped.train, n_micro_batches=10) == 3
