@@ -80,7 +80,6 @@ def cmd_generate(args) -> int:
 
     from .generate import eos_token_ids, generate
 
-    torch.set_grad_enabled(False)
     model, tok = _load(args)
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]

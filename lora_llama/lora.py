@@ -57,10 +57,16 @@ class LoRALinear(nn.Module):
         self.merged = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
+        y = self.base_layer(x)  # (..., out)
         if self.merged:
             return y
-        return y + (self.lora_B(self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))) * self.scale).to(y.dtype)
+        a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))  # (..., r)
+        if type(self.base_layer) is nn.Linear and y.dtype == a.dtype:
+            # y += scale·a·Bᵀ in place: no full-width temporaries for B·a, its scaling and the sum
+            # (safe for autograd: a linear's backward never reads its own output)
+            y.view(-1, self.out_features).addmm_(a.view(-1, self.r), self.lora_B.weight.t(), alpha=self.scale)
+            return y
+        return y + (self.lora_B(a) * self.scale).to(y.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         """ΔW = scale·B·A (out, in) in float32."""

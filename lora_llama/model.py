@@ -104,6 +104,24 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
 
 
+class SwiGLU(torch.autograd.Function):
+    """silu(g)·u that keeps only g and u for backward and recomputes silu(g) there:
+    one (B, T, intermediate) activation less per layer than autograd would store."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, u = ctx.saved_tensors
+        sig = torch.sigmoid(g)
+        grad_u = grad * g * sig  # d/du = silu(g)
+        grad_g = grad * u * sig * (1 + g * (1 - sig))  # d silu(g)/dg = σ(g)(1 + g(1 - σ(g)))
+        return grad_g, grad_u
+
+
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -112,7 +130,7 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):

@@ -113,3 +113,15 @@ def test_smollm2_gguf_matches_transformers_and_knows_paris(smollm2):
         assert (model(x) - ref(x).logits).abs().max() < 1e-3
     answer = tok.decode(generate(model, prompt, 20, eos_ids=eos_token_ids(model, tok)))
     assert "Paris" in answer
+
+
+def test_hub_id_offline_is_one_clear_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    code = main(["generate", "--model", "someone/some-llama", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and "someone/some-llama" in err and len(err.strip().splitlines()) == 1

@@ -164,3 +164,19 @@ def test_save_refuses_to_overwrite(tiny_ckpt, tmp_path):
     with pytest.raises(UserError, match="already exists"):
         save_adapter(model, tmp_path / "a")
     save_adapter(model, tmp_path / "a", force=True)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_ckpt):
+    grads = []
+    for ckpt in (False, True):
+        model = load_model(tiny_ckpt)
+        torch.manual_seed(0)
+        apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+        randomise_b(model)
+        model.gradient_checkpointing = ckpt
+        model.train()
+        loss, n = target_loss(model, ids(), ids())
+        (loss / n).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    assert all((grads[0][k] - grads[1][k]).abs().max() < 1e-6 for k in grads[0])
