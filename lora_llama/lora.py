@@ -57,16 +57,18 @@ class LoRALinear(nn.Module):
         self.merged = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)  # (..., out)
         if self.merged:
-            return y
-        a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))  # (..., r)
+            return self.base_layer(x)
+        x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D so the update below is not on a view
+        y = self.base_layer(x2)  # (N, out)
+        a = self.lora_A(self.lora_dropout(x2).to(self.lora_A.weight.dtype))  # (N, r)
         if type(self.base_layer) is nn.Linear and y.dtype == a.dtype:
             # y += scale·a·Bᵀ in place: no full-width temporaries for B·a, its scaling and the sum
             # (safe for autograd: a linear's backward never reads its own output)
-            y.view(-1, self.out_features).addmm_(a.view(-1, self.r), self.lora_B.weight.t(), alpha=self.scale)
-            return y
-        return y + (self.lora_B(a) * self.scale).to(y.dtype)
+            y.addmm_(a, self.lora_B.weight.t(), alpha=self.scale)
+        else:
+            y = y + (self.lora_B(a) * self.scale).to(y.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def delta_weight(self) -> torch.Tensor:
         """ΔW = scale·B·A (out, in) in float32."""

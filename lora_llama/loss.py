@@ -26,17 +26,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None  # (N, dim)
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, dim)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
+        logp = None  # one (rows, V) buffer reused by every chunk: no fresh allocation per chunk
         for i in range(0, h.shape[0], rows):
             hc, tc = h[i:i + rows], targets[i:i + rows]
             logits = (hc @ weight.T).float()  # (rows, V)
-            lse = logits.logsumexp(-1)
-            total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            if logp is None or logp.shape[0] != len(tc):
+                logp = torch.empty_like(logits)
+            torch.log_softmax(logits, -1, out=logp)
+            del logits
+            total -= logp.gather(1, tc[:, None]).sum()
             if need_h or need_w:
-                dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-                dlogits[torch.arange(len(tc), device=tc.device), tc] -= 1
+                dlogits = logp.exp_()  # softmax, in place
+                dlogits[torch.arange(len(tc), device=tc.device), tc] -= 1  # minus the one-hot target
                 dlogits = dlogits.to(h.dtype)
                 if need_h:
-                    grad_h[i:i + rows] = dlogits @ weight
+                    torch.mm(dlogits, weight, out=grad_h[i:i + rows])
                 if need_w:
                     grad_w += (dlogits.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)

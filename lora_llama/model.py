@@ -7,6 +7,7 @@ HF's rotate-half RoPE layout (no permutation).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -104,6 +105,36 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
 
 
+@contextlib.contextmanager
+def recompute_when_saved(tensor: torch.Tensor, recompute):
+    """Inside the block, autograd keeps `tensor` (or any view of it) as a recipe, not as memory.
+
+    For cheap tensors (a norm's output, the SwiGLU product) that LoRA-A layers save for their
+    weight gradient: backward calls `recompute()` once, from inputs that are saved anyway.
+    """
+    if not torch.is_grad_enabled():
+        yield
+        return
+    storage, cache = tensor.untyped_storage().data_ptr(), {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() == storage:
+            return (cache, t.shape, t.stride(), t.storage_offset())
+        return t
+
+    def unpack(packed):
+        if not isinstance(packed, tuple):
+            return packed
+        cache, shape, stride, offset = packed
+        if "t" not in cache:
+            with torch.no_grad():
+                cache["t"] = recompute()
+        return cache["t"].as_strided(shape, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
 class SwiGLU(torch.autograd.Function):
     """silu(g)·u that keeps only g and u for backward and recomputes silu(g) there:
     one (B, T, intermediate) activation less per layer than autograd would store."""
@@ -111,14 +142,15 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u):
         ctx.save_for_backward(g, u)
-        return F.silu(g) * u
+        return F.silu(g).mul_(u)  # in place: one (B, T, intermediate) buffer, not two
 
     @staticmethod
     def backward(ctx, grad):
         g, u = ctx.saved_tensors
         sig = torch.sigmoid(g)
-        grad_u = grad * g * sig  # d/du = silu(g)
-        grad_g = grad * u * sig * (1 + g * (1 - sig))  # d silu(g)/dg = σ(g)(1 + g(1 - σ(g)))
+        grad_u = (g * sig).mul_(grad)  # d/du = silu(g)
+        # d silu(g)/dg = σ(g)·(1 + g·(1 - σ(g))), built in place in one buffer
+        grad_g = (1 - sig).mul_(g).add_(1).mul_(sig).mul_(grad).mul_(u)
         return grad_g, grad_u
 
 
@@ -129,8 +161,13 @@ class FeedForward(nn.Module):
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
-    def forward(self, x):
-        return self.down_proj(SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x, lean: bool = False):
+        g, u = self.gate_proj(x), self.up_proj(x)  # (B, T, intermediate)
+        h = SwiGLU.apply(g, u)
+        if not lean:
+            return self.down_proj(h)
+        with recompute_when_saved(h, lambda: F.silu(g).mul_(u)):  # g, u are saved by SwiGLU anyway
+            return self.down_proj(h)
 
 
 class Block(nn.Module):
@@ -141,9 +178,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x, cos, sin, mask, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, mask, cache=None, lean: bool = False):
+        """lean: keep the norms' outputs and the SwiGLU product as recipes for backward (training)."""
+        if not lean:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        with recompute_when_saved(h, lambda x=x: self.input_layernorm(x)):  # x is saved by the norm anyway
+            x = x + self.self_attn(h, cos, sin, mask, cache)
+        h = self.post_attention_layernorm(x)
+        with recompute_when_saved(h, lambda x=x: self.post_attention_layernorm(x)):
+            return x + self.mlp(h, lean=True)
 
 
 class Backbone(nn.Module):
@@ -200,7 +245,7 @@ class Llama(nn.Module):
             if self.gradient_checkpointing and self.training:
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, cache)
+                x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled())
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)

@@ -104,6 +104,7 @@ def test_only_lora_gets_gradients_equal_to_peft(tiny_ckpt, tmp_path):
     randomise_b(model)
     save_adapter(model, tmp_path / "a")
     x = ids()
+    model.train()  # the training path: norms' outputs and the SwiGLU product are recomputed in backward
     loss, n = target_loss(model, x, x)
     (loss / n).backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
