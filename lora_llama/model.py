@@ -147,11 +147,11 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, u = ctx.saved_tensors
-        sig = torch.sigmoid(g)
-        grad_u = (g * sig).mul_(grad)  # d/du = silu(g)
-        # d silu(g)/dg = σ(g)·(1 + g·(1 - σ(g))), built in place in one buffer
-        grad_g = (1 - sig).mul_(g).add_(1).mul_(sig).mul_(grad).mul_(u)
-        return grad_g, grad_u
+        # two buffers, no temporaries: d silu(g)/dg = σ + silu·(1 - σ), and d/du = silu(g)
+        grad_g = torch.sigmoid(g)
+        grad_u = g * grad_g  # silu(g)
+        grad_g.addcmul_(grad_g, grad_u, value=-1).add_(grad_u).mul_(grad).mul_(u)
+        return grad_g, grad_u.mul_(grad)
 
 
 class FeedForward(nn.Module):
