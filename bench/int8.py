@@ -19,7 +19,13 @@ TARGETS = ["q", "k", "v", "o"]
 
 
 def hf_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    """Bytes of the parameters and buffers, a tied weight counted once (as base_weight_bytes does)."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 def main():

@@ -5,6 +5,7 @@ Targets: merged / base = 1.00 ± 0.03, unmerged / base ≤ 1.10.
 """
 import argparse
 import json
+import statistics
 
 import torch
 
@@ -25,14 +26,20 @@ def main():
     folder = random_checkpoint()
     model = load_model(folder)
     x = torch.randint(3, 49152, (a.batch, a.seq))
-    base = median_time(lambda: model(x), a.repeat)
-    apply_lora(model, LoraSettings(r=8, alpha=16, targets=["q", "k", "v", "o"]))
-    for m in lora_modules(model).values():
+    adapted = load_model(folder)
+    apply_lora(adapted, LoraSettings(r=8, alpha=16, targets=["q", "k", "v", "o"]))
+    for m in lora_modules(adapted).values():
         torch.nn.init.normal_(m.lora_B.weight, std=0.01)
-    unmerged = median_time(lambda: model(x), a.repeat)
-    for m in lora_modules(model).values():
+    merged_model = load_model(folder)
+    apply_lora(merged_model, LoraSettings(r=8, alpha=16, targets=["q", "k", "v", "o"]))
+    for m in lora_modules(merged_model).values():
         m.merge()
-    merged = median_time(lambda: model(x), a.repeat)
+    # rounds interleave the three variants, so drift of the machine hits all of them alike
+    times = {"base": [], "unmerged": [], "merged": []}
+    for _ in range(a.repeat):
+        for name, m in (("base", model), ("unmerged", adapted), ("merged", merged_model)):
+            times[name].append(median_time(lambda: m(x), 1, warmup=0 if times[name] else 1))
+    base, unmerged, merged = (statistics.median(times[k]) for k in ("base", "unmerged", "merged"))
     print(f"{'variant':<12}{'ms':>10}{'ratio':>8}")
     for name, t in (("base", base), ("unmerged", unmerged), ("merged", merged)):
         print(f"{name:<12}{t * 1e3:>10.1f}{t / base:>8.3f}")

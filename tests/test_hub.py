@@ -159,3 +159,13 @@ def test_unreachable_hub(run_dir, capsys, monkeypatch):
     assert main(["push", str(run_dir), "--repo-id", REPO, "--token", TOKEN]) == 2
     err = capsys.readouterr().err
     assert "cannot reach the Hub" in err and TOKEN not in err
+
+
+def test_card_of_registered_base_names_hub_model_and_license(run_dir):
+    from lora_llama.hub import model_card
+
+    cfg_path = run_dir / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "base_model_name_or_path": "smollm2-135m-instruct"}))
+    meta = yaml.safe_load(model_card(run_dir / "adapter", run_dir, REPO).split("---")[1])
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and meta["license"] == "apache-2.0"
