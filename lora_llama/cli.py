@@ -9,17 +9,14 @@ import argparse
 import json
 import sys
 
+from .config import DTYPE_NAMES
 from .errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-          "fp16": "float16", "float16": "float16"}
-
-
 def _torch_dtype(name: str):
     import torch
 
-    return getattr(torch, DTYPES[name])
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 def _device(name: str) -> str:
@@ -125,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"HF folder, .gguf file, Hub id or registered name (default: {DEFAULT_MODEL})")
         if adapter:
             sp.add_argument("--adapter", help="a PEFT LoRA adapter folder to apply")
-        sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+        sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_NAMES))
         sp.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: auto)")
 
     t = sub.add_parser("train", help="fit a LoRA adapter from a YAML recipe",

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import UserError
 
 LLAMA_MODEL_TYPES = ("llama",)
+# dtype spellings users write -> torch attribute names
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16"}
 
 
 @dataclass

