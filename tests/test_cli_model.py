@@ -18,7 +18,7 @@ def run_cli(*args):
 def test_help_is_fast_and_lists_commands():
     r = run_cli("--help")
     assert r.returncode == 0
-    for cmd in ("generate", "eval"):
+    for cmd in ("train", "merge", "push", "generate", "eval"):
         assert cmd in r.stdout
         assert run_cli(cmd, "--help").returncode == 0
     # the CLI module must not pull in torch at import time
