@@ -282,7 +282,7 @@ def load_tokenizer(source: str | os.PathLike):
 
 def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = None, device="cpu",
                int8_threshold: float = 6.0):
-    """Build the native `Llama` from any accepted source.
+    """Build the native `Llama` from any accepted source (device "auto": CUDA when present).
 
     The model is built on the `meta` device and each shard's tensors are assigned
     as they are read (and quantised right away when `quantize` is set), so two
@@ -294,6 +294,8 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
     from .model import Llama
 
     dtype = dtype or torch.float32
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     folder = resolve_source(source)
     args = ModelArgs.from_hf_config(read_config(folder))
     with torch.device("meta"):
@@ -399,13 +401,10 @@ def read_adapter_config(folder: str | os.PathLike):
                          layers=[layers] if isinstance(layers, int) else layers), cfg
 
 
-def load_adapter_weights(model, folder: str | os.PathLike) -> None:
-    """Copy a PEFT adapter's tensors into the model's existing LoRA modules, checking every name and shape."""
-    import torch
+def read_adapter_tensors(folder: str | os.PathLike) -> dict:
+    """A PEFT adapter's tensors under native names, e.g. `model.layers.0.self_attn.q_proj.lora_A.weight`."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
-    from .lora import lora_state_dict
 
     path = Path(folder) / ADAPTER_WEIGHTS
     if not path.is_file():
@@ -415,7 +414,17 @@ def load_adapter_weights(model, folder: str | os.PathLike) -> None:
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {path}: truncated or not a safetensors file ({e})") from None
     # PEFT writes `...lora_A.weight`; some tools keep the adapter name: `...lora_A.default.weight`
-    loaded = {k.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight"): v for k, v in loaded.items()}
+    return {k.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight"): v for k, v in loaded.items()}
+
+
+def load_adapter_weights(model, folder: str | os.PathLike) -> None:
+    """Copy a PEFT adapter's tensors into the model's existing LoRA modules, checking every name and shape."""
+    import torch
+
+    from .lora import lora_state_dict
+
+    loaded = read_adapter_tensors(folder)
+    path = Path(folder) / ADAPTER_WEIGHTS
     own = lora_state_dict(model)
     for key, tensor in loaded.items():
         if key not in own:

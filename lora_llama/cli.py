@@ -19,19 +19,11 @@ def _torch_dtype(name: str):
     return getattr(torch, DTYPE_NAMES[name])
 
 
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
 def _load(args):
     """Model (with the adapter when given) and tokenizer for generate / eval."""
     from .checkpoint import load_model, load_tokenizer
 
-    model = load_model(args.model, dtype=_torch_dtype(args.dtype), device=_device(args.device))
+    model = load_model(args.model, dtype=_torch_dtype(args.dtype), device=args.device)
     if getattr(args, "adapter", None):
         from .checkpoint import load_adapter
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (ADAPTER_WEIGHTS, INDEX_FILE, PEFT_PREFIX, SAFETENSORS_DTYPES, TOKENIZER_FILES, atomic_dir,
-                         read_adapter_config, read_config, release_freed_memory, resolve_source, shard_files, write_json,
-                         write_safetensors_streaming)
+from .checkpoint import (ADAPTER_WEIGHTS, INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES, atomic_dir,
+                         read_adapter_config, read_adapter_tensors, read_config, release_freed_memory,
+                         resolve_source, shard_files, write_json, write_safetensors_streaming)
 from .config import DTYPE_NAMES
 from .errors import UserError
 
@@ -26,20 +26,14 @@ from .errors import UserError
 
 def _adapter_deltas(adapter: Path):
     """{base weight name: (A, B)} from a PEFT adapter, and its scale."""
-    from safetensors.torch import load_file
-
     settings, cfg = read_adapter_config(adapter)
-    path = adapter / ADAPTER_WEIGHTS
-    if not path.is_file():
-        raise UserError(f"{adapter} holds no {ADAPTER_WEIGHTS}")
     pairs: dict[str, dict] = {}
-    for key, t in load_file(path).items():
-        key = key.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight")
+    for key, t in read_adapter_tensors(adapter).items():
         module, _, kind = key.rpartition(".lora_")  # e.g. model.layers.0.self_attn.q_proj, A.weight
         pairs.setdefault(module + ".weight", {})[kind[0]] = t
     incomplete = [k for k, v in pairs.items() if set(v) != {"A", "B"}]
     if incomplete:
-        raise UserError(f"{path}: {incomplete[0]} has only one of lora_A / lora_B")
+        raise UserError(f"{adapter / ADAPTER_WEIGHTS}: {incomplete[0]} has only one of lora_A / lora_B")
     return {k: (v["A"], v["B"]) for k, v in pairs.items()}, settings.scale, cfg
 
 

@@ -297,9 +297,9 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=pri
     tok = load_tokenizer(recipe.model.source)
     train, val = build_examples(recipe.data, tok, recipe.train.seed)
     m = recipe.model
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if m.device == "auto" else m.device
-    model = load_model(m.source, dtype=getattr(torch, m.dtype), quantize=m.quantize, device=device,
+    model = load_model(m.source, dtype=getattr(torch, m.dtype), quantize=m.quantize, device=m.device,
                        int8_threshold=m.int8_threshold)
+    device = next(model.parameters()).device
     summary = apply_lora(model, recipe.lora)
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
     if recipe.train.compile:
