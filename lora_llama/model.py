@@ -120,7 +120,8 @@ def recompute_when_saved(tensor: torch.Tensor, recompute, active: bool = True):
     def pack(t):
         if t.untyped_storage().data_ptr() == storage:
             return (cache, t.shape, t.stride(), t.storage_offset())
-        return t
+        # detached: a node that saves its own output must not hold that output's grad_fn (an uncollectable cycle)
+        return t.detach()
 
     def unpack(packed):
         if not isinstance(packed, tuple):

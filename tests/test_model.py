@@ -101,3 +101,32 @@ def test_bf16_forward_close_to_fp32(tiny_ckpt):
         out = load_model(tiny_ckpt, dtype=torch.bfloat16)(x)
     assert out.dtype == torch.bfloat16
     assert (out.float() - ref).abs().max() / ref.abs().max() < 0.05
+
+
+def test_training_forward_without_backward_frees_its_graph(tiny_ckpt, monkeypatch):
+    """The memory-lean training path must not tie saved outputs to their own graph (an uncollectable cycle):
+    a forward whose loss is dropped (e.g. a skipped NaN step) has to give all its activations back."""
+    import gc
+    import weakref
+
+    import torch.nn.functional as F
+
+    outputs = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        y = sdpa(*args, **kwargs)
+        outputs.append(weakref.ref(y))
+        return y
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    model = load_model(tiny_ckpt)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)  # so that a graph is recorded
+    model.train()
+    h = model.hidden(ids())
+    assert h.requires_grad and outputs
+    del h
+    gc.collect()
+    assert all(ref() is None for ref in outputs)
