@@ -57,13 +57,24 @@ class LoRALinear(nn.Module):
         init_lora_b(self.lora_B.weight)
         self.merged = False
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """One autograd node for the whole layer: plain frozen float base, no dropout, one dtype."""
+        base = self.base_layer
+        return (type(base) is nn.Linear and not torch.is_autocast_enabled(x.device.type) and type(self.lora_dropout) is nn.Identity
+                and not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+                and x.dtype == base.weight.dtype == self.lora_A.weight.dtype == self.lora_B.weight.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.base_layer(x)
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D so the update below is not on a view
+        if self._fused(x2):
+            y = _LoRALinearFn.apply(x2, self.base_layer.weight, self.base_layer.bias,
+                                    self.lora_A.weight, self.lora_B.weight, self.scale)
+            return y.view(*x.shape[:-1], self.out_features)
         y = self.base_layer(x2)  # (N, out)
         a = self.lora_A(self.lora_dropout(x2).to(self.lora_A.weight.dtype))  # (N, r)
-        if type(self.base_layer) is nn.Linear and y.dtype == a.dtype:
+        if type(self.base_layer) is nn.Linear and y.dtype == a.dtype == self.lora_B.weight.dtype:  # not under autocast
             # y += scale·a·Bᵀ in place: no full-width temporaries for B·a, its scaling and the sum
             # (safe for autograd: a linear's backward never reads its own output)
             y.addmm_(a, self.lora_B.weight.t(), alpha=self.scale)
@@ -99,6 +110,34 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"r={self.r}, scale={self.scale:g}"
+
+
+class _LoRALinearFn(torch.autograd.Function):
+    """y = x·W0ᵀ + b + scale·(x·Aᵀ)·Bᵀ for a frozen W0, saving only x and a = x·Aᵀ.
+
+    Backward does no work for W0 and writes both paths of the input gradient into one
+    buffer (gy·W0, then += scale·(gy·B)·A in place), where autograd would allocate a
+    full-width gradient per path and add them.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w0, bias, lora_a, lora_b, scale):
+        y = torch.nn.functional.linear(x, w0, bias)  # (N, out)
+        a = x @ lora_a.t()  # (N, r)
+        y.addmm_(a, lora_b.t(), alpha=scale)
+        ctx.save_for_backward(x, a, w0, lora_a, lora_b)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, a, w0, lora_a, lora_b = ctx.saved_tensors
+        need_x, _, _, need_a, need_b, _ = ctx.needs_input_grad
+        ga = (gy @ lora_b).mul_(ctx.scale)  # (N, r): the gradient reaching a
+        grad_a = ga.t() @ x if need_a else None  # (r, in)
+        grad_b = (gy.t() @ a).mul_(ctx.scale) if need_b else None  # (out, r)
+        grad_x = (gy @ w0).addmm_(ga, lora_a) if need_x else None  # (N, in)
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 def target_paths(model, settings: LoraSettings) -> list[str]:

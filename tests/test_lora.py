@@ -181,3 +181,46 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_ckpt):
         grads.append({k: p.grad for k, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     assert all((grads[0][k] - grads[1][k]).abs().max() < 1e-6 for k in grads[0])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("x_needs_grad", [True, False])
+def test_fused_lora_layer_matches_the_written_out_formula(bias, x_needs_grad):
+    """The one-node LoRA layer (frozen float base, no dropout) against y = x·W0ᵀ + b + s·x·Aᵀ·Bᵀ by autograd."""
+    from lora_llama.lora import LoRALinear
+
+    torch.manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(12, 7, bias=bias), r=3, alpha=6)
+    layer.base_layer.requires_grad_(False)
+    torch.nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(2, 5, 12, requires_grad=x_needs_grad)
+    assert layer._fused(x)
+    gy = torch.randn(2, 5, 7)
+    y = layer(x)
+    y.backward(gy)
+    got = [layer.lora_A.weight.grad, layer.lora_B.weight.grad] + ([x.grad] if x_needs_grad else [])
+
+    w0, a, b = layer.base_layer.weight, layer.lora_A.weight.detach().requires_grad_(), layer.lora_B.weight.detach().requires_grad_()
+    x_ref = x.detach().requires_grad_(x_needs_grad)
+    ref = x_ref @ w0.T + (layer.base_layer.bias if bias else 0) + 2.0 * (x_ref @ a.T) @ b.T
+    ref.backward(gy)
+    want = [a.grad, b.grad] + ([x_ref.grad] if x_needs_grad else [])
+    assert (y - ref).abs().max() < 1e-5
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() < 1e-5
+    if not x_needs_grad:
+        assert x.grad is None
+
+
+def test_lora_layer_under_autocast():
+    """bf16 autocast (the trainer's CUDA mode, CPU here) takes the unfused path: no dtype clash in the update."""
+    from lora_llama.lora import LoRALinear
+
+    layer = LoRALinear(torch.nn.Linear(12, 7, bias=False), r=3, alpha=6)
+    layer.base_layer.requires_grad_(False)
+    x = torch.randn(5, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not layer._fused(x)
+        y = layer(x)
+    y.float().sum().backward()
+    assert layer.lora_A.weight.grad is not None and (y.float() - layer.base_layer(x)).abs().max() < 0.1
