@@ -52,13 +52,38 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class _Rope(torch.autograd.Function):
+    """x·cos + rotate_half(x)·sin with rotate_half(x) = (-x2, x1), HF's layout, in one output buffer.
+
+    With x = (x1, x2) by halves and cos, sin equal in both halves:
+        out1 = x1·cos - x2·sin,  out2 = x2·cos + x1·sin
+    and the backward is the inverse rotation:
+        dx1 = g1·cos + g2·sin,   dx2 = g2·cos - g1·sin
+    One allocation each way, where autograd's version makes five (products, negation, concatenation, sum).
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _Rope.rotate(x, cos, sin, sign=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _Rope.rotate(grad, cos, sin, sign=-1), None, None
+
+    @staticmethod
+    def rotate(x, cos, sin, sign: int):
+        h = x.shape[-1] // 2
+        out = x * cos
+        out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-sign)
+        out[..., h:].addcmul_(x[..., :h], sin[..., h:], value=sign)
+        return out
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin  # x: (B, heads, T, head_dim); cos/sin: (B, 1, T, head_dim)
+    """x: (B, heads, T, head_dim); cos/sin: (B, 1, T, head_dim)."""
+    return _Rope.apply(x, cos, sin)
 
 
 class KVCache:

@@ -130,3 +130,17 @@ def test_training_forward_without_backward_frees_its_graph(tiny_ckpt, monkeypatc
     del h
     gc.collect()
     assert all(ref() is None for ref in outputs)
+
+
+def test_rope_function_matches_rotate_half_formula():
+    """The one-buffer RoPE against HF's x·cos + rotate_half(x)·sin, values and gradients (float64 gradcheck)."""
+    from lora_llama.model import apply_rope
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()  # (B, heads, T, D), strided as q
+    angles = torch.rand(2, 1, 5, 4, dtype=torch.float64) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    x1, x2 = x.chunk(2, -1)
+    ref = x * cos + torch.cat((-x2, x1), -1) * sin
+    assert (apply_rope(x, cos, sin) - ref).abs().max() < 1e-12
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (x,))
