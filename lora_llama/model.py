@@ -28,10 +28,40 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # computed in float32 and cast back, as the checkpoints were trained
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """weight · (x / rms(x)), computed in float32 and cast back as HF does (the checkpoints were trained so).
+
+    Saves x and the per-row 1/rms only. With x̂ = x/rms and gw = grad·weight, the input gradient is
+        dx = (gw - x̂ · mean(gw · x̂)) / rms
+    written into two buffers, where autograd's version makes about six.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = _at_least_float32(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        y = (xf * rstd).to(x.dtype)
+        return y.mul_(weight) if torch.promote_types(y.dtype, weight.dtype) == y.dtype else weight * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = _at_least_float32(x) * rstd
+        gw = _at_least_float32(grad) * weight
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (_at_least_float32(grad) * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+        c = torch.linalg.vecdot(gw, x_hat).unsqueeze(-1) / x.shape[-1]  # mean(gw · x̂) per row
+        grad_x = gw.sub_(x_hat.mul_(c)).mul_(rstd) if ctx.needs_input_grad[0] else None
+        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:

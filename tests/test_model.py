@@ -144,3 +144,17 @@ def test_rope_function_matches_rotate_half_formula():
     ref = x * cos + torch.cat((-x2, x1), -1) * sin
     assert (apply_rope(x, cos, sin) - ref).abs().max() < 1e-12
     assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (x,))
+
+
+def test_rms_norm_function_matches_hf_formula():
+    """The two-buffer RMSNorm against HF's weight · (x · rsqrt(mean(x²) + eps)): values and gradients (gradcheck)."""
+    from lora_llama.model import RMSNorm, _RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(6, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(6))
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert (norm(x) - ref).abs().max() < 1e-12
+    assert torch.autograd.gradcheck(lambda t, w: _RMSNorm.apply(t, w, 1e-5), (x, norm.weight))
