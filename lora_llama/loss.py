@@ -23,34 +23,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, rows):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.h_dtype, ctx.weight_dtype = h.dtype, weight.dtype
+        device = h.device.type
+        if torch.is_autocast_enabled(device):  # out= products are not autocast: pick its dtype by hand
+            dtype = torch.get_autocast_dtype(device)
+            h, weight = h.to(dtype), weight.to(dtype)
         grad_h = torch.empty_like(h) if need_h else None  # (N, dim)
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, dim)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
-        logp = None  # one (rows, V) buffer reused by every chunk: no fresh allocation per chunk
+        # two (rows, V) buffers reused by every chunk: fresh ones would be page-faulted in each time
+        logits_buf = h.new_empty((min(rows, h.shape[0]), weight.shape[0]))
+        logp_buf = torch.empty_like(logits_buf, dtype=torch.float32)
         for i in range(0, h.shape[0], rows):
             hc, tc = h[i:i + rows], targets[i:i + rows]
-            logits = (hc @ weight.T).float()  # (rows, V)
-            if logp is None or logp.shape[0] != len(tc):
-                logp = torch.empty_like(logits)
-            torch.log_softmax(logits, -1, out=logp)
-            del logits
+            logits = torch.mm(hc, weight.T, out=logits_buf[:len(tc)])  # (rows, V)
+            logp = torch.log_softmax(logits.float(), -1, out=logp_buf[:len(tc)])
             total -= logp.gather(1, tc[:, None]).sum()
             if need_h or need_w:
                 dlogits = logp.exp_()  # softmax, in place
                 dlogits[torch.arange(len(tc), device=tc.device), tc] -= 1  # minus the one-hot target
-                dlogits = dlogits.to(h.dtype)
+                if dlogits.dtype != h.dtype:
+                    dlogits = logits.copy_(dlogits)
                 if need_h:
                     torch.mm(dlogits, weight, out=grad_h[i:i + rows])
                 if need_w:
                     grad_w += (dlogits.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+        return ((grad_h * grad_out.to(grad_h.dtype)).to(ctx.h_dtype) if grad_h is not None else None,
                 (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None,
                 None, None)
 
