@@ -18,6 +18,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .config import LoraSettings
 from .errors import UserError
@@ -57,8 +58,8 @@ class LoRALinear(nn.Module):
         init_lora_b(self.lora_B.weight)
         self.merged = False
 
-    def _fused(self, x: torch.Tensor) -> bool:
-        """One autograd node for the whole layer: plain frozen float base, no dropout, one dtype."""
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether the layer can run as one autograd node: plain frozen float base, no dropout, one dtype."""
         base = self.base_layer
         return (type(base) is nn.Linear and not torch.is_autocast_enabled(x.device.type) and type(self.lora_dropout) is nn.Identity
                 and not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
@@ -68,9 +69,8 @@ class LoRALinear(nn.Module):
         if self.merged:
             return self.base_layer(x)
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D so the update below is not on a view
-        if self._fused(x2):
-            y = _LoRALinearFn.apply(x2, self.base_layer.weight, self.base_layer.bias,
-                                    self.lora_A.weight, self.lora_B.weight, self.scale)
+        if self.fused(x2):
+            (y,) = _SharedInputLoRA.apply(x2, (self.scale,), *self.fused_params())
             return y.view(*x.shape[:-1], self.out_features)
         y = self.base_layer(x2)  # (N, out)
         a = self.lora_A(self.lora_dropout(x2).to(self.lora_A.weight.dtype))  # (N, r)
@@ -81,6 +81,9 @@ class LoRALinear(nn.Module):
         else:
             y = y + (self.lora_B(a) * self.scale).to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def fused_params(self) -> tuple:
+        return self.base_layer.weight, self.base_layer.bias, self.lora_A.weight, self.lora_B.weight
 
     def delta_weight(self) -> torch.Tensor:
         """ΔW = scale·B·A (out, in) in float32."""
@@ -112,32 +115,74 @@ class LoRALinear(nn.Module):
         return f"r={self.r}, scale={self.scale:g}"
 
 
-class _LoRALinearFn(torch.autograd.Function):
-    """y = x·W0ᵀ + b + scale·(x·Aᵀ)·Bᵀ for a frozen W0, saving only x and a = x·Aᵀ.
+class _SharedInputLoRA(torch.autograd.Function):
+    """y_i = x·W_iᵀ + b_i + s_i·(x·A_iᵀ)·B_iᵀ for frozen W_i, for one or more layers reading the same x.
 
-    Backward does no work for W0 and writes both paths of the input gradient into one
-    buffer (gy·W0, then += scale·(gy·B)·A in place), where autograd would allocate a
-    full-width gradient per path and add them.
+    Forward reads x once for every A (one product with the stacked A_i) and saves only x
+    and a = x·[A_1; A_2; ...]ᵀ. Backward does no work for the W_i and writes the whole
+    input gradient, base and LoRA paths of every layer, into one buffer (Σ gy_i·W_i, then
+    += ga·[A_i] in one product), where autograd would allocate one per path and add them.
+    params holds (W_i, b_i, A_i, B_i) for each layer.
     """
 
     @staticmethod
-    def forward(ctx, x, w0, bias, lora_a, lora_b, scale):
-        y = torch.nn.functional.linear(x, w0, bias)  # (N, out)
-        a = x @ lora_a.t()  # (N, r)
-        y.addmm_(a, lora_b.t(), alpha=scale)
-        ctx.save_for_backward(x, a, w0, lora_a, lora_b)
-        ctx.scale = scale
-        return y
+    def forward(ctx, x, scales, *params):
+        layers = [params[i:i + 4] for i in range(0, len(params), 4)]
+        lora_a = torch.cat([p[2] for p in layers]) if len(layers) > 1 else layers[0][2]  # (Σr, in)
+        a = x @ lora_a.t()  # (N, Σr)
+        ys, start = [], 0
+        for (w0, bias, _, lora_b), scale in zip(layers, scales):
+            r = lora_b.shape[1]
+            y = F.linear(x, w0, bias)  # (N, out_i)
+            y.addmm_(a[:, start:start + r], lora_b.t(), alpha=scale)
+            ys.append(y)
+            start += r
+        ctx.save_for_backward(x, a, lora_a, *params)
+        ctx.scales = scales
+        ctx.set_materialize_grads(False)  # an output outside the loss gets None, not a zero-filled gradient
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx, gy):
-        x, a, w0, lora_a, lora_b = ctx.saved_tensors
-        need_x, _, _, need_a, need_b, _ = ctx.needs_input_grad
-        ga = (gy @ lora_b).mul_(ctx.scale)  # (N, r): the gradient reaching a
-        grad_a = ga.t() @ x if need_a else None  # (r, in)
-        grad_b = (gy.t() @ a).mul_(ctx.scale) if need_b else None  # (out, r)
-        grad_x = (gy @ w0).addmm_(ga, lora_a) if need_x else None  # (N, in)
-        return grad_x, None, None, grad_a, grad_b, None
+    def backward(ctx, *grads_y):
+        x, a, lora_a, *params = ctx.saved_tensors
+        need = ctx.needs_input_grad[2:]  # per params entry
+        grads = [None] * len(params)
+        ga = torch.zeros_like(a)  # gradient reaching a, (N, Σr)
+        grad_x, start = None, 0
+        for i, (gy, scale) in enumerate(zip(grads_y, ctx.scales)):
+            w0, lora_b = params[4 * i], params[4 * i + 3]
+            r = lora_b.shape[1]
+            if gy is not None:
+                ga[:, start:start + r] = (gy @ lora_b).mul_(scale)
+                if need[4 * i + 3]:
+                    grads[4 * i + 3] = (gy.t() @ a[:, start:start + r]).mul_(scale)  # (out_i, r)
+                if ctx.needs_input_grad[0]:
+                    grad_x = gy @ w0 if grad_x is None else grad_x.addmm_(gy, w0)
+            start += r
+        reached = [gy is not None and need[4 * i + 2] for i, gy in enumerate(grads_y)]
+        if any(reached):
+            grad_lora_a = ga.t() @ x  # (Σr, in), one product for every A
+            start = 0
+            for i in range(len(ctx.scales)):
+                r = params[4 * i + 3].shape[1]
+                grads[4 * i + 2] = grad_lora_a[start:start + r] if reached[i] else None  # as autograd: none, not zeros
+                start += r
+        if grad_x is not None:
+            grad_x.addmm_(ga, lora_a)
+        return (grad_x, None, *grads)
+
+
+def project(x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """The outputs of linear layers that read the same x (q, k, v; gate, up).
+
+    LoRA layers on the plain path (see LoRALinear.fused) run as one autograd node; anything
+    else (plain or quantised layers, dropout, autocast) runs layer by layer.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if len(layers) > 1 and all(isinstance(m, LoRALinear) and not m.merged and m.fused(x2) for m in layers):
+        ys = _SharedInputLoRA.apply(x2, tuple(m.scale for m in layers), *[t for m in layers for t in m.fused_params()])
+        return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
+    return [m(x) for m in layers]
 
 
 def target_paths(model, settings: LoraSettings) -> list[str]:

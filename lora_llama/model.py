@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelArgs
+from .lora import project
 
 # enable_gqa lets SDPA read k/v with fewer heads without a repeated copy (torch >= 2.5)
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -146,9 +147,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))  # one node when all three carry LoRA
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, n_kv, pos + T, head_dim)
@@ -218,7 +220,7 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x, lean: bool = False):
-        g, u = self.gate_proj(x), self.up_proj(x)  # (B, T, intermediate)
+        g, u = project(x, (self.gate_proj, self.up_proj))  # (B, T, intermediate)
         h = SwiGLU.apply(g, u) if g.requires_grad or u.requires_grad else F.silu(g).mul_(u)
         with recompute_when_saved(h, lambda: F.silu(g).mul_(u), lean):  # g, u are saved by SwiGLU anyway
             return self.down_proj(h)

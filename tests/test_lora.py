@@ -194,7 +194,7 @@ def test_fused_lora_layer_matches_the_written_out_formula(bias, x_needs_grad):
     layer.base_layer.requires_grad_(False)
     torch.nn.init.normal_(layer.lora_B.weight)
     x = torch.randn(2, 5, 12, requires_grad=x_needs_grad)
-    assert layer._fused(x)
+    assert layer.fused(x)
     gy = torch.randn(2, 5, 7)
     y = layer(x)
     y.backward(gy)
@@ -220,7 +220,33 @@ def test_lora_layer_under_autocast():
     layer.base_layer.requires_grad_(False)
     x = torch.randn(5, 12)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not layer._fused(x)
+        assert not layer.fused(x)
         y = layer(x)
     y.float().sum().backward()
     assert layer.lora_A.weight.grad is not None and (y.float() - layer.base_layer(x)).abs().max() < 0.1
+
+
+def test_layers_sharing_an_input_run_as_one_node_with_the_same_gradients():
+    """q, k, v (or gate, up) through `project`: outputs and gradients equal the layer-by-layer path,
+    also with different ranks and an output that takes no part in the loss."""
+    from lora_llama.lora import LoRALinear, project
+
+    torch.manual_seed(0)
+    layers = [LoRALinear(torch.nn.Linear(12, out, bias=bias), r=r, alpha=4) for out, r, bias in
+              [(12, 2, False), (6, 3, True), (6, 2, False)]]
+    for m in layers:
+        m.base_layer.requires_grad_(False)
+        torch.nn.init.normal_(m.lora_B.weight)
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    results = []
+    for grouped in (True, False):
+        x.grad = None
+        for m in layers:
+            m.zero_grad()
+        ys = project(x, layers) if grouped else [m(x) for m in layers]
+        (ys[0].square().sum() + ys[1].sum()).backward()  # ys[2] unused: no gradient reaches it
+        results.append([y.detach() for y in ys] + [x.grad] + [p.grad.clone() for m in layers for p in
+                                                              (m.lora_A.weight, m.lora_B.weight) if p.grad is not None])
+    assert len(results[0]) == len(results[1]) == 3 + 1 + 4
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
