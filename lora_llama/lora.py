@@ -9,6 +9,10 @@ exactly the base model. `scale` is alpha/r, or alpha/sqrt(r) with rslora. The
 base layer may be an nn.Linear or a bitsandbytes 8-bit/4-bit linear: forward only
 calls it, never reads its weight.
 
+On the common path (plain frozen base, no dropout) a layer, or several layers that
+read the same input (q, k, v; gate, up; see `project`), run as one autograd node with
+a hand-written backward; the modules and parameters stay the same.
+
 Module and parameter names follow PEFT (`q_proj.base_layer`, `q_proj.lora_A`,
 `q_proj.lora_B`), so adapter keys are PEFT's with the `base_model.model.` prefix.
 """
@@ -61,9 +65,10 @@ class LoRALinear(nn.Module):
     def fused(self, x: torch.Tensor) -> bool:
         """Whether the layer can run as one autograd node: plain frozen float base, no dropout, one dtype."""
         base = self.base_layer
-        return (type(base) is nn.Linear and not torch.is_autocast_enabled(x.device.type) and type(self.lora_dropout) is nn.Identity
+        return (type(base) is nn.Linear and type(self.lora_dropout) is nn.Identity
                 and not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
-                and x.dtype == base.weight.dtype == self.lora_A.weight.dtype == self.lora_B.weight.dtype)
+                and x.dtype == base.weight.dtype == self.lora_A.weight.dtype == self.lora_B.weight.dtype
+                and not torch.is_autocast_enabled(x.device.type))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
