@@ -9,15 +9,15 @@ exactly the base model. `scale` is alpha/r, or alpha/sqrt(r) with rslora. The
 base layer may be an nn.Linear or a bitsandbytes 8-bit/4-bit linear: forward only
 calls it, never reads its weight.
 
-On the common path (plain frozen base, no dropout) a layer, or several layers that
-read the same input (q, k, v; gate, up; see `project`), run as one autograd node with
-a hand-written backward; the modules and parameters stay the same.
+On the common path (plain frozen base, no dropout) a layer, or layers sharing an input
+(q, k, v; gate, up: `project`), run as one autograd node with a hand-written backward.
 
 Module and parameter names follow PEFT (`q_proj.base_layer`, `q_proj.lora_A`,
 `q_proj.lora_B`), so adapter keys are PEFT's with the `base_model.model.` prefix.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -121,13 +121,11 @@ class LoRALinear(nn.Module):
 
 
 class _SharedInputLoRA(torch.autograd.Function):
-    """y_i = x·W_iᵀ + b_i + s_i·(x·A_iᵀ)·B_iᵀ for frozen W_i, for one or more layers reading the same x.
+    """y_i = x·W_iᵀ + b_i + s_i·(x·A_iᵀ)·B_iᵀ with W_i frozen, for layers reading one x; params: (W_i, b_i, A_i, B_i)...
 
-    Forward reads x once for every A (one product with the stacked A_i) and saves only x
-    and a = x·[A_1; A_2; ...]ᵀ. Backward does no work for the W_i and writes the whole
-    input gradient, base and LoRA paths of every layer, into one buffer (Σ gy_i·W_i, then
-    += ga·[A_i] in one product), where autograd would allocate one per path and add them.
-    params holds (W_i, b_i, A_i, B_i) for each layer.
+    Forward reads x once for all A (stacked) and saves only x and a = x·[A_1; A_2; ...]ᵀ.
+    Backward does no work for the W_i and writes the whole input gradient into one buffer
+    (Σ gy_i·W_i, then += ga·[A_i]), where autograd allocates one per path and adds them.
     """
 
     @staticmethod
@@ -135,13 +133,10 @@ class _SharedInputLoRA(torch.autograd.Function):
         layers = [params[i:i + 4] for i in range(0, len(params), 4)]
         lora_a = torch.cat([p[2] for p in layers]) if len(layers) > 1 else layers[0][2]  # (Σr, in)
         a = x @ lora_a.t()  # (N, Σr)
-        ys, start = [], 0
-        for (w0, bias, _, lora_b), scale in zip(layers, scales):
-            r = lora_b.shape[1]
-            y = F.linear(x, w0, bias)  # (N, out_i)
-            y.addmm_(a[:, start:start + r], lora_b.t(), alpha=scale)
-            ys.append(y)
-            start += r
+        ends = list(itertools.accumulate(p[3].shape[1] for p in layers))
+        ctx.cols = [slice(e - p[3].shape[1], e) for e, p in zip(ends, layers)]  # layer i's columns of a
+        ys = [F.linear(x, w0, bias).addmm_(a[:, cols], lora_b.t(), alpha=scale)  # (N, out_i)
+              for (w0, bias, _, lora_b), cols, scale in zip(layers, ctx.cols, scales)]
         ctx.save_for_backward(x, a, lora_a, *params)
         ctx.scales = scales
         ctx.set_materialize_grads(False)  # an output outside the loss gets None, not a zero-filled gradient
@@ -151,27 +146,21 @@ class _SharedInputLoRA(torch.autograd.Function):
     def backward(ctx, *grads_y):
         x, a, lora_a, *params = ctx.saved_tensors
         need = ctx.needs_input_grad[2:]  # per params entry
-        grads = [None] * len(params)
+        grads, grad_x = [None] * len(params), None
         ga = torch.zeros_like(a)  # gradient reaching a, (N, Σr)
-        grad_x, start = None, 0
-        for i, (gy, scale) in enumerate(zip(grads_y, ctx.scales)):
-            w0, lora_b = params[4 * i], params[4 * i + 3]
-            r = lora_b.shape[1]
-            if gy is not None:
-                ga[:, start:start + r] = (gy @ lora_b).mul_(scale)
-                if need[4 * i + 3]:
-                    grads[4 * i + 3] = (gy.t() @ a[:, start:start + r]).mul_(scale)  # (out_i, r)
-                if ctx.needs_input_grad[0]:
-                    grad_x = gy @ w0 if grad_x is None else grad_x.addmm_(gy, w0)
-            start += r
+        for i, (gy, cols, scale) in enumerate(zip(grads_y, ctx.cols, ctx.scales)):
+            if gy is None:
+                continue
+            ga[:, cols] = (gy @ params[4 * i + 3]).mul_(scale)
+            if need[4 * i + 3]:
+                grads[4 * i + 3] = (gy.t() @ a[:, cols]).mul_(scale)  # B_i: (out_i, r)
+            if ctx.needs_input_grad[0]:
+                grad_x = gy @ params[4 * i] if grad_x is None else grad_x.addmm_(gy, params[4 * i])
         reached = [gy is not None and need[4 * i + 2] for i, gy in enumerate(grads_y)]
         if any(reached):
-            grad_lora_a = ga.t() @ x  # (Σr, in), one product for every A
-            start = 0
-            for i in range(len(ctx.scales)):
-                r = params[4 * i + 3].shape[1]
-                grads[4 * i + 2] = grad_lora_a[start:start + r] if reached[i] else None  # as autograd: none, not zeros
-                start += r
+            grad_lora_a = ga.t() @ x  # (Σr, in): one product for all A
+            for i, cols in enumerate(ctx.cols):
+                grads[4 * i + 2] = grad_lora_a[cols] if reached[i] else None  # as autograd: None, not zeros
         if grad_x is not None:
             grad_x.addmm_(ga, lora_a)
         return (grad_x, None, *grads)
