@@ -121,7 +121,7 @@ class LoRALinear(nn.Module):
 
 
 class _SharedInputLoRA(torch.autograd.Function):
-    """y_i = x·W_iᵀ + b_i + s_i·(x·A_iᵀ)·B_iᵀ with W_i frozen, for layers reading one x; params: (W_i, b_i, A_i, B_i)...
+    """y_i = x·W_iᵀ + b_i + s_i·(x·A_iᵀ)·B_iᵀ with W_i frozen, for layers reading one x; params: (W_i, b_i, A_i, B_i)*.
 
     Forward reads x once for all A (stacked) and saves only x and a = x·[A_1; A_2; ...]ᵀ.
     Backward does no work for the W_i and writes the whole input gradient into one buffer
