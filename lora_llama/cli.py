@@ -9,21 +9,17 @@ import argparse
 import json
 import sys
 
-from .config import DTYPE_NAMES
+from .config import DTYPE_NAMES, torch_dtype
 from .errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-def _torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, DTYPE_NAMES[name])
 
 
 def _load(args):
     """Model (with the adapter when given) and tokenizer for generate / eval."""
     from .checkpoint import load_model, load_tokenizer
 
-    model = load_model(args.model, dtype=_torch_dtype(args.dtype), device=args.device)
+    model = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     if getattr(args, "adapter", None):
         from .checkpoint import load_adapter
 

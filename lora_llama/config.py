@@ -21,6 +21,13 @@ DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfl
                "fp16": "float16", "float16": "float16"}
 
 
+def torch_dtype(name: str):
+    """The torch dtype for a spelling in DTYPE_NAMES (torch imported only here, when needed)."""
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int = 32000

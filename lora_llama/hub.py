@@ -19,7 +19,6 @@ from .data import REGISTERED_DATA
 from .errors import UserError
 
 
-
 def find_adapter(path: str | os.PathLike) -> tuple[Path, Path | None]:
     """(adapter folder, run folder or None) for an adapter folder or a training run folder."""
     path = Path(path)

@@ -19,9 +19,8 @@ import torch
 from .checkpoint import (ADAPTER_WEIGHTS, INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES, atomic_dir,
                          read_adapter_config, read_adapter_tensors, read_config, release_freed_memory,
                          resolve_source, shard_files, write_json, write_safetensors_streaming)
-from .config import DTYPE_NAMES
+from .config import DTYPE_NAMES, torch_dtype
 from .errors import UserError
-
 
 
 def _adapter_deltas(adapter: Path):
@@ -85,7 +84,7 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
     named = adapter_cfg.get("base_model_name_or_path")
     if named and str(named) != str(base) and Path(str(named)).name != Path(str(base)).name:
         warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
-    out_dtype = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
+    out_dtype = torch_dtype(dtype) if dtype else None
     # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
     untie = tied and "lm_head.weight" in deltas
 
