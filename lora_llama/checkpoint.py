@@ -80,14 +80,19 @@ def write_json(path: Path, obj) -> None:
 # ---------------------------------------------------------------------------- sources
 
 
-def registered_model_path(name: str) -> Path:
-    package, filename, install = REGISTERED_MODELS[name][:3]
-    spec = importlib.util.find_spec(package)  # locates the package without importing it
+def package_dir(package: str, install: str, needed_by: str) -> Path:
+    """The folder of an installed package, found without importing it (some pull in heavy modules)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"model {name!r} needs the package {package!r}: {install}")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+        raise UserError(f"{needed_by} needs the package {package!r}: {install}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def registered_model_path(name: str) -> Path:
+    m = REGISTERED_MODELS[name]
+    path = package_dir(m.package, m.install, f"model {name!r}") / m.filename
     if not path.is_file():
-        raise UserError(f"model file {filename} missing from package {package!r}; reinstall it: {install}")
+        raise UserError(f"model file {m.filename} missing from package {m.package!r}; reinstall it: {m.install}")
     return path
 
 

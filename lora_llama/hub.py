@@ -66,7 +66,8 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
              f"| rank r | {cfg['r']} |", f"| alpha | {cfg['lora_alpha']} |", f"| dropout | {cfg['lora_dropout']} |",
              f"| target modules | {', '.join(cfg['target_modules'])} |", f"| rsLoRA | {cfg.get('use_rslora', False)} |"]
     if data_source:
-        lines.append(f"| data | {REGISTERED_DATA[data_source][2] if data_source in REGISTERED_DATA else data_source} |")
+        known_data = REGISTERED_DATA.get(data_source)
+        lines.append(f"| data | {known_data.description if known_data else data_source} |")
     train = recipe.get("train") or {}
     for key in ("lr", "batch_size", "grad_accum", "max_steps", "epochs", "schedule"):
         if train.get(key) is not None:
