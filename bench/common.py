@@ -40,3 +40,15 @@ def median_time(fn, repeat: int = 5, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def status_mb(field: str) -> float:
+    """A /proc/self/status memory field (VmRSS, VmHWM) in MB; Linux only."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field)).split()[1]) / 1024
+
+
+def reset_peak() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM, so the peak that follows is the measured work's own."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -17,11 +17,10 @@ from common import ROOT, median_time, random_checkpoint
 # measured in a fresh process: VmHWM is that process's own peak, reset once imports are done
 MEASURE = r"""
 import json, sys, time
-def status_mb(field):
-    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) / 1024
 import torch, safetensors, peft, transformers, lora_llama.merge
+from bench.common import reset_peak, status_mb  # run from the checkout's root
 before = status_mb("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
+reset_peak()
 t = time.perf_counter()
 """
 REPORT = r"""

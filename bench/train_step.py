@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import random_checkpoint
+from common import random_checkpoint, reset_peak, status_mb
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 HF_TARGETS = [f"{t}_proj" for t in TARGETS]
@@ -34,20 +34,6 @@ def make_batches(path: Path, n: int, batch: int, seq: int):
         labels[:, : seq // 2] = -100  # completion-only: the prompt half is masked
         data.append((ids, labels))
     torch.save(data, path)
-
-
-def status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def reset_peak() -> None:
-    """Linux: writing 5 to clear_refs resets VmHWM, so the peak below is the steps' own, not the load's."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def trl_worker(ckpt: str, data: list, checkpointing: bool) -> dict:

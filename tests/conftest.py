@@ -87,3 +87,12 @@ def hf_model(folder):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+# for memory measurements in a fresh subprocess: prepend to its script
+PEAK_MEMORY_HELPERS = r"""
+def status_kb(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
+def reset_peak():  # Linux: writing 5 to clear_refs resets VmHWM, so only what follows counts
+    open("/proc/self/clear_refs", "w").write("5")
+"""

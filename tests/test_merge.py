@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, build_checkpoint, hf_model
+from conftest import PEAK_MEMORY_HELPERS, ROOT, build_checkpoint, hf_model
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
 from lora_llama.cli import main
 from lora_llama.lora import lora_modules
@@ -112,13 +112,11 @@ def test_refusals_leave_nothing(sharded, tmp_path, make_ckpt, capsys):
     assert [p.name for p in existing.iterdir()] == ["keep.txt"]
 
 
-MEASURE = r"""
-def status_kb(field):
-    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
-import resource, sys, json
+MEASURE = PEAK_MEMORY_HELPERS + r"""
+import sys, json
 import torch, safetensors, tqdm.auto, lora_llama.merge as m, lora_llama.config  # imports are not the merge's memory
 base = status_kb("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak: only what follows counts
+reset_peak()
 m.merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)
 print(json.dumps({"base_kb": base, "peak_kb": status_kb("VmHWM")}))
 """

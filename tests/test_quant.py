@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, build_checkpoint, hf_model
+from conftest import PEAK_MEMORY_HELPERS, ROOT, build_checkpoint, hf_model
 from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.lora import lora_modules
 from lora_llama.loss import target_loss
@@ -105,14 +105,12 @@ def test_nf4_on_cpu_is_refused_clearly(tiny_ckpt, capsys, tmp_path):
     assert code == 2 and "nf4 needs a CUDA GPU" in err and not (tmp_path / "run").exists()
 
 
-MEASURE = r"""
-def status_kb(field):
-    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
-import json, resource, sys
+MEASURE = PEAK_MEMORY_HELPERS + r"""
+import json, sys
 import torch, bitsandbytes, safetensors
 from lora_llama import load_model
 before = status_kb("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak: only what follows counts
+reset_peak()
 model = load_model(sys.argv[1], quantize=sys.argv[2] if sys.argv[2] != "none" else None)
 print(json.dumps({"before_kb": before, "peak_kb": status_kb("VmHWM")}))
 """
