@@ -55,11 +55,11 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        x_hat = _at_least_float32(x) * rstd
-        gw = _at_least_float32(grad) * weight
+        x_hat, grad_f = _at_least_float32(x) * rstd, _at_least_float32(grad)
+        gw = grad_f * weight
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = (_at_least_float32(grad) * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+            grad_w = (grad_f * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
         c = torch.linalg.vecdot(gw, x_hat).unsqueeze(-1) / x.shape[-1]  # mean(gw · x̂) per row
         grad_x = gw.sub_(x_hat.mul_(c)).mul_(rstd) if ctx.needs_input_grad[0] else None
         return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None
