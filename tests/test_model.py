@@ -109,17 +109,17 @@ def test_training_forward_without_backward_frees_its_graph(tiny_ckpt, monkeypatc
     import gc
     import weakref
 
-    import torch.nn.functional as F
+    import lora_llama.model
 
     outputs = []
-    sdpa = F.scaled_dot_product_attention
+    attend = lora_llama.model.causal_attention
 
-    def recording_sdpa(*args, **kwargs):
-        y = sdpa(*args, **kwargs)
+    def recording_attention(*args):
+        y = attend(*args)
         outputs.append(weakref.ref(y))
         return y
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(lora_llama.model, "causal_attention", recording_attention)
     model = load_model(tiny_ckpt)
     for p in model.parameters():
         p.requires_grad_(False)
