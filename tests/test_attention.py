@@ -56,3 +56,9 @@ def test_inference_and_other_devices_keep_sdpa():
     assert out.grad_fn is None
     bf16 = causal_attention(*(t.detach().bfloat16().requires_grad_() for t in (q, k, v)))
     assert bf16.grad_fn.name() != "_CausalAttentionBackward"
+
+
+def test_long_sequences_keep_sdpa(monkeypatch):
+    monkeypatch.setattr(attention, "MAX_LEN", 6)
+    q, k, v = qkv(1, 4, 2, 7, 8)
+    assert causal_attention(q, k, v).grad_fn.name() != "_CausalAttentionBackward"
