@@ -82,13 +82,14 @@ def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None):
     Returning the sum lets gradient accumulation divide by the target count of the
     whole accumulated batch instead of averaging per-micro-batch means.
     """
-    h = model.hidden(input_ids, position_ids, segment_ids)  # (B, T, dim)
     shifted = labels[:, 1:]
     keep = shifted != IGNORE_INDEX
     if segment_ids is not None:  # a packed row: the last token of one example does not predict the next
         keep &= segment_ids[:, 1:] == segment_ids[:, :-1]
     targets = shifted[keep]  # (N,)
+    predicting = F.pad(keep, (0, 1))  # (B, T): the positions whose output predicts a target
+    h = model.hidden(input_ids, position_ids, segment_ids, keep=predicting)  # (N, dim)
     n = targets.numel()
     if n == 0:
         return h.sum() * 0.0, 0
-    return linear_cross_entropy(h[:, :-1][keep], model.lm_head, targets), n
+    return linear_cross_entropy(h, model.lm_head, targets), n

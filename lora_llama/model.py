@@ -146,7 +146,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None):
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, keep=None):
+        """(B, T, dim), or (N, dim) at the positions where keep (B, T) is True (every position still attends)."""
         B, T, _ = x.shape
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))  # one node when all three carry LoRA
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
@@ -163,7 +164,8 @@ class Attention(nn.Module):
         else:
             gqa = {"enable_gqa": self.n_kv_heads != self.n_heads} if _SDPA_GQA else {}
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
+        return self.o_proj(y if keep is None else y[keep])
 
 
 @contextlib.contextmanager
@@ -238,11 +240,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x, cos, sin, mask, cache=None, lean: bool = False):
-        """lean: keep the norms' outputs and the SwiGLU product as recipes for backward (training)."""
+    def forward(self, x, cos, sin, mask, cache=None, lean: bool = False, keep=None):
+        """lean: keep the norms' outputs and the SwiGLU product as recipes for backward (training).
+        keep (B, T) bool: return only those positions, (N, dim); the others still serve as keys and values."""
         h = self.input_layernorm(x)
         with recompute_when_saved(h, lambda x=x: self.input_layernorm(x), lean):  # x is saved by the norm anyway
-            x = x + self.self_attn(h, cos, sin, mask, cache)
+            x = (x if keep is None else x[keep]) + self.self_attn(h, cos, sin, mask, cache, keep)
         h = self.post_attention_layernorm(x)
         with recompute_when_saved(h, lambda x=x: self.post_attention_layernorm(x), lean):
             return x + self.mlp(h, lean)
@@ -279,8 +282,8 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
-    def hidden(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None):
-        """Final normed hidden states (B, T, dim).
+    def hidden(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None, keep=None):
+        """Final normed hidden states (B, T, dim), or (N, dim) at the positions where keep (B, T) is True.
 
         position_ids (B, T): defaults to 0..T-1 (after the cache's stored positions).
         segment_ids (B, T): for packed rows; tokens attend only within their segment.
@@ -298,11 +301,14 @@ class Llama(nn.Module):
             mask = mask[:, None]  # (B, 1, T, T)
         elif cache is not None and T > 1:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        for layer in self.model.layers:
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            # the last block's output projection and MLP run at the kept positions only (a loss's targets)
+            rows = keep if i == last else None
             if self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, mask, keep=rows, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled())
+                x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled(), keep=rows)
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)

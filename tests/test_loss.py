@@ -25,3 +25,28 @@ def test_chunked_loss_and_gradients_equal_full_logits(monkeypatch, weight_grad):
     assert abs(got.item() - want.item()) < 1e-4
     for g, w in zip(grads, [h_ref.grad] + ([w_ref.grad] if weight_grad else [])):
         assert (g - w).abs().max() < 1e-5
+
+
+def test_target_loss_with_masked_prompts_equals_transformers(tiny_ckpt):
+    """Completion-only labels: the last block runs its MLP at the predicting positions only;
+    loss and gradients of every weight (last block included) against transformers' full forward."""
+    from conftest import hf_model
+
+    from lora_llama import load_model
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 300, (3, 20), generator=g)
+    labels = ids.clone()
+    labels[:, :9] = -100  # prompts
+    labels[1, 15] = -100  # a hole inside a completion
+    labels[2] = -100  # a row with no target at all
+    model = load_model(tiny_ckpt).train()
+    total, n = loss.target_loss(model, ids, labels)
+    (total / n).backward()
+    ref = hf_model(tiny_ckpt).train()
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    assert n == 2 * 11 - 1 and abs(total.item() / n - ref_loss.item()) < 1e-5
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p.grad - grads[name].grad).abs().max() < 1e-5, name
