@@ -10,7 +10,6 @@ GPUs, half precision, masks, long sequences and inference keep SDPA and its own 
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -28,15 +27,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if (q.device.type == "cpu" and q.shape[2] <= MAX_LEN
             and q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and _flash_cpu_takes_gqa()):
+            and _FLASH_CPU_GQA):
         return _CausalAttention.apply(q, k, v)
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
 
 
-@functools.cache
 def _flash_cpu_takes_gqa() -> bool:
-    """Whether this torch's CPU flash kernel exists and reads k/v with fewer heads than q (checked once)."""
+    """Whether this torch's CPU flash kernel exists and reads k/v with fewer heads than q."""
     if _FLASH_CPU is None:
         return False
     g = torch.Generator().manual_seed(0)
@@ -48,6 +46,9 @@ def _flash_cpu_takes_gqa() -> bool:
     causal = torch.ones(3, 3, dtype=torch.bool).tril()
     probs = (q @ k.transpose(-1, -2) / 2).masked_fill(~causal, float("-inf")).softmax(-1)
     return bool(torch.allclose(out, probs @ v, atol=1e-5))
+
+
+_FLASH_CPU_GQA = _flash_cpu_takes_gqa()  # checked once at import (a few microseconds), not inside compiled code
 
 
 class _CausalAttention(torch.autograd.Function):

@@ -167,14 +167,19 @@ def test_save_refuses_to_overwrite(tiny_ckpt, tmp_path):
     save_adapter(model, tmp_path / "a", force=True)
 
 
-def test_activation_checkpointing_gives_the_same_gradients(tiny_ckpt):
+@pytest.mark.parametrize("variant", ["checkpointing", "compile"])
+def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, variant):
+    """train.gradient_checkpointing and train.compile against the plain eager step."""
     grads = []
-    for ckpt in (False, True):
+    for on in (False, True):
         model = load_model(tiny_ckpt)
         torch.manual_seed(0)
         apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
         randomise_b(model)
-        model.gradient_checkpointing = ckpt
+        model.gradient_checkpointing = on and variant == "checkpointing"
+        if on and variant == "compile":
+            for layer in model.model.layers:
+                layer.compile()
         model.train()
         loss, n = target_loss(model, ids(), ids())
         (loss / n).backward()
