@@ -48,7 +48,7 @@ def _flash_cpu_takes_gqa() -> bool:
     return bool(torch.allclose(out, probs @ v, atol=1e-5))
 
 
-_FLASH_CPU_GQA = _flash_cpu_takes_gqa()  # checked once at import (a few microseconds), not inside compiled code
+_FLASH_CPU_GQA = _flash_cpu_takes_gqa()  # checked once at import (a few ms), not inside compiled code
 
 
 class _CausalAttention(torch.autograd.Function):
