@@ -1,4 +1,4 @@
-"""Causal self-attention: SDPA, with a faster backward for float CPU training.
+"""Attention through SDPA, with a faster backward for causal float CPU training.
 
 PyTorch's CPU flash-attention backward works on small tiles (a few dozen queries of one
 head at a time). `_CausalAttention` keeps the flash forward (the kernel SDPA itself calls,
@@ -22,15 +22,19 @@ MAX_LEN = 1024
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q·kᵀ/√d, causal)·v for q (B, H, T, d) and k, v (B, H_kv, T, d), H a multiple of H_kv."""
-    if (q.device.type == "cpu" and q.shape[2] <= MAX_LEN
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False) -> torch.Tensor:
+    """softmax(q·kᵀ/√d + mask)·v for q (B, H, T, d) and k, v (B, H_kv, S, d), H a multiple of H_kv.
+
+    causal: the plain causal mask (mask must be None); a float CPU training step then runs
+    `_CausalAttention`, anything else SDPA.
+    """
+    if (causal and q.device.type == "cpu" and q.shape[2] <= MAX_LEN
             and q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             and _FLASH_CPU_GQA):
         return _CausalAttention.apply(q, k, v)
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
 
 
 def _flash_cpu_takes_gqa() -> bool:

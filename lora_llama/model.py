@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import causal_attention
+from .attention import attend
 from .config import ModelArgs
 from .lora import project
 
@@ -159,11 +159,7 @@ class Attention(nn.Module):
         if self.n_kv_heads != self.n_heads and not _SDPA_GQA:
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is None and cache is None and T > 1:
-            y = causal_attention(q, k, v)
-        else:
-            gqa = {"enable_gqa": self.n_kv_heads != self.n_heads} if _SDPA_GQA else {}
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+        y = attend(q, k, v, mask, causal=mask is None and T > 1 and cache is None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return self.o_proj(y if keep is None else y[keep])
 
@@ -294,7 +290,7 @@ class Llama(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)  # (B, T, dim)
         cos, sin = self.rope(position_ids, x.dtype)
-        mask = None  # None: plain causal (attention.causal_attention)
+        mask = None  # None: plain causal, handled by attend(causal=True)
         if segment_ids is not None:
             causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal  # (B, T, T)

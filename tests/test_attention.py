@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from lora_llama import attention
-from lora_llama.attention import _CausalAttention, causal_attention
+from lora_llama.attention import _CausalAttention, attend
 
 
 def qkv(B, H, H_kv, T, d, dtype=torch.float64):
@@ -19,7 +19,7 @@ def qkv(B, H, H_kv, T, d, dtype=torch.float64):
 def test_values_and_gradients_match_sdpa(heads, T):
     H, H_kv = heads
     q, k, v = qkv(2, H, H_kv, T, 16)
-    out = causal_attention(q, k, v)
+    out = attend(q, k, v, causal=True)
     assert out.grad_fn.name() == "_CausalAttentionBackward"  # the blocked backward is what runs here
     grad_out = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
@@ -38,7 +38,7 @@ def test_gradcheck_across_block_boundaries(monkeypatch):
 
 def test_float32_close_to_sdpa_and_backward_twice():
     q, k, v = qkv(2, 6, 2, 70, 16, dtype=torch.float32)
-    out = causal_attention(q, k, v)
+    out = attend(q, k, v, causal=True)
     grad_out = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
     second = torch.autograd.grad(out, (q, k, v), grad_out)  # the saved tensors are left intact
@@ -51,14 +51,14 @@ def test_float32_close_to_sdpa_and_backward_twice():
 def test_inference_and_other_devices_keep_sdpa():
     q, k, v = qkv(1, 4, 2, 5, 8)
     with torch.no_grad():
-        assert causal_attention(q, k, v).grad_fn is None
-    out = causal_attention(q.detach(), k.detach(), v.detach())  # nothing to differentiate
+        assert attend(q, k, v, causal=True).grad_fn is None
+    out = attend(q.detach(), k.detach(), v.detach(), causal=True)  # nothing to differentiate
     assert out.grad_fn is None
-    bf16 = causal_attention(*(t.detach().bfloat16().requires_grad_() for t in (q, k, v)))
+    bf16 = attend(*(t.detach().bfloat16().requires_grad_() for t in (q, k, v)), causal=True)
     assert bf16.grad_fn.name() != "_CausalAttentionBackward"
 
 
 def test_long_sequences_keep_sdpa(monkeypatch):
     monkeypatch.setattr(attention, "MAX_LEN", 6)
     q, k, v = qkv(1, 4, 2, 7, 8)
-    assert causal_attention(q, k, v).grad_fn.name() != "_CausalAttentionBackward"
+    assert attend(q, k, v, causal=True).grad_fn.name() != "_CausalAttentionBackward"

@@ -112,14 +112,14 @@ def test_training_forward_without_backward_frees_its_graph(tiny_ckpt, monkeypatc
     import lora_llama.model
 
     outputs = []
-    attend = lora_llama.model.causal_attention
+    attend = lora_llama.model.attend
 
-    def recording_attention(*args):
-        y = attend(*args)
+    def recording_attention(*args, **kwargs):
+        y = attend(*args, **kwargs)
         outputs.append(weakref.ref(y))
         return y
 
-    monkeypatch.setattr(lora_llama.model, "causal_attention", recording_attention)
+    monkeypatch.setattr(lora_llama.model, "attend", recording_attention)
     model = load_model(tiny_ckpt)
     for p in model.parameters():
         p.requires_grad_(False)
