@@ -139,10 +139,15 @@ def stepper(model, loss_fn):
     return step
 
 
-def worker(kind: str, ckpt: str, batches: str, checkpointing: bool, compile_: bool) -> dict:
+def load_batches(batches: str) -> list:
+    """The worker's settings (2 threads, seed 0) and the batches every configuration steps through."""
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    data = torch.load(batches)
+    return torch.load(batches)
+
+
+def worker(kind: str, ckpt: str, batches: str, checkpointing: bool, compile_: bool) -> dict:
+    data = load_batches(batches)
     if kind == "trl":
         return trl_worker(ckpt, data, checkpointing)
     step = stepper(*build(kind, ckpt, checkpointing, compile_))
@@ -161,9 +166,7 @@ def paired_worker(ckpt: str, batches: str, checkpointing: bool, compile_: bool) 
     """Both libraries in one process, steps alternating (AB BA AB ...), so that the machine's drifts,
     which here move step times by up to ±10% over minutes, hit both alike. Times only: memory is
     measured in the separate runs."""
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    data = torch.load(batches)
+    data = load_batches(batches)
     steps = {kind: stepper(*build(kind, ckpt, checkpointing, compile_)) for kind in ("lora-llama", "transformers+peft")}
     times = {kind: [] for kind in steps}
     for i, (ids, labels) in enumerate(data):
