@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .config import LoraSettings
 from .errors import UserError
+from .gemm import linear
 
 # short target name -> module path inside a decoder block (lm_head lives at the top)
 TARGET_MODULES = {
@@ -132,10 +133,10 @@ class _SharedInputLoRA(torch.autograd.Function):
     def forward(ctx, x, scales, *params):
         layers = [params[i:i + 4] for i in range(0, len(params), 4)]
         lora_a = torch.cat([p[2] for p in layers]) if len(layers) > 1 else layers[0][2]  # (Σr, in)
-        a = x @ lora_a.t()  # (N, Σr)
+        a = linear(x, lora_a)  # (N, Σr)
         ends = list(itertools.accumulate(p[3].shape[1] for p in layers))
         ctx.cols = [slice(e - p[3].shape[1], e) for e, p in zip(ends, layers)]  # layer i's columns of a
-        ys = [F.linear(x, w0, bias).addmm_(a[:, cols], lora_b.t(), alpha=scale)  # (N, out_i)
+        ys = [linear(x, w0, bias).addmm_(a[:, cols], lora_b.t(), alpha=scale)  # (N, out_i)
               for (w0, bias, _, lora_b), cols, scale in zip(layers, ctx.cols, scales)]
         ctx.save_for_backward(x, a, lora_a, *params)
         ctx.scales = scales
@@ -151,11 +152,12 @@ class _SharedInputLoRA(torch.autograd.Function):
         for i, (gy, cols, scale) in enumerate(zip(grads_y, ctx.cols, ctx.scales)):
             if gy is None:
                 continue
-            ga[:, cols] = (gy @ params[4 * i + 3]).mul_(scale)
+            ga[:, cols] = linear(gy, params[4 * i + 3].t()).mul_(scale)
             if need[4 * i + 3]:
                 grads[4 * i + 3] = (gy.t() @ a[:, cols]).mul_(scale)  # B_i: (out_i, r)
             if ctx.needs_input_grad[0]:
-                grad_x = gy @ params[4 * i] if grad_x is None else grad_x.addmm_(gy, params[4 * i])
+                gx = linear(gy, params[4 * i].t())  # gy·W_i
+                grad_x = gx if grad_x is None else grad_x.add_(gx)
         reached = [gy is not None and need[4 * i + 2] for i, gy in enumerate(grads_y)]
         if any(reached):
             grad_lora_a = ga.t() @ x  # (Σr, in): one product for all A

@@ -13,6 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .gemm import linear
+
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 24  # logits per chunk: 64 MB in float32, whatever the vocabulary size
 
@@ -31,12 +33,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None  # (N, dim)
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, dim)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
-        # two (rows, V) buffers reused by every chunk: fresh ones would be page-faulted in each time
-        logits_buf = h.new_empty((min(rows, h.shape[0]), weight.shape[0]))
-        logp_buf = torch.empty_like(logits_buf, dtype=torch.float32)
+        # a (rows, V) buffer reused by every chunk: a fresh one would be page-faulted in each time
+        logp_buf = h.new_empty((min(rows, h.shape[0]), weight.shape[0]), dtype=torch.float32)
         for i in range(0, h.shape[0], rows):
             hc, tc = h[i:i + rows], targets[i:i + rows]
-            logits = torch.mm(hc, weight.T, out=logits_buf[:len(tc)])  # (rows, V)
+            logits = linear(hc, weight)  # (rows, V)
             logp = torch.log_softmax(logits.float(), -1, out=logp_buf[:len(tc)])
             total -= logp.gather(1, tc[:, None]).sum()
             if need_h or need_w:
@@ -45,7 +46,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if dlogits.dtype != h.dtype:
                     dlogits = logits.copy_(dlogits)
                 if need_h:
-                    torch.mm(dlogits, weight, out=grad_h[i:i + rows])
+                    grad_h[i:i + rows] = linear(dlogits, weight.T)
                 if need_w:
                     grad_w += (dlogits.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)

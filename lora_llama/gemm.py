@@ -1,0 +1,39 @@
+"""x·Wᵀ for float32 on the CPU through oneDNN, where PyTorch would call MKL's sgemm.
+
+MKL takes its AVX-512 kernels on Intel CPUs only; on others (the AMD EPYC this project
+is measured on) its sgemm runs at about 175 GFLOP/s with 2 threads, where oneDNN's
+JIT kernels, which PyTorch ships too, run the same float32 products at about 380
+(bench/gemm.py measures both). The products with the frozen weights (the base
+projections, forward and input-gradient, and the vocabulary projection of the loss)
+are most of a LoRA step's work, so they go through `linear` below.
+
+`linear` has no autograd: it is for hand-written forward and backward passes, and for
+work under no_grad. Everything it does not cover goes to F.linear (other devices and
+dtypes, an x whose rows are not contiguous in memory, torch.compile, builds without oneDNN).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _probe():
+    """oneDNN's linear (the op inductor uses on CPU) when this torch build has it."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        ok = torch.equal(op(torch.ones(2, 3), torch.ones(4, 3), None, "none", [], ""), torch.full((2, 4), 3.0))
+        return op if ok else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN = _probe()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·weightᵀ + bias, x (..., in), weight (out, in), which may be a transposed view (W.t() for gy·W)."""
+    if (_ONEDNN is not None and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and x.dim() >= 2 and x.stride(-1) == 1 and (bias is None or bias.dtype == torch.float32)
+            and not torch.compiler.is_compiling()):  # inductor lowers this op for frozen graphs only
+        return _ONEDNN(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)

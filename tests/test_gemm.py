@@ -1,0 +1,52 @@
+"""gemm.linear (oneDNN on CPU float32) against float64 products, and which path it takes."""
+import pytest
+import torch
+
+from lora_llama import gemm
+
+needs_onednn = pytest.mark.skipif(gemm._ONEDNN is None, reason="this torch build has no oneDNN linear")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the products that went through oneDNN."""
+    seen = []
+    if gemm._ONEDNN is not None:
+        op = gemm._ONEDNN
+        monkeypatch.setattr(gemm, "_ONEDNN", lambda *a: seen.append(a[0].shape) or op(*a))
+    return seen
+
+
+def case(shape, out_features, g):
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(out_features, shape[-1], generator=g) / shape[-1] ** 0.5
+    return x, w
+
+
+@needs_onednn
+def test_values_of_every_layout_the_training_step_uses(calls):
+    g = torch.Generator().manual_seed(0)
+    x, w = case((2, 37, 48), 80, g)
+    b = torch.randn(80, generator=g)
+    gy = torch.randn(50, 80, generator=g)
+    wide = torch.randn(50, 100, generator=g)
+    products = {
+        "x·Wᵀ + b, 3-D x": (gemm.linear(x, w, b), x.double() @ w.double().t() + b.double()),
+        "gy·W (W.t() as a view)": (gemm.linear(gy, w.t()), gy.double() @ w.double()),
+        "columns of a wider x": (gemm.linear(wide[:, 10:58], w), wide[:, 10:58].double() @ w.double().t()),
+    }
+    for name, (got, want) in products.items():
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        assert (got.double() - want).abs().max() < 1e-5, name
+    assert len(calls) == 3  # all of them went through oneDNN
+
+
+def test_other_cases_take_f_linear_with_the_same_values(calls):
+    g = torch.Generator().manual_seed(1)
+    x, w = case((20, 48), 16, g)
+    for xi, wi in [(x.double(), w.double()), (x.bfloat16(), w.bfloat16()), (x.t().contiguous().t(), w)]:
+        got = gemm.linear(xi, wi)
+        assert got.dtype == xi.dtype
+        tol = 5e-2 if xi.dtype == torch.bfloat16 else 1e-5
+        assert (got.double() - x.double() @ w.double().t()).abs().max() < tol
+    assert calls == []  # float64, bfloat16 and an x transposed in memory (oneDNN would copy it) skip oneDNN
