@@ -25,7 +25,6 @@ import torch
 from common import random_checkpoint, reset_peak, status_mb
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
-HF_TARGETS = [f"{t}_proj" for t in TARGETS]
 
 
 def make_batches(path: Path, n: int, batch: int, seq: int):
@@ -39,7 +38,7 @@ def make_batches(path: Path, n: int, batch: int, seq: int):
     torch.save(data, path)
 
 
-def trl_worker(ckpt: str, data: list, checkpointing: bool) -> dict:
+def trl_worker(ckpt: str, data: list, opts) -> dict:
     """trl's SFTTrainer on the same rows (its own loop, collator and metrics included)."""
     import tempfile
 
@@ -74,10 +73,10 @@ def trl_worker(ckpt: str, data: list, checkpointing: bool) -> dict:
     cfg = SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=len(data), per_device_train_batch_size=data[0][0].shape[0],
                     learning_rate=1e-4, report_to="none", logging_steps=1, save_strategy="no",
                     max_length=data[0][0].shape[1], dataset_kwargs={"skip_prepare_dataset": True}, use_cpu=True,
-                    remove_unused_columns=False, gradient_checkpointing=checkpointing, disable_tqdm=True)
+                    remove_unused_columns=False, gradient_checkpointing=opts.checkpointing, disable_tqdm=True)
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(rows),
                          processing_class=load_tokenizer("smollm2-135m-instruct"),  # vocabulary 49152, as the model
-                         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS),
+                         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=hf_targets(opts)),
                          callbacks=[meter])
     trainer.train()
     median = statistics.median(meter.times[2:])
@@ -88,16 +87,21 @@ def trl_worker(ckpt: str, data: list, checkpointing: bool) -> dict:
             "step_memory_mb": peak - meter.before}
 
 
-def build(kind: str, ckpt: str, checkpointing: bool, compile_: bool):
-    """(model, loss_fn(ids, labels) -> mean loss) for lora-llama or transformers+peft, weights paged in."""
+def hf_targets(opts) -> list[str]:
+    return [f"{t}_proj" for t in opts.targets.split(",")]
+
+
+def build(kind: str, ckpt: str, opts):
+    """(model, loss_fn(ids, labels) -> mean loss) for lora-llama or transformers+peft, weights paged in.
+    opts: the command line's checkpointing, compile and targets."""
     if kind == "lora-llama":
         from lora_llama import LoraSettings, apply_lora, load_model
         from lora_llama.loss import target_loss
 
         model = load_model(ckpt)
-        apply_lora(model, LoraSettings(r=16, alpha=32, targets=TARGETS))
-        model.gradient_checkpointing = checkpointing
-        if compile_:  # what `train.compile: true` does; its cost shows in the first step
+        apply_lora(model, LoraSettings(r=16, alpha=32, targets=opts.targets.split(",")))
+        model.gradient_checkpointing = opts.checkpointing
+        if opts.compile:  # what `train.compile: true` does; its cost shows in the first step
             for layer in model.model.layers:
                 layer.compile()
         model.train()
@@ -110,10 +114,10 @@ def build(kind: str, ckpt: str, checkpointing: bool, compile_: bool):
         from transformers import LlamaForCausalLM
 
         base = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
-        if checkpointing:
+        if opts.checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
-        model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS))
+        model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=hf_targets(opts)))
         model.train()
 
         def loss_fn(ids, labels):
@@ -146,11 +150,11 @@ def load_batches(batches: str) -> list:
     return torch.load(batches)
 
 
-def worker(kind: str, ckpt: str, batches: str, checkpointing: bool, compile_: bool) -> dict:
+def worker(kind: str, ckpt: str, batches: str, opts) -> dict:
     data = load_batches(batches)
     if kind == "trl":
-        return trl_worker(ckpt, data, checkpointing)
-    step = stepper(*build(kind, ckpt, checkpointing, compile_))
+        return trl_worker(ckpt, data, opts)
+    step = stepper(*build(kind, ckpt, opts))
     before = status_mb("VmRSS")
     reset_peak()
     times, losses = zip(*(step(ids, labels) for ids, labels in data))
@@ -162,12 +166,12 @@ def worker(kind: str, ckpt: str, batches: str, checkpointing: bool, compile_: bo
             "peak_rss_mb": peak, "step_memory_mb": peak - before}
 
 
-def paired_worker(ckpt: str, batches: str, checkpointing: bool, compile_: bool) -> dict:
+def paired_worker(ckpt: str, batches: str, opts) -> dict:
     """Both libraries in one process, steps alternating (AB BA AB ...), so that the machine's drifts,
     which here move step times by up to ±10% over minutes, hit both alike. Times only: memory is
     measured in the separate runs."""
     data = load_batches(batches)
-    steps = {kind: stepper(*build(kind, ckpt, checkpointing, compile_)) for kind in ("lora-llama", "transformers+peft")}
+    steps = {kind: stepper(*build(kind, ckpt, opts)) for kind in ("lora-llama", "transformers+peft")}
     times = {kind: [] for kind in steps}
     for i, (ids, labels) in enumerate(data):
         for kind in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
@@ -191,6 +195,7 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--compile", action="store_true", help="torch.compile each lora-llama block (train.compile)")
+    ap.add_argument("--targets", default=",".join(TARGETS), help="LoRA targets, comma-separated (the recipes' default: q,k,v,o)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per configuration, interleaved (A B C A B C), so that drifts of the machine hit all alike")
     ap.add_argument("--paired", type=int, default=1, help="also time both libraries in one process, steps alternating (0: skip)")
@@ -200,7 +205,7 @@ def main():
     a = ap.parse_args()
     if a.worker:
         run = paired_worker if a.worker == "paired" else functools.partial(worker, a.worker)
-        print(json.dumps(run(a.ckpt, a.batches, a.checkpointing, a.compile)))
+        print(json.dumps(run(a.ckpt, a.batches, a)))
         return
     tmp = Path(tempfile.mkdtemp(prefix="lora-llama-train-bench-"))
     ckpt = random_checkpoint(tmp / "model")
@@ -216,6 +221,7 @@ def main():
             cmd = [sys.executable, __file__, "--worker", kind, "--ckpt", str(ckpt), "--batches", str(tmp / "batches.pt")]
             cmd += ["--checkpointing"] if a.checkpointing else []
             cmd += ["--compile"] if a.compile else []
+            cmd += ["--targets", a.targets]
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
             if r.returncode != 0:
                 if kind == "trl":
@@ -226,7 +232,7 @@ def main():
             runs.setdefault("trl SFTTrainer" if kind == "trl" else kind, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
     paired = runs.pop("paired", [])
     results = {kind: pooled(rs) for kind, rs in runs.items()}
-    print(f"batch {a.batch} x {a.seq}, float32, 2 threads, LoRA r=16 on {','.join(TARGETS)}, {a.repeat} interleaved runs each"
+    print(f"batch {a.batch} x {a.seq}, float32, 2 threads, LoRA r=16 on {a.targets}, {a.repeat} interleaved runs each"
           f"{', activation checkpointing' if a.checkpointing else ''}{', torch.compile (lora-llama)' if a.compile else ''}")
     print(f"{'':<20}{'step s':>9}{'1st step s':>11}{'tokens/s':>10}{'step MB':>9}{'peak MB':>9}{'first loss':>12}")
     for kind, r in results.items():

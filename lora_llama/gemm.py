@@ -10,10 +10,13 @@ are most of a LoRA step's work, so they go through `linear` below.
 `linear` has no autograd: it is for hand-written forward and backward passes, and for
 work under no_grad. Everything it does not cover goes to F.linear (other devices and
 dtypes, an x whose rows are not contiguous in memory, torch.compile, builds without oneDNN).
+`run_linear` is the module-level entry for plain nn.Linear layers (frozen ones in training,
+any under no_grad).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -37,3 +40,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and not torch.compiler.is_compiling()):  # inductor lowers this op for frozen graphs only
         return _ONEDNN(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """x·Wᵀ + b with W and b frozen: saves only W, and backward is one product, gy·W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        return linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return linear(grad, weight.t()) if ctx.needs_input_grad[0] else None, None, None
+
+
+def run_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x), with a plain nn.Linear's products through `linear` when nothing needs its weights' gradients.
+
+    Layers with hooks, under autocast, or of other types (LoRA, bitsandbytes) are called as modules.
+    """
+    if (type(layer) is nn.Linear and not (layer._forward_hooks or layer._forward_pre_hooks)
+            and not torch.is_autocast_enabled(x.device.type)):
+        if not torch.is_grad_enabled():
+            return linear(x, layer.weight, layer.bias)
+        if not layer.weight.requires_grad and (layer.bias is None or not layer.bias.requires_grad):
+            return _FrozenLinear.apply(x, layer.weight, layer.bias)
+    return layer(x)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .config import LoraSettings
 from .errors import UserError
-from .gemm import linear
+from .gemm import linear, run_linear
 
 # short target name -> module path inside a decoder block (lm_head lives at the top)
 TARGET_MODULES = {
@@ -73,12 +73,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
-            return self.base_layer(x)
+            return run_linear(self.base_layer, x)
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D so the update below is not on a view
         if self.fused(x2):
             (y,) = _SharedInputLoRA.apply(x2, (self.scale,), *self.fused_params())
             return y.view(*x.shape[:-1], self.out_features)
-        y = self.base_layer(x2)  # (N, out)
+        y = run_linear(self.base_layer, x2)  # (N, out)
         a = self.lora_A(self.lora_dropout(x2).to(self.lora_A.weight.dtype))  # (N, r)
         if type(self.base_layer) is nn.Linear and y.dtype == a.dtype == self.lora_B.weight.dtype:  # not under autocast
             # y += scale·a·Bᵀ in place: no full-width temporaries for B·a, its scaling and the sum
@@ -178,7 +178,7 @@ def project(x: torch.Tensor, layers) -> list[torch.Tensor]:
     if len(layers) > 1 and all(isinstance(m, LoRALinear) and not m.merged and m.fused(x2) for m in layers):
         ys = _SharedInputLoRA.apply(x2, tuple(m.scale for m in layers), *[t for m in layers for t in m.fused_params()])
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
-    return [m(x) for m in layers]
+    return [run_linear(m, x) for m in layers]
 
 
 def target_paths(model, settings: LoraSettings) -> list[str]:

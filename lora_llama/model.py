@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import attend
 from .config import ModelArgs
+from .gemm import run_linear
 from .lora import project
 
 # enable_gqa lets SDPA read k/v with fewer heads without a repeated copy (torch >= 2.5)
@@ -161,7 +162,7 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = attend(q, k, v, mask, causal=mask is None and T > 1 and cache is None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
-        return self.o_proj(y if keep is None else y[keep])
+        return run_linear(self.o_proj, y if keep is None else y[keep])
 
 
 @contextlib.contextmanager
@@ -225,7 +226,7 @@ class FeedForward(nn.Module):
         g, u = project(x, (self.gate_proj, self.up_proj))  # (B, T, intermediate)
         h = SwiGLU.apply(g, u) if g.requires_grad or u.requires_grad else F.silu(g).mul_(u)
         with recompute_when_saved(h, lambda: F.silu(g).mul_(u), lean):  # g, u are saved by SwiGLU anyway
-            return self.down_proj(h)
+            return run_linear(self.down_proj, h)
 
 
 class Block(nn.Module):
@@ -311,7 +312,7 @@ class Llama(nn.Module):
 
     def forward(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None):
         """Logits (B, T, vocab). For training use `hidden` + a target-only loss instead."""
-        return self.lm_head(self.hidden(input_ids, position_ids, segment_ids, cache))
+        return run_linear(self.lm_head, self.hidden(input_ids, position_ids, segment_ids, cache))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.model.embed_tokens.weight

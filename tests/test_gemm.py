@@ -50,3 +50,28 @@ def test_other_cases_take_f_linear_with_the_same_values(calls):
         tol = 5e-2 if xi.dtype == torch.bfloat16 else 1e-5
         assert (got.double() - x.double() @ w.double().t()).abs().max() < tol
     assert calls == []  # float64, bfloat16 and an x transposed in memory (oneDNN would copy it) skip oneDNN
+
+
+def test_frozen_linear_gives_autograds_values_and_input_gradient_and_keeps_hooks(calls):
+    g = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(48, 80).requires_grad_(False)
+    x = torch.randn(3, 5, 48, generator=g, requires_grad=True)
+    gy = torch.randn(3, 5, 80, generator=g)
+    y = gemm.run_linear(layer, x)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    y_ref = x.double() @ layer.weight.double().t() + layer.bias.double()
+    assert (y.double() - y_ref).abs().max() < 1e-5
+    assert (gx.double() - gy.double() @ layer.weight.double()).abs().max() < 1e-5
+    assert y.grad_fn.name() == "_FrozenLinearBackward"
+    assert len(calls) == (2 if gemm._ONEDNN is not None else 0)  # forward and input gradient
+
+    seen = []
+    layer.register_forward_hook(lambda m, i, o: seen.append(o))
+    assert torch.equal(gemm.run_linear(layer, x), seen[0])  # a hooked layer is called as a module
+
+
+def test_trainable_linear_is_left_to_autograd():
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(2, 8)
+    gemm.run_linear(layer, x).sum().backward()
+    assert layer.weight.grad is not None and layer.bias.grad is not None
