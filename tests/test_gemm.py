@@ -75,3 +75,13 @@ def test_trainable_linear_is_left_to_autograd():
     x = torch.randn(2, 8)
     gemm.run_linear(layer, x).sum().backward()
     assert layer.weight.grad is not None and layer.bias.grad is not None
+
+
+@needs_onednn
+def test_under_torch_compile_the_products_still_go_through_onednn(calls):
+    g = torch.Generator().manual_seed(3)
+    x, w = case((6, 48), 16, g)
+    compiled = torch.compile(lambda x, w: gemm.linear(gemm.linear(x, w), w.t()), fullgraph=True)
+    got = compiled(x, w)
+    assert (got.double() - x.double() @ w.double().t() @ w.double()).abs().max() < 1e-5
+    assert len(calls) == 2
