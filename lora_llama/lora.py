@@ -154,13 +154,14 @@ class _SharedInputLoRA(torch.autograd.Function):
                 continue
             ga[:, cols] = linear(gy, params[4 * i + 3].t()).mul_(scale)
             if need[4 * i + 3]:
-                grads[4 * i + 3] = (gy.t() @ a[:, cols]).mul_(scale)  # B_i: (out_i, r)
+                # B_i: (out_i, r) = gyᵀ·a, as (aᵀ·gy)ᵀ: a product over the N rows goes to oneDNN as small·(big view)ᵀ
+                grads[4 * i + 3] = linear(a[:, cols].t().contiguous(), gy.t()).t().mul_(scale)
             if ctx.needs_input_grad[0]:
                 gx = linear(gy, params[4 * i].t())  # gy·W_i
                 grad_x = gx if grad_x is None else grad_x.add_(gx)
         reached = [gy is not None and need[4 * i + 2] for i, gy in enumerate(grads_y)]
         if any(reached):
-            grad_lora_a = ga.t() @ x  # (Σr, in): one product for all A
+            grad_lora_a = linear(ga.t().contiguous(), x.t())  # (Σr, in) = gaᵀ·x: one product for all A
             for i, cols in enumerate(ctx.cols):
                 grads[4 * i + 2] = grad_lora_a[cols] if reached[i] else None  # as autograd: None, not zeros
         if grad_x is not None:
