@@ -1,9 +1,10 @@
 """x·Wᵀ for float32 on the CPU through oneDNN, where PyTorch would call MKL's sgemm.
 
-MKL takes its AVX-512 kernels on Intel CPUs only; on others (the AMD EPYC this project
-is measured on) its sgemm runs at about 175 GFLOP/s with 2 threads, where oneDNN's
-JIT kernels, which PyTorch ships too, run the same float32 products at about 380
-(bench/gemm.py measures both). The products with the frozen weights (the base
+MKL picks its kernels by CPU vendor (pytorch/pytorch#38412): on the AMD EPYC this
+project is measured on, its sgemm runs at about 175 GFLOP/s with 2 threads, where
+oneDNN's JIT kernels, which PyTorch ships too and which pick by instruction set, run
+the same float32 products at about 380 (bench/gemm.py measures both; on Intel CPUs
+the two are expected to be close). The products with the frozen weights (the base
 projections, forward and input-gradient, and the vocabulary projection of the loss)
 are most of a LoRA step's work, so they go through `linear` below.
 
@@ -48,7 +49,8 @@ def _(x, weight, bias):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·weightᵀ + bias, x (..., in), weight (out, in), which may be a transposed view (W.t() for gy·W)."""
     if (_ONEDNN is not None and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and x.dim() >= 2 and x.stride(-1) == 1 and (bias is None or bias.dtype == torch.float32)):
+            and x.dim() >= 2 and x.stride(-1) == 1 and (bias is None or bias.dtype == torch.float32)
+            and x.shape[-1] > 0):  # oneDNN has no primitive for an empty sum (in = 0)
         return _onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -50,3 +50,19 @@ def test_target_loss_with_masked_prompts_equals_transformers(tiny_ckpt):
     grads = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert (p.grad - grads[name].grad).abs().max() < 1e-5, name
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_batch_without_targets_gives_zero_loss_and_zero_gradients(tiny_ckpt, checkpointing):
+    """All labels -100 (a micro-batch of prompts only): the last block runs on no rows at all."""
+    from lora_llama import LoraSettings, apply_lora, load_model
+
+    model = load_model(tiny_ckpt).train()
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["q", "k", "v", "o", "gate", "up", "down"]))
+    model.gradient_checkpointing = checkpointing
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(4))
+    total, n = loss.target_loss(model, ids, torch.full_like(ids, -100))
+    total.backward()
+    assert n == 0 and total.item() == 0.0
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is None or not g.any() for g in grads)
