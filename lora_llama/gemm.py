@@ -22,10 +22,12 @@ import torch.nn.functional as F
 
 
 def _probe():
-    """oneDNN's linear (the op inductor uses on CPU) when this torch build has it."""
+    """oneDNN's linear (the op inductor uses on CPU) when this torch build has it and it reads a
+    transposed weight view (gy·W) correctly."""
+    x, w = torch.arange(6.0).view(2, 3), torch.arange(12.0).view(3, 4)
     try:
         op = torch.ops.mkldnn._linear_pointwise
-        ok = torch.equal(op(torch.ones(2, 3), torch.ones(4, 3), None, "none", [], ""), torch.full((2, 4), 3.0))
+        ok = torch.equal(op(x, w.t(), None, "none", [], ""), x @ w)
         return op if ok else None
     except (AttributeError, RuntimeError):
         return None
