@@ -6,11 +6,11 @@ oneDNN's JIT kernels, which PyTorch ships too and which pick by instruction set,
 the same float32 products at about 380 (bench/gemm.py measures both; on Intel CPUs
 the two are expected to be close). The products with the frozen weights (the base
 projections, forward and input-gradient, and the vocabulary projection of the loss)
-are most of a LoRA step's work, so they go through `linear` below.
+are most of a LoRA step's work, so they (and the small LoRA products) go through `linear`.
 
 `linear` has no autograd: it is for hand-written forward and backward passes, and for
 work under no_grad. Everything it does not cover goes to F.linear (other devices and
-dtypes, an x whose rows are not contiguous in memory, builds without oneDNN).
+dtypes, an x whose rows are not contiguous in memory, in = 0, builds without oneDNN).
 `run_linear` is the module-level entry for plain nn.Linear layers (frozen ones in training,
 any under no_grad).
 """
