@@ -20,6 +20,8 @@ BLOCK = 32  # query positions per backward block: 24-48 were fastest at T=512 he
 # 4x2048 624 vs 720 (the probabilities of a block outgrow the caches): longer sequences keep SDPA
 MAX_LEN = 1024
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# enable_gqa lets SDPA read k/v with fewer heads without a repeated copy (torch >= 2.5)
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False) -> torch.Tensor:
@@ -33,7 +35,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             and _FLASH_CPU_GQA):
         return _CausalAttention.apply(q, k, v)
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    gqa = {}
+    if k.shape[1] != q.shape[1]:
+        if _SDPA_GQA:
+            gqa = {"enable_gqa": True}
+        else:  # older torch: k/v repeated per query head
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
 
 

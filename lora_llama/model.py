@@ -20,10 +20,6 @@ from .config import ModelArgs
 from .gemm import run_linear
 from .lora import project
 
-# enable_gqa lets SDPA read k/v with fewer heads without a repeated copy (torch >= 2.5)
-_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -157,9 +153,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, n_kv, pos + T, head_dim)
-        if self.n_kv_heads != self.n_heads and not _SDPA_GQA:
-            rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = attend(q, k, v, mask, causal=mask is None and T > 1 and cache is None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return run_linear(self.o_proj, y if keep is None else y[keep])

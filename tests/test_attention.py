@@ -62,3 +62,14 @@ def test_long_sequences_keep_sdpa(monkeypatch):
     monkeypatch.setattr(attention, "MAX_LEN", 6)
     q, k, v = qkv(1, 4, 2, 7, 8)
     assert attend(q, k, v, causal=True).grad_fn.name() != "_CausalAttentionBackward"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_without_enable_gqa_gets_repeated_key_values(monkeypatch, causal):
+    q, k, v = qkv(2, 6, 2, 9, 8)
+    mask = None if causal else torch.rand(2, 1, 9, 9, generator=torch.Generator().manual_seed(1)) > 0.3
+    with torch.no_grad():
+        want = attend(q, k, v, mask, causal=causal)  # this torch: enable_gqa
+        monkeypatch.setattr(attention, "_SDPA_GQA", False)
+        got = attend(q, k, v, mask, causal=causal)
+    assert (got - want).abs().max() < 1e-12
