@@ -17,12 +17,11 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 def _load(args):
     """Model (with the adapter when given) and tokenizer for generate / eval."""
+    from .adapters import load_adapter
     from .checkpoint import load_model, load_tokenizer
 
     model = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
-    if getattr(args, "adapter", None):
-        from .checkpoint import load_adapter
-
+    if args.adapter:
         load_adapter(model, args.adapter)
     return model, load_tokenizer(args.model)
 
@@ -33,6 +32,9 @@ def cmd_train(args) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     result = train_from_recipe(recipe, resume=args.resume, force=args.force)
+    if "eval_loss_start" in result and "eval_loss" in result:
+        print(f"eval loss {result['eval_loss_start']:.4f} (base model) -> {result['eval_loss']:.4f} "
+              f"(adapter, step {result['step']})")
     print(json.dumps(result))
     return 0
 
@@ -60,31 +62,46 @@ def cmd_push(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    import torch
+def _prompt_ids(args, tok, prompt: str) -> list[int]:
+    from .data import encode_rendered
 
-    from .generate import eos_token_ids, generate
-
-    model, tok = _load(args)
     if args.chat:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
         if not tok.chat_template:
             raise UserError(f"{args.model} has no chat template; drop --chat")
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        from .data import encode_rendered
-
-        prompt_ids, _ = encode_rendered(tok, text)
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+        ids, _ = encode_rendered(tok, tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
     else:
-        prompt_ids = tok(args.prompt)["input_ids"]
-    if not prompt_ids:
+        ids = tok(prompt)["input_ids"]
+    if not ids:
         raise UserError("the prompt is empty")
+    return ids
+
+
+def cmd_generate(args) -> int:
+    import torch
     from transformers import TextStreamer
 
-    streamer = TextStreamer(tok, skip_special_tokens=True)
-    out = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_ids=eos_token_ids(model, tok),
-                   use_cache=not args.no_cache, on_token=lambda t: streamer.put(torch.tensor([t])))
-    streamer.end()
+    from .generate import eos_token_ids, generate
+    from .lora import adapters_disabled
+
+    if args.compare and not args.adapter:
+        raise UserError("--compare needs --adapter (it shows the base model's answer beside the adapter's)")
+    model, tok = _load(args)
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, eos_ids=eos_token_ids(model, tok), use_cache=not args.no_cache)
+    for prompt in args.prompt:
+        ids = _prompt_ids(args, tok, prompt)
+        if args.compare:
+            with adapters_disabled(model):
+                base = generate(model, ids, **settings)
+            tuned = generate(model, ids, **settings)
+            print(f"prompt:  {prompt}")
+            print(f"base:    {tok.decode(base, skip_special_tokens=True).strip()}")
+            print(f"adapter: {tok.decode(tuned, skip_special_tokens=True).strip()}\n", flush=True)
+            continue
+        streamer = TextStreamer(tok, skip_special_tokens=True)
+        generate(model, ids, **settings, on_token=lambda t: streamer.put(torch.tensor([t])))
+        streamer.end()
     return 0
 
 
@@ -126,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--base", required=True, help="the base model the adapter was trained on (any MODEL form)")
     m.add_argument("--adapter", required=True, help="PEFT LoRA adapter folder")
     m.add_argument("--out", required=True, help="output folder (refused if it exists, unless --force)")
-    m.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="output dtype (default: the base's)")
+    m.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="output dtype (default: the base's)")
     m.add_argument("--force", action="store_true", help="replace an existing --out")
     m.set_defaults(func=cmd_merge)
 
@@ -142,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with the KV cache")
     model_args(g)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, action="append", help="the prompt; repeat for several")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--compare", action="store_true",
+                   help="print the base model's answer and the adapter's for each prompt, one under the other")
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

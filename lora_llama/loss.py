@@ -77,17 +77,22 @@ def linear_cross_entropy(h: torch.Tensor, lm_head: nn.Module, targets: torch.Ten
     return total
 
 
+def target_mask(labels: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T-1) bool: which of labels[:, 1:] the loss takes (the one definition; data.count_targets uses it too)."""
+    keep = labels[:, 1:] != IGNORE_INDEX
+    if segment_ids is not None:  # a packed row: the last token of one example does not predict the next
+        keep &= segment_ids[:, 1:] == segment_ids[:, :-1]
+    return keep
+
+
 def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None):
     """(summed loss, number of targets): position t predicts labels[t + 1]; -100 is ignored.
 
     Returning the sum lets gradient accumulation divide by the target count of the
     whole accumulated batch instead of averaging per-micro-batch means.
     """
-    shifted = labels[:, 1:]
-    keep = shifted != IGNORE_INDEX
-    if segment_ids is not None:  # a packed row: the last token of one example does not predict the next
-        keep &= segment_ids[:, 1:] == segment_ids[:, :-1]
-    targets = shifted[keep]  # (N,)
+    keep = target_mask(labels, segment_ids)
+    targets = labels[:, 1:][keep]  # (N,)
     predicting = F.pad(keep, (0, 1))  # (B, T): the positions whose output predicts a target
     h = model.hidden(input_ids, position_ids, segment_ids, keep=predicting)  # (N, dim)
     n = targets.numel()

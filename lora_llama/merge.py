@@ -16,36 +16,13 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (ADAPTER_WEIGHTS, INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES, atomic_dir,
-                         read_adapter_config, read_adapter_tensors, read_config, release_freed_memory,
-                         resolve_source, shard_files, write_json, write_safetensors_streaming)
-from .config import DTYPE_NAMES, torch_dtype
+from .adapters import adapter_deltas
+from .checkpoint import resolve_source
+from .config import torch_dtype
 from .errors import UserError
-
-
-def _adapter_deltas(adapter: Path):
-    """{base weight name: (A, B)} from a PEFT adapter, and its scale."""
-    settings, cfg = read_adapter_config(adapter)
-    pairs: dict[str, dict] = {}
-    for key, t in read_adapter_tensors(adapter).items():
-        module, _, kind = key.rpartition(".lora_")  # e.g. model.layers.0.self_attn.q_proj, A.weight
-        pairs.setdefault(module + ".weight", {})[kind[0]] = t
-    incomplete = [k for k, v in pairs.items() if set(v) != {"A", "B"}]
-    if incomplete:
-        raise UserError(f"{adapter / ADAPTER_WEIGHTS}: {incomplete[0]} has only one of lora_A / lora_B")
-    return {k: (v["A"], v["B"]) for k, v in pairs.items()}, settings.scale, cfg
-
-
-def _tensor_shapes(files: list[Path]) -> dict[str, tuple]:
-    """Every tensor's shape from the safetensors headers, without reading the data."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for k in sf.keys():
-                shapes[k] = tuple(sf.get_slice(k).get_shape())
-    return shapes
+from .files import (INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES, atomic_dir, read_config, release_freed_memory,
+                    shard_files, tensor_shapes, write_json, write_safetensors_streaming)
+from .lora import fold
 
 
 def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
@@ -67,34 +44,31 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
-    if dtype is not None and dtype not in DTYPE_NAMES:
-        raise UserError(f"unknown dtype {dtype!r} (use fp32, bf16 or fp16)")
+    out_dtype = torch_dtype(dtype) if dtype else None
     adapter = Path(adapter)
     if not adapter.is_dir():
         raise UserError(f"adapter folder not found: {adapter}")
     out = Path(out)
     if out.exists() and not force:
         raise UserError(f"{out} already exists (pass --force to overwrite)")
-    deltas, scale, adapter_cfg = _adapter_deltas(adapter)
+    deltas, scale, adapter_cfg = adapter_deltas(adapter)
     folder = resolve_source(base)
     config = read_config(folder)
     files = shard_files(folder)
     tied = bool(config.get("tie_word_embeddings", False))
-    check_adapter_fits(deltas, _tensor_shapes(files), tied)
+    check_adapter_fits(deltas, tensor_shapes(files), tied)
     named = adapter_cfg.get("base_model_name_or_path")
     if named and str(named) != str(base) and Path(str(named)).name != Path(str(base)).name:
         warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
-    out_dtype = torch_dtype(dtype) if dtype else None
     # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
     untie = tied and "lm_head.weight" in deltas
 
-    def fold(name: str, w: torch.Tensor) -> torch.Tensor:
-        """W0 + scale·B·A in float32, then the output dtype. `w` is a fresh copy read from the
-        shard, so it is updated in place: no (out, in) temporaries besides it."""
+    def merged_tensor(name: str, w: torch.Tensor) -> torch.Tensor:
+        """W0 + scale·B·A for an adapted weight, in the output dtype. `w` is a fresh copy read
+        from the shard, so it is folded in place: no (out, in) temporaries besides it."""
         target_dtype = out_dtype or w.dtype
         if name in deltas:
-            A, B = deltas[name]
-            w = w.float().addmm_(B.float(), A.float(), alpha=scale)
+            w = fold(w, *deltas[name], scale, inplace=True)
         return w.to(target_dtype).contiguous()
 
     def merge_shard(src_file: Path, dst_file: Path) -> tuple[list[str], int]:
@@ -109,7 +83,7 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
                 piece = sf.get_slice(src)
                 dtype = out_dtype or getattr(torch, SAFETENSORS_DTYPES[piece.get_dtype()])
                 entries.append((out_key, dtype, tuple(piece.get_shape())))
-            folded = (fold(out_key, sf.get_tensor(src)) for out_key, src in plan)
+            folded = (merged_tensor(out_key, sf.get_tensor(src)) for out_key, src in plan)
             size = write_safetensors_streaming(dst_file, entries, folded, metadata={"format": "pt"})
         return [k for k, _, _ in entries], size  # returning drops the shard's mapping before the next one
 

@@ -1,5 +1,9 @@
 """A native LLaMA in one file: RMSNorm pre-norm, RoPE, grouped-query attention, SwiGLU, KV cache.
 
+The architecture only: the hand-written backward passes live in kernels.py, attention's in
+attention.py, and nothing here knows about LoRA (`project` fuses any layers that offer a
+low-rank node).
+
 Module names follow Hugging Face's `LlamaForCausalLM` exactly
 (`model.layers.0.self_attn.q_proj`, ...), so a checkpoint's state dict loads
 without renaming and LoRA adapters map 1:1 onto PEFT keys. q/k weights stay in
@@ -7,8 +11,8 @@ HF's rotate-half RoPE layout (no permutation).
 """
 from __future__ import annotations
 
-import contextlib
 import math
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -18,7 +22,8 @@ from torch.utils.checkpoint import checkpoint
 from .attention import attend
 from .config import ModelArgs
 from .gemm import run_linear
-from .lora import project
+from .kernels import apply_rope, project, recompute_when_saved, rms_norm, swiglu
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -27,40 +32,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, self.weight, self.eps)
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-class _RMSNorm(torch.autograd.Function):
-    """weight · (x / rms(x)), computed in float32 and cast back as HF does (the checkpoints were trained so).
-
-    Saves x and the per-row 1/rms only. With x̂ = x/rms and gw = grad·weight, the input gradient is
-        dx = (gw - x̂ · mean(gw · x̂)) / rms
-    written into two buffers, where autograd's version makes about six.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = _at_least_float32(x)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
-        ctx.save_for_backward(x, weight, rstd)
-        y = (xf * rstd).to(x.dtype)
-        return y.mul_(weight) if torch.promote_types(y.dtype, weight.dtype) == y.dtype else weight * y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        x_hat, grad_f = _at_least_float32(x) * rstd, _at_least_float32(grad)
-        gw = grad_f * weight
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad_f * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
-        c = torch.linalg.vecdot(gw, x_hat).unsqueeze(-1) / x.shape[-1]  # mean(gw · x̂) per row
-        grad_x = gw.sub_(x_hat.mul_(c)).mul_(rstd) if ctx.needs_input_grad[0] else None
-        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -81,40 +53,6 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-class _Rope(torch.autograd.Function):
-    """x·cos + rotate_half(x)·sin with rotate_half(x) = (-x2, x1), HF's layout, in one output buffer.
-
-    With x = (x1, x2) by halves and cos, sin equal in both halves:
-        out1 = x1·cos - x2·sin,  out2 = x2·cos + x1·sin
-    and the backward is the inverse rotation:
-        dx1 = g1·cos + g2·sin,   dx2 = g2·cos - g1·sin
-    One allocation each way, where autograd's version makes five (products, negation, concatenation, sum).
-    """
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return _Rope.rotate(x, cos, sin, sign=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _Rope.rotate(grad, cos, sin, sign=-1), None, None
-
-    @staticmethod
-    def rotate(x, cos, sin, sign: int):
-        h = x.shape[-1] // 2
-        out = x * cos
-        out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-sign)
-        out[..., h:].addcmul_(x[..., :h], sin[..., h:], value=sign)
-        return out
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, head_dim); cos/sin: (B, 1, T, head_dim)."""
-    return _Rope.apply(x, cos, sin)
-
-
 class KVCache:
     """Pre-allocated keys and values for incremental decoding, one pair per layer."""
 
@@ -123,7 +61,6 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
         self.pos = 0  # number of positions already stored
-        self.max_len = max_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         end = self.pos + k.shape[2]
@@ -146,7 +83,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, cache: KVCache | None, keep=None):
         """(B, T, dim), or (N, dim) at the positions where keep (B, T) is True (every position still attends)."""
         B, T, _ = x.shape
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))  # one node when all three carry LoRA
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))  # one autograd node when all three carry LoRA
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -158,56 +95,6 @@ class Attention(nn.Module):
         return run_linear(self.o_proj, y if keep is None else y[keep])
 
 
-@contextlib.contextmanager
-def recompute_when_saved(tensor: torch.Tensor, recompute, active: bool = True):
-    """Inside the block, autograd keeps `tensor` (or any view of it) as a recipe, not as memory.
-
-    For cheap tensors (a norm's output, the SwiGLU product) that LoRA-A layers save for their
-    weight gradient: backward calls `recompute()` once, from inputs that are saved anyway.
-    """
-    if not (active and torch.is_grad_enabled()):
-        yield
-        return
-    storage, cache = tensor.untyped_storage().data_ptr(), {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() == storage:
-            return (cache, t.shape, t.stride(), t.storage_offset())
-        # detached: a node that saves its own output must not hold that output's grad_fn (an uncollectable cycle)
-        return t.detach()
-
-    def unpack(packed):
-        if not isinstance(packed, tuple):
-            return packed
-        cache, shape, stride, offset = packed
-        if "t" not in cache:
-            with torch.no_grad():
-                cache["t"] = recompute()
-        return cache["t"].as_strided(shape, stride, offset)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-class SwiGLU(torch.autograd.Function):
-    """silu(g)·u that keeps only g and u for backward and recomputes silu(g) there:
-    one (B, T, intermediate) activation less per layer than autograd would store."""
-
-    @staticmethod
-    def forward(ctx, g, u):
-        ctx.save_for_backward(g, u)
-        return F.silu(g).mul_(u)  # in place: one (B, T, intermediate) buffer, not two
-
-    @staticmethod
-    def backward(ctx, grad):
-        g, u = ctx.saved_tensors
-        # two buffers, no temporaries: d silu(g)/dg = σ + silu·(1 - σ), and d/du = silu(g)
-        grad_g = torch.sigmoid(g)
-        grad_u = g * grad_g  # silu(g)
-        grad_g.addcmul_(grad_g, grad_u, value=-1).add_(grad_u).mul_(grad).mul_(u)
-        return grad_g, grad_u.mul_(grad)
-
-
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -217,7 +104,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x, lean: bool = False):
         g, u = project(x, (self.gate_proj, self.up_proj))  # (B, T, intermediate)
-        h = SwiGLU.apply(g, u) if g.requires_grad or u.requires_grad else F.silu(g).mul_(u)
+        h = swiglu(g, u)
         with recompute_when_saved(h, lambda: F.silu(g).mul_(u), lean):  # g, u are saved by SwiGLU anyway
             return run_linear(self.down_proj, h)
 
@@ -256,12 +143,23 @@ class Llama(nn.Module):
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.gradient_checkpointing = False
-        self._rope: dict = {}  # (device, dtype) -> (inv_freq,), built once per device
+        self._rope: dict = {}  # device -> inv_freq, built once per device
+        # where the weights came from (set by load_model): adapters record `source` as their base,
+        # a merge of quantised layers re-reads the original weights from `folder`
+        self.source: str | None = None
+        self.folder: Path | None = None
         if args.tie_word_embeddings:
             self.tie_weights()
 
     def tie_weights(self):
         self.lm_head.weight = self.model.embed_tokens.weight
+
+    def untie_weights(self):
+        """Give lm_head a weight of its own (a copy), so that changing it leaves the embedding as it is."""
+        if self.args.tie_word_embeddings:
+            w = self.lm_head.weight
+            self.lm_head.weight = nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
+            self.args.tie_word_embeddings = False
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin (B, 1, T, head_dim) for integer positions (B, T); angles in float32 as HF does."""

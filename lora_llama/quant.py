@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .config import DECODER_TARGETS, HF_NAME, QUANTIZE_KINDS
 from .errors import UserError
 
-DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DECODER_LINEARS = tuple(HF_NAME[t] for t in DECODER_TARGETS)  # q_proj ... down_proj
 
 
 def _bnb():
@@ -25,8 +26,8 @@ def _bnb():
 
 
 def check_supported(kind: str, device) -> None:
-    if kind not in ("int8", "nf4"):
-        raise UserError(f"unknown quantize {kind!r} (use int8 or nf4)")
+    if kind not in QUANTIZE_KINDS:
+        raise UserError(f"unknown quantize {kind!r} (use {' or '.join(QUANTIZE_KINDS)})")
     if kind == "nf4" and torch.device(device).type != "cuda":
         # bitsandbytes' 4-bit CPU path fails in eval mode when out_features % 32 != 0, and a backward
         # after that silently returns no input gradient: refuse rather than train wrong adapters
@@ -60,10 +61,6 @@ def quantize_loaded_linears(model, kind: str, threshold: float = 6.0, device="cp
                 if type(lin) is nn.Linear and lin.weight.device.type != "meta" and \
                         (lin.bias is None or lin.bias.device.type != "meta"):
                     setattr(parent, name, quantize_linear(lin, kind, threshold, device))
-
-
-def is_quantized(module: nn.Module) -> bool:
-    return not module.weight.is_floating_point() or type(module).__module__.startswith("bitsandbytes")
 
 
 def tensor_bytes(module: nn.Module) -> int:

@@ -1,4 +1,5 @@
-"""The training loop: optimiser, schedule, accumulation, eval, checkpoint / resume, logging."""
+"""The training loop: `train_from_recipe` (what `lora-llama train` runs) and `Trainer`
+(optimiser, schedule, accumulation, eval, checkpoint / resume, logging), then their helpers."""
 from __future__ import annotations
 
 import contextlib
@@ -11,74 +12,67 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_dir, load_adapter_weights, save_adapter, write_json
-from .data import collate, count_targets
+from .adapters import load_adapter_weights, save_adapter
+from .checkpoint import load_model, load_tokenizer
+from .config import torch_dtype
+from .data import build_examples, collate, count_targets
 from .errors import UserError
+from .files import atomic_dir, write_json
+from .hub import push, resolve_token
+from .lora import apply_lora
 from .loss import target_loss
+from .quant import base_weight_bytes
 
 
-def _to(batch: dict, device) -> dict:
-    return {k: v.to(device) for k, v in batch.items()}
+def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=print) -> dict:
+    """Everything `lora-llama train` does. Inputs are all checked before the run folder is touched."""
+    import yaml
 
-
-@torch.no_grad()
-def evaluate(model, examples: list[dict], batch_size: int, pad_id: int) -> dict:
-    """Mean loss per target token over `examples`, and its perplexity."""
-    was_training = model.training
-    model.eval()
+    out = Path(recipe.output.dir)
+    found = checkpoints(out)
+    if recipe.output.push_to_hub:  # fail now, not after hours of training
+        resolve_token(None)
+    if (out / "adapter").exists() and not force and not resume:
+        raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
+    if out.exists() and any(out.iterdir()) and not found and not force:
+        raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
+    torch.manual_seed(recipe.train.seed)
+    random.seed(recipe.train.seed)
+    tok = load_tokenizer(recipe.model.source)
+    train, val = build_examples(recipe.data, tok, recipe.train.seed)
+    m = recipe.model
+    model = load_model(m.source, dtype=torch_dtype(m.dtype), quantize=m.quantize, device=m.device,
+                       int8_threshold=m.int8_threshold)
     device = next(model.parameters()).device
-    total, count = 0.0, 0
-    # sorted by length so batches carry little padding
-    ordered = sorted(examples, key=lambda e: len(e["input_ids"]))
-    for i in range(0, len(ordered), batch_size):
-        loss, n = target_loss(model, **_to(collate(ordered[i:i + batch_size], pad_id), device))
-        total, count = total + float(loss), count + n
-    model.train(was_training)
-    mean = total / max(count, 1)
-    return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": count}
-
-
-def evaluate_documents(model, tokenizer, docs: list[str], batch_size: int = 8) -> dict:
-    """`lora-llama eval`: each document tokenised with the tokenizer's defaults, no EOS added.
-
-    Documents longer than the model's context are cut into independent windows.
-    """
-    window = model.args.max_seq_len
-    examples = []
-    for doc in docs:
-        ids = tokenizer(doc)["input_ids"]
-        examples += [{"input_ids": ids[i:i + window], "labels": ids[i:i + window]} for i in range(0, len(ids), window)]
-    return evaluate(model, examples, batch_size, tokenizer.pad_token_id)
-
-
-# ---------------------------------------------------------------------------- the trainer
-
-
-def lr_lambda(schedule: str, warmup: int, total: int):
-    """Linear warmup, then cosine / linear decay to zero, or constant."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-    return f
-
-
-def total_steps(train_cfg, n_micro_batches: int) -> int:
-    if train_cfg.epochs is None:
-        return train_cfg.max_steps
-    steps = math.ceil(train_cfg.epochs * n_micro_batches / train_cfg.grad_accum)
-    # an explicit max_steps caps an epoch count
-    return min(steps, train_cfg.max_steps) if "max_steps" in train_cfg.model_fields_set else steps
+    summary = apply_lora(model, recipe.lora)
+    model.gradient_checkpointing = recipe.train.gradient_checkpointing
+    if recipe.train.compile:
+        for layer in model.model.layers:
+            layer.compile()
+    if force and out.exists() and not (resume and found):
+        shutil.rmtree(out)
+        found = []
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    trainer = Trainer(recipe, model, tok, train, val, out)
+    log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
+        f"({summary['percent']:.3f}%) on {device}")
+    log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or m.dtype})")
+    log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
+    if found:
+        trainer.resume(found[-1])
+        log(f"resuming from {found[-1]} (step {trainer.step})")
+    result = trainer.fit()
+    if recipe.output.push_to_hub:
+        result["pushed"] = push(out, recipe.output.push_to_hub, log=log)
+    return result
 
 
 class Trainer:
     """Fits a LoRA adapter on a recipe's data; checkpoints so that a resumed run continues bit for bit."""
 
     def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path):
-        self.recipe, self.model, self.tok = recipe, model, tokenizer
+        self.recipe, self.model = recipe, model
         self.train_examples, self.val_examples, self.out = train, val, Path(out)
         t = recipe.train
         self.device = next(model.parameters()).device
@@ -210,10 +204,71 @@ class Trainer:
         plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
         if self.tb:
             self.tb.close()
-        return {"steps": self.step, "adapter": str(self.out / "adapter"), **(last_eval or {})}
+        result = {"steps": self.step, "adapter": str(self.out / "adapter"), **(last_eval or {})}
+        start = [r for r in read_metrics(self.out / "metrics.jsonl") if r["step"] == 0 and "eval_loss" in r]
+        if start:  # the base model's eval loss, also after a resume
+            result["eval_loss_start"] = start[0]["eval_loss"]
+        return result
+
+
+# ---------------------------------------------------------------------------- evaluation and schedule
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[dict], batch_size: int, pad_id: int) -> dict:
+    """Mean loss per target token over `examples`, and its perplexity."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    # sorted by length so batches carry little padding
+    ordered = sorted(examples, key=lambda e: len(e["input_ids"]))
+    for i in range(0, len(ordered), batch_size):
+        loss, n = target_loss(model, **_to(collate(ordered[i:i + batch_size], pad_id), device))
+        total, count = total + float(loss), count + n
+    model.train(was_training)
+    mean = total / max(count, 1)
+    return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": count}
+
+
+def evaluate_documents(model, tokenizer, docs: list[str], batch_size: int = 8) -> dict:
+    """`lora-llama eval`: each document tokenised with the tokenizer's defaults, no EOS added.
+
+    Documents longer than the model's context are cut into independent windows.
+    """
+    window = model.args.max_seq_len
+    examples = []
+    for doc in docs:
+        ids = tokenizer(doc)["input_ids"]
+        examples += [{"input_ids": ids[i:i + window], "labels": ids[i:i + window]} for i in range(0, len(ids), window)]
+    return evaluate(model, examples, batch_size, tokenizer.pad_token_id)
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    """Linear warmup, then cosine / linear decay to zero, or constant."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return f
+
+
+def total_steps(train_cfg, n_micro_batches: int) -> int:
+    if train_cfg.epochs is None:
+        return train_cfg.max_steps
+    steps = math.ceil(train_cfg.epochs * n_micro_batches / train_cfg.grad_accum)
+    # an explicit max_steps caps an epoch count
+    return min(steps, train_cfg.max_steps) if "max_steps" in train_cfg.model_fields_set else steps
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -236,11 +291,14 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop metric lines written after the checkpoint we resume from, so none is repeated."""
     if path.is_file():
-        lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-        path.write_text("".join(l + "\n" for l in lines))
+        path.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step))
 
 
 def _tensorboard(out: Path):
@@ -257,7 +315,7 @@ def plot_losses(metrics: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()] if metrics.is_file() else []
+    rows = read_metrics(metrics)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -274,55 +332,3 @@ def plot_losses(metrics: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=print) -> dict:
-    """Everything `lora-llama train` does. Inputs are all checked before the run folder is touched."""
-    import yaml
-
-    from .checkpoint import load_model, load_tokenizer
-    from .data import build_examples
-    from .lora import apply_lora
-
-    out = Path(recipe.output.dir)
-    found = checkpoints(out)
-    if recipe.output.push_to_hub:  # fail now, not after hours of training
-        from .hub import resolve_token
-
-        resolve_token(None)
-    if (out / "adapter").exists() and not force and not resume:
-        raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
-    if out.exists() and any(out.iterdir()) and not found and not force:
-        raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
-    torch.manual_seed(recipe.train.seed)
-    random.seed(recipe.train.seed)
-    tok = load_tokenizer(recipe.model.source)
-    train, val = build_examples(recipe.data, tok, recipe.train.seed)
-    m = recipe.model
-    model = load_model(m.source, dtype=getattr(torch, m.dtype), quantize=m.quantize, device=m.device,
-                       int8_threshold=m.int8_threshold)
-    device = next(model.parameters()).device
-    summary = apply_lora(model, recipe.lora)
-    model.gradient_checkpointing = recipe.train.gradient_checkpointing
-    if recipe.train.compile:
-        for layer in model.model.layers:
-            layer.compile()
-    if force and out.exists() and not (resume and found):
-        shutil.rmtree(out)
-        found = []
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    trainer = Trainer(recipe, model, tok, train, val, out)
-    log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
-        f"({summary['percent']:.3f}%) on {device}")
-    from .quant import base_weight_bytes
-
-    log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or m.dtype})")
-    log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
-    if found:
-        trainer.resume(found[-1])
-        log(f"resuming from {found[-1]} (step {trainer.step})")
-    result = trainer.fit()
-    if recipe.output.push_to_hub:
-        from .hub import push
-
-        result["pushed"] = push(out, recipe.output.push_to_hub, log=log)
-    return result

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, hf_model
+from helpers import ROOT, hf_model
 from lora_llama.cli import main
 
 

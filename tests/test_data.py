@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_tokenizer
+from helpers import make_tokenizer
 from lora_llama import UserError, load_model
 from lora_llama.data import (IGNORE_INDEX, build_examples, collate, load_records, pack, split, tokenize_records,
                              Tokenize)

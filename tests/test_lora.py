@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from conftest import hf_model
+from helpers import hf_model
 from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.lora import lora_modules
 from lora_llama.loss import target_loss
@@ -234,7 +234,8 @@ def test_lora_layer_under_autocast():
 def test_layers_sharing_an_input_run_as_one_node_with_the_same_gradients():
     """q, k, v (or gate, up) through `project`: outputs and gradients equal the layer-by-layer path,
     also with different ranks and an output that takes no part in the loss."""
-    from lora_llama.lora import LoRALinear, project
+    from lora_llama.kernels import project
+    from lora_llama.lora import LoRALinear
 
     torch.manual_seed(0)
     layers = [LoRALinear(torch.nn.Linear(12, out, bias=bias), r=r, alpha=4) for out, r, bias in

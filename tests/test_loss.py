@@ -30,7 +30,7 @@ def test_chunked_loss_and_gradients_equal_full_logits(monkeypatch, weight_grad):
 def test_target_loss_with_masked_prompts_equals_transformers(tiny_ckpt):
     """Completion-only labels: the last block runs its MLP at the predicting positions only;
     loss and gradients of every weight (last block included) against transformers' full forward."""
-    from conftest import hf_model
+    from helpers import hf_model
 
     from lora_llama import load_model
 

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from conftest import build_checkpoint, hf_model
+from helpers import build_checkpoint, hf_model
 from lora_llama import load_model
 from lora_llama.generate import generate
 
@@ -134,7 +134,7 @@ def test_training_forward_without_backward_frees_its_graph(tiny_ckpt, monkeypatc
 
 def test_rope_function_matches_rotate_half_formula():
     """The one-buffer RoPE against HF's x·cos + rotate_half(x)·sin, values and gradients (float64 gradcheck)."""
-    from lora_llama.model import apply_rope
+    from lora_llama.kernels import apply_rope
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 3, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()  # (B, heads, T, D), strided as q
@@ -148,7 +148,8 @@ def test_rope_function_matches_rotate_half_formula():
 
 def test_rms_norm_function_matches_hf_formula():
     """The two-buffer RMSNorm against HF's weight · (x · rsqrt(mean(x²) + eps)): values and gradients (gradcheck)."""
-    from lora_llama.model import RMSNorm, _RMSNorm
+    from lora_llama.kernels import rms_norm
+    from lora_llama.model import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(6, eps=1e-5).double()
@@ -157,4 +158,4 @@ def test_rms_norm_function_matches_hf_formula():
     x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
     ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert (norm(x) - ref).abs().max() < 1e-12
-    assert torch.autograd.gradcheck(lambda t, w: _RMSNorm.apply(t, w, 1e-5), (x, norm.weight))
+    assert torch.autograd.gradcheck(lambda t, w: rms_norm(t, w, 1e-5), (x, norm.weight))

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import PEAK_MEMORY_HELPERS, ROOT, build_checkpoint, hf_model
+from helpers import PEAK_MEMORY_HELPERS, ROOT, build_checkpoint, hf_model
 from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.lora import lora_modules
 from lora_llama.loss import target_loss

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 from lora_llama import load_adapter, load_model
 from lora_llama.cli import main
 from lora_llama.config import load_recipe

@@ -1,0 +1,129 @@
+"""PEFT adapter files in and out: adapter_config.json + adapter_model.safetensors.
+
+Tensor keys are PEFT's (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), so
+`peft.PeftModel.from_pretrained` loads what `save_adapter` writes and the other way round.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .config import DECODER_TARGETS, HF_NAME, lora_settings
+from .errors import UserError
+from .files import atomic_dir, read_json, write_json
+from .lora import adapter_settings, apply_lora, lora_state_dict
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def save_adapter(model, out: str | os.PathLike, base_model: str | None = None, force: bool = False) -> Path:
+    """Write the model's adapter in PEFT format (adapter_config.json + adapter_model.safetensors), atomically."""
+    from safetensors.torch import save_file
+
+    settings = adapter_settings(model)
+    if settings is None:
+        raise UserError("the model has no LoRA adapter to save")
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.r, "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout, "target_modules": sorted(HF_NAME[t] for t in settings.targets),
+        "layers_to_transform": settings.layers, "use_rslora": settings.rslora, "bias": "none",
+        "base_model_name_or_path": base_model or model.source, "use_dora": False,
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+    }
+    tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
+    with atomic_dir(out, force=force) as tmp:
+        write_json(tmp / ADAPTER_CONFIG, config)
+        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    return Path(out)
+
+
+def read_adapter_config(folder: str | os.PathLike):
+    """Validate a PEFT adapter_config.json and turn it into LoraSettings."""
+    folder = Path(folder)
+    if not (folder / ADAPTER_CONFIG).is_file():
+        raise UserError(f"{folder} holds no {ADAPTER_CONFIG}: not a PEFT adapter folder")
+    cfg = read_json(folder / ADAPTER_CONFIG)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{folder}: peft_type {cfg['peft_type']!r} is not supported (only LORA)")
+    if cfg.get("use_dora"):
+        raise UserError(f"{folder}: DoRA adapters (use_dora: true) are not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise UserError(f"{folder}: per-module {key} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise UserError(f"{folder}: bias {cfg['bias']!r} is not supported (only 'none')")
+    targets = cfg.get("target_modules") or []
+    if targets == "all-linear":
+        targets = [HF_NAME[t] for t in DECODER_TARGETS]
+    if isinstance(targets, str):
+        raise UserError(f"{folder}: target_modules given as a pattern ({targets!r}) is not supported; list the names")
+    by_hf = {v: k for k, v in HF_NAME.items()}
+    unknown = [t for t in targets if t not in by_hf]
+    if unknown:
+        raise UserError(f"{folder}: unknown target module {unknown[0]!r} (known: {', '.join(by_hf)})")
+    layers = cfg.get("layers_to_transform")
+    r = cfg.get("r", 8)
+    if not isinstance(r, int) or r <= 0:
+        raise UserError(f"{folder}: r must be a positive integer, got {r!r}")
+    return lora_settings(r=r, alpha=cfg.get("lora_alpha", 8), dropout=cfg.get("lora_dropout", 0.0),
+                         targets=[by_hf[t] for t in targets], rslora=bool(cfg.get("use_rslora", False)),
+                         layers=[layers] if isinstance(layers, int) else layers), cfg
+
+
+def read_adapter_tensors(folder: str | os.PathLike) -> dict:
+    """A PEFT adapter's tensors under native names, e.g. `model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(folder) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise UserError(f"{Path(folder)} holds no {ADAPTER_WEIGHTS}")
+    try:
+        loaded = load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {path}: truncated or not a safetensors file ({e})") from None
+    # PEFT writes `...lora_A.weight`; some tools keep the adapter name: `...lora_A.default.weight`
+    return {k.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight"): v for k, v in loaded.items()}
+
+
+def load_adapter_weights(model, folder: str | os.PathLike) -> None:
+    """Copy a PEFT adapter's tensors into the model's existing LoRA modules, checking every name and shape."""
+    loaded = read_adapter_tensors(folder)
+    path = Path(folder) / ADAPTER_WEIGHTS
+    own = lora_state_dict(model)
+    for key, tensor in loaded.items():
+        if key not in own:
+            raise UserError(f"adapter tensor {PEFT_PREFIX + key!r} has no place in the base model")
+        if tensor.shape != own[key].shape:
+            raise UserError(f"adapter tensor {PEFT_PREFIX + key!r} has shape {tuple(tensor.shape)}, "
+                            f"the base model needs {tuple(own[key].shape)}")
+    missing = sorted(set(own) - set(loaded))
+    if missing:
+        raise UserError(f"{path} lacks {len(missing)} tensors, first {PEFT_PREFIX + missing[0]!r}")
+    with torch.no_grad():
+        for key, tensor in loaded.items():
+            own[key].copy_(tensor)
+
+
+def load_adapter(model, folder: str | os.PathLike) -> dict:
+    """Apply a PEFT LoRA adapter to a native model; returns the parameter summary."""
+    settings, _ = read_adapter_config(folder)
+    summary = apply_lora(model, settings)
+    load_adapter_weights(model, folder)
+    return summary
+
+
+def adapter_deltas(folder: str | os.PathLike) -> tuple[dict, float, dict]:
+    """({base weight name: (A, B)}, scale, adapter_config) of a PEFT adapter, for merges."""
+    settings, cfg = read_adapter_config(folder)
+    pairs: dict[str, dict] = {}
+    for key, t in read_adapter_tensors(folder).items():
+        module, _, kind = key.rpartition(".lora_")  # e.g. model.layers.0.self_attn.q_proj, A.weight
+        pairs.setdefault(module + ".weight", {})[kind[0]] = t
+    incomplete = [k for k, v in pairs.items() if set(v) != {"A", "B"}]
+    if incomplete:
+        raise UserError(f"{Path(folder) / ADAPTER_WEIGHTS}: {incomplete[0]} has only one of lora_A / lora_B")
+    return {k: (v["A"], v["B"]) for k, v in pairs.items()}, settings.scale, cfg

@@ -1,0 +1,169 @@
+"""Files on disk: safetensors shards and their index, atomic folders, JSON, a streaming writer.
+
+Everything here is format-level (names, shapes, bytes); nothing knows about models or LoRA.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from .errors import UserError
+
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
+# safetensors dtype names <-> torch dtypes (the format's own spelling)
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | os.PathLike, force: bool = False):
+    """Yield a temporary folder beside `out`; rename it to `out` only when the block succeeds.
+
+    An existing `out` is refused unless `force`; with `force` it is replaced only
+    after the new one is complete, so a crash never leaves a half-written folder.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise UserError(f"{out} already exists (pass --force to overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file that must exist and parse; a broken one is a user error naming the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+
+
+def read_config(folder: Path) -> dict:
+    return read_json(Path(folder) / "config.json")
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder, in index order."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        names = sorted(set(read_json(index)["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise UserError(f"{folder}: shard {missing[0]} named in {INDEX_FILE} is missing")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder} holds no *.safetensors weights")
+    return files
+
+
+def iter_shards(folder: Path, owned: bool = False) -> Iterator[tuple[Path, dict]]:
+    """Yield (file, {name: tensor}) one shard at a time, so only one shard is in memory.
+
+    By default tensors are views of the memory-mapped file (lazy, shared with the page cache).
+    owned=True reads them into memory of their own, so a tensor that is dropped (a weight
+    replaced by its quantised copy) really frees its bytes instead of keeping the map alive.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for f in shard_files(folder):
+        try:
+            try:
+                sf = safe_open(f, framework="pt", backend="pread" if owned else "mmap")
+            except TypeError:  # safetensors < 0.8 has no backend choice
+                sf = safe_open(f, framework="pt")
+            with sf:
+                tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"cannot read {f}: truncated or not a safetensors file ({e})") from None
+        yield f, tensors
+        del tensors
+
+
+def read_tensors(folder: Path, keys: list[str]) -> dict:
+    """Read only the named tensors of a checkpoint (e.g. original weights to merge into)."""
+    from safetensors import safe_open
+
+    wanted, found = set(keys), {}
+    for f in shard_files(folder):
+        with safe_open(f, framework="pt") as sf:
+            for k in wanted.intersection(sf.keys()):
+                found[k] = sf.get_tensor(k)
+    missing = wanted - set(found)
+    if missing:
+        raise UserError(f"{folder} lacks {sorted(missing)[0]!r}")
+    return found
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, tuple]:
+    """Every tensor's shape from the safetensors headers, without reading the data."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                shapes[k] = tuple(sf.get_slice(k).get_shape())
+    return shapes
+
+
+def write_safetensors_streaming(path: Path, entries: list[tuple], tensors, metadata: dict | None = None) -> int:
+    """Write a safetensors file one tensor at a time; returns the bytes of tensor data.
+
+    `entries` lists (name, torch dtype, shape) in file order, so the header is known up front;
+    `tensors` yields them in that order. safetensors' own save_file needs every tensor of the
+    file in memory at once (and copies them while serialising): this keeps one.
+    """
+    import torch
+
+    names = {getattr(torch, v): k for k, v in SAFETENSORS_DTYPES.items()}
+    header, offset = {}, 0
+    for name, dtype, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for (name, dtype, shape), t in zip(entries, tensors, strict=True):
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: got {t.dtype} {tuple(t.shape)}, header says {dtype} {tuple(shape)}")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
+    return offset
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the last shard back to the OS (glibc keeps it otherwise, and the
+    heap of a shard-by-shard job grows shard after shard). A no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

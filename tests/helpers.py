@@ -1,0 +1,68 @@
+"""Helpers the tests import: tiny random LLaMA checkpoints built with transformers, an offline tokenizer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CORPUS = ["the quick brown fox jumps over the lazy dog", "what is the capital of france? paris is.",
+          "to be or not to be, that is the question", "hello world, how are you today? i am fine."] * 20
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def make_tokenizer():
+    """A byte-level BPE tokenizer trained on a few lines, with BOS added and a ChatML template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def build_checkpoint(folder: Path, shards: int = 1, seed: int = 0, **overrides) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY, **overrides})
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():  # random norms and biases so that a wrong mapping shows in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    size = sum(p.numel() * 4 for p in model.parameters())
+    max_shard = f"{int(size / shards * 1.1) // 1000}KB" if shards > 1 else "10GB"
+    model.save_pretrained(folder, max_shard_size=max_shard)
+    tok = make_tokenizer()
+    tok.save_pretrained(folder)
+    return folder
+
+
+def hf_model(folder):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+# for memory measurements in a fresh subprocess: prepend to its script
+PEAK_MEMORY_HELPERS = r"""
+def status_kb(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
+def reset_peak():  # Linux: writing 5 to clear_refs resets VmHWM, so only what follows counts
+    open("/proc/self/clear_refs", "w").write("5")
+"""
