@@ -125,3 +125,34 @@ def test_hub_id_offline_is_one_clear_line(capsys, monkeypatch, tmp_path):
     code = main(["generate", "--model", "someone/some-llama", "--prompt", "hi"])
     err = capsys.readouterr().err
     assert code == 2 and "someone/some-llama" in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_compare_prints_base_and_adapter_answers(tiny_ckpt, tmp_path, capsys):
+    from lora_llama import LoraSettings, apply_lora, load_model, load_tokenizer, save_adapter
+    from lora_llama.data import encode_rendered
+    from lora_llama.generate import generate
+    from lora_llama.lora import lora_modules
+
+    model = load_model(tiny_ckpt)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["q", "v", "o"]))
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    save_adapter(model, tmp_path / "a")
+    prompts = ["the quick", "to be"]
+    args = ["generate", "--model", str(tiny_ckpt), "--adapter", str(tmp_path / "a"), "--compare", "--chat",
+            "--max-new-tokens", "5"]
+    assert main(args + [x for p in prompts for x in ("--prompt", p)]) == 0
+    out = capsys.readouterr().out
+    tok, base = load_tokenizer(tiny_ckpt), load_model(tiny_ckpt)
+    want = []
+    for p in prompts:
+        ids, _ = encode_rendered(tok, tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                             add_generation_prompt=True))
+        answers = [tok.decode(generate(m, ids, 5, eos_ids=[tok.eos_token_id]), skip_special_tokens=True).strip()
+                   for m in (base, model)]
+        assert answers[0] != answers[1]  # the adapter changes the answer, so the check can tell them apart
+        want += [f"prompt:  {p}", f"base:    {answers[0]}", f"adapter: {answers[1]}", ""]
+    assert out.splitlines() == want
+    assert main(["generate", "--model", str(tiny_ckpt), "--compare", "--prompt", "x"]) == 2
+    assert "--compare needs --adapter" in capsys.readouterr().err

@@ -256,3 +256,59 @@ def test_layers_sharing_an_input_run_as_one_node_with_the_same_gradients():
     assert len(results[0]) == len(results[1]) == 3 + 1 + 4
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fold_hand_computed():
+    from lora_llama.lora import fold
+
+    w0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    lora_a, lora_b = torch.tensor([[1.0, -1.0]]), torch.tensor([[2.0], [0.5]])  # B·A = [[2, -2], [0.5, -0.5]]
+    want = torch.tensor([[1.0 + 3 * 2, 2.0 - 3 * 2], [3.0 + 3 * 0.5, 4.0 - 3 * 0.5]])
+    assert torch.equal(fold(w0, lora_a, lora_b, 3.0), want)
+    assert torch.equal(w0, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))  # left as it was
+    assert torch.equal(fold(w0.bfloat16(), lora_a, lora_b, 3.0), want)  # float32 arithmetic, float32 result
+    mine = w0.clone()
+    assert fold(mine, lora_a, lora_b, 3.0, inplace=True) is mine and torch.equal(mine, want)
+    assert torch.equal(fold(want, lora_a, lora_b, -3.0), w0)  # the unmerge
+
+
+def test_adapters_disabled_gives_exactly_the_base_logits(tiny_ckpt):
+    from lora_llama.lora import adapters_disabled
+
+    x = ids()
+    model = load_model(tiny_ckpt)
+    with torch.no_grad():
+        base = model(x)
+        apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+        randomise_b(model)
+        adapted = model(x)
+        with adapters_disabled(model):
+            assert torch.equal(model(x), base)
+        assert torch.equal(model(x), adapted) and (adapted - base).abs().max() > 1e-3
+    model.train()  # the fused training path honours it too: the base loss, and no graph (nothing trainable took part)
+    with adapters_disabled(model):
+        loss, n = target_loss(model, x, x)
+    base_model = load_model(tiny_ckpt).train()
+    for p in base_model.parameters():
+        p.requires_grad_(False)
+    assert not loss.requires_grad and torch.allclose(loss, target_loss(base_model, x, x)[0], rtol=1e-6)
+    for m in lora_modules(model).values():
+        m.merge()
+    with pytest.raises(UserError, match="merged"):
+        with adapters_disabled(model):
+            pass
+
+
+@pytest.mark.parametrize("settings", [dict(r=4, alpha=8, targets=["v", "q", "lm_head"], layers=[1]),
+                                      dict(r=2, alpha=3, dropout=0.1, rslora=True, targets=["down"])])
+def test_saved_settings_are_read_off_the_layers(tiny_ckpt, tmp_path, settings):
+    from lora_llama.adapters import read_adapter_config
+
+    model = load_model(tiny_ckpt)
+    apply_lora(model, LoraSettings(**settings))
+    save_adapter(model, tmp_path / "a")
+    back, cfg = read_adapter_config(tmp_path / "a")
+    want = LoraSettings(**settings)
+    assert (back.r, back.alpha, back.dropout, back.rslora, back.layers) == (want.r, want.alpha, want.dropout, want.rslora, want.layers)
+    assert sorted(back.targets) == sorted(want.targets)
+    assert cfg["base_model_name_or_path"] == str(tiny_ckpt)

@@ -193,6 +193,9 @@ def test_default_recipe_runs_three_steps(smollm2, tmp_path):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["steps"] == 3 and result["eval_loss"] > 0
     rows = metrics(out)
+    start = [m["eval_loss"] for m in rows if m["step"] == 0]  # the base model's, before any step
+    assert result["eval_loss_start"] == start[0]
+    assert f"eval loss {start[0]:.4f} (base model) -> {result['eval_loss']:.4f} (adapter, step 3)" in r.stdout
     assert [m["step"] for m in rows if "loss" in m] == [1, 2, 3]
     assert {"step", "loss", "lr", "tokens_per_s"} <= set(rows[1])
     assert (out / "recipe.yaml").is_file() and (out / "loss.png").is_file()
