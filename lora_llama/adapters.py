@@ -14,6 +14,7 @@ from .config import DECODER_TARGETS, HF_NAME, lora_settings
 from .errors import UserError
 from .files import atomic_dir, read_json, write_json
 from .lora import adapter_settings, apply_lora, lora_state_dict
+from .registry import base_model_id
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -30,7 +31,7 @@ def save_adapter(model, out: str | os.PathLike, base_model: str | None = None, f
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.r, "lora_alpha": settings.alpha,
         "lora_dropout": settings.dropout, "target_modules": sorted(HF_NAME[t] for t in settings.targets),
         "layers_to_transform": settings.layers, "use_rslora": settings.rslora, "bias": "none",
-        "base_model_name_or_path": base_model or model.source, "use_dora": False,
+        "base_model_name_or_path": base_model or (model.source and base_model_id(model.source)), "use_dora": False,
         "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
     }
     tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(model).items()}

@@ -10,13 +10,15 @@ import hashlib
 import os
 from pathlib import Path
 
-from .config import ModelArgs
+from .config import ModelArgs, portable_hf_config
 from .errors import UserError
-from .files import atomic_dir, iter_shards, read_config, release_freed_memory, write_json
+from .files import (atomic_dir, iter_shards, make_tokenizer_config_portable, read_config, release_freed_memory,
+                    write_json)
 from .model import Llama
 from .quant import quantize_loaded_linears
 from .registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
 
+CACHE_FORMAT = 2  # of the folders gguf_to_folder writes (2: portable config.json and tokenizer_config.json)
 
 def resolve_source(source: str | os.PathLike) -> Path:
     """Return a local HF folder (config.json + safetensors + tokenizer) for any accepted source."""
@@ -55,7 +57,8 @@ def download_from_hub(repo_id: str) -> Path:
 def gguf_to_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached HF folder (float32 safetensors + tokenizer)."""
     stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    # CACHE_FORMAT in the key: a change to what is written here makes a fresh folder, not a stale hit
+    key = hashlib.sha1(f"{CACHE_FORMAT}:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     folder = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (folder / "config.json").is_file():
         return folder
@@ -77,10 +80,11 @@ def gguf_to_folder(gguf: Path) -> Path:
     with atomic_dir(folder, force=True) as tmp:
         cfg = config.to_dict()
         cfg.pop("quantization_config", None)
-        cfg["torch_dtype"] = "float32"
-        write_json(tmp / "config.json", cfg)
+        cfg["torch_dtype"] = cfg["dtype"] = "float32"
+        write_json(tmp / "config.json", portable_hf_config(cfg))
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
+        make_tokenizer_config_portable(tmp)
         try:
             from transformers import GenerationConfig
 

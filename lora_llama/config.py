@@ -15,7 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import UserError
 
-LLAMA_MODEL_TYPES = ("llama",)
+# model_type -> the transformers class that loads it, written as `architectures` in the configs we write
+ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+LLAMA_MODEL_TYPES = tuple(ARCHITECTURES)
+# keys transformers adds when it loads or converts a model: local paths and names that mean nothing elsewhere
+_LOAD_TIME_KEYS = ("_name_or_path", "_model_name_or_path", "_commit_hash", "_attn_implementation_autoset")
+_DEFAULT_LABELS = {"0": "LABEL_0", "1": "LABEL_1"}
 # dtype spellings users write -> torch attribute names (the canonical spellings are the values)
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                "fp16": "float16", "float16": "float16"}
@@ -105,6 +110,22 @@ class ModelArgs:
             pad_token_id=cfg.get("pad_token_id"),
             hf_config=dict(cfg),
         )
+
+
+def portable_hf_config(cfg: dict) -> dict:
+    """config.json as we write it, for any tool to read: `architectures` names the family's class; no
+    local path, no load-time key, no default label maps; `rope_theta` (and a non-default `rope_scaling`)
+    also at the top level, where transformers < 5 and llama.cpp's converter read them."""
+    out = {k: v for k, v in cfg.items() if k not in _LOAD_TIME_KEYS and not (v is None and k in ("dtype", "torch_dtype"))}
+    out["architectures"] = [ARCHITECTURES[cfg.get("model_type", "llama")]]
+    if {str(k): v for k, v in (out.get("id2label") or {}).items()} == _DEFAULT_LABELS:
+        out.pop("id2label"), out.pop("label2id", None)
+    rope = dict(out.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        out.setdefault("rope_theta", rope.pop("rope_theta"))
+    if rope.get("rope_type", "default") != "default":
+        out.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    return out
 
 
 # ---------------------------------------------------------------------------- LoRA

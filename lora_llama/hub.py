@@ -16,7 +16,7 @@ import yaml
 
 from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .errors import UserError
-from .registry import REGISTERED_DATA, REGISTERED_MODELS, is_hub_id
+from .registry import REGISTERED_DATA, is_hub_id, registered_model
 
 
 def find_adapter(path: str | os.PathLike) -> tuple[Path, Path | None]:
@@ -47,25 +47,31 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
     cfg = json.loads((adapter / ADAPTER_CONFIG).read_text())
     recipe = yaml.safe_load((run / "recipe.yaml").read_text()) if run and (run / "recipe.yaml").is_file() else {}
     base = cfg.get("base_model_name_or_path") or "unknown"
-    known = REGISTERED_MODELS.get(base)
-    hub_base, license_ = (known.hub_id, known.license) if known else (base, None)
+    known = registered_model(base)
+    # a local base is named by its folder's name only: no path of this machine goes into the card
+    hub_base = known.hub_id if known else base if is_hub_id(base) else None
+    shown = hub_base or Path(base).name
     data_source = (recipe.get("data") or {}).get("source")
-    meta = {"base_model": hub_base, "library_name": "peft", "pipeline_tag": "text-generation",
+    meta = {"library_name": "peft", "pipeline_tag": "text-generation",
             "tags": ["lora", "lora-llama", "peft", "text-generation"]}
-    if license_:
-        meta["license"] = license_
+    if hub_base:
+        meta = {"base_model": hub_base, **meta}
+    if known:
+        meta["license"] = known.license
     if data_source and is_hub_id(data_source):
         meta["datasets"] = [data_source]
     ev = _last_eval(run)
     lines = [f"# {repo_id.split('/')[-1]}", "",
-             f"A LoRA adapter for [{hub_base}](https://huggingface.co/{hub_base}), trained with "
+             "A LoRA adapter for " + (f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else
+                                       f"a local base model (`{shown}`)") + ", trained with "
              "[lora-llama](https://github.com/lora-llama/lora-llama).", "", "## Settings", "",
              "| setting | value |", "| --- | --- |",
              f"| rank r | {cfg['r']} |", f"| alpha | {cfg['lora_alpha']} |", f"| dropout | {cfg['lora_dropout']} |",
              f"| target modules | {', '.join(cfg['target_modules'])} |", f"| rsLoRA | {cfg.get('use_rslora', False)} |"]
     if data_source:
         known_data = REGISTERED_DATA.get(data_source)
-        lines.append(f"| data | {known_data.description if known_data else data_source} |")
+        shown_data = data_source if is_hub_id(data_source) else Path(data_source).name
+        lines.append(f"| data | {known_data.description if known_data else shown_data} |")
     train = recipe.get("train") or {}
     for key in ("lr", "batch_size", "grad_accum", "max_steps", "epochs", "schedule"):
         if train.get(key) is not None:
@@ -77,12 +83,12 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         lines += ["", "![training curve](loss.png)"]
     lines += ["", "## Use", "", "With peft and transformers:", "", "```python",
               "from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-              f'base = AutoModelForCausalLM.from_pretrained("{hub_base}")',
+              f'base = AutoModelForCausalLM.from_pretrained("{shown}")',
               f'model = PeftModel.from_pretrained(base, "{repo_id}")',
-              f'tokenizer = AutoTokenizer.from_pretrained("{hub_base}")', "```", "",
+              f'tokenizer = AutoTokenizer.from_pretrained("{shown}")', "```", "",
               "With lora-llama:", "", "```bash",
               f"hf download {repo_id} --local-dir adapter",
-              f'lora-llama generate --model {base} --adapter adapter --chat --prompt "Hello!"', "```", ""]
+              f'lora-llama generate --model {shown} --adapter adapter --chat --prompt "Hello!"', "```", ""]
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(lines)
 
 

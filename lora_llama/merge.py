@@ -18,11 +18,12 @@ import torch
 
 from .adapters import adapter_deltas
 from .checkpoint import resolve_source
-from .config import torch_dtype
+from .config import portable_hf_config, torch_dtype
 from .errors import UserError
-from .files import (INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES, atomic_dir, read_config, release_freed_memory,
-                    shard_files, tensor_shapes, write_json, write_safetensors_streaming)
+from .files import (INDEX_FILE, SAFETENSORS_DTYPES, atomic_dir, copy_tokenizer_files, read_config,
+                    release_freed_memory, shard_files, tensor_shapes, write_json, write_safetensors_streaming)
 from .lora import fold
+from .registry import base_model_id
 
 
 def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
@@ -58,7 +59,7 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
     tied = bool(config.get("tie_word_embeddings", False))
     check_adapter_fits(deltas, tensor_shapes(files), tied)
     named = adapter_cfg.get("base_model_name_or_path")
-    if named and str(named) != str(base) and Path(str(named)).name != Path(str(base)).name:
+    if named and str(named) not in (str(base), base_model_id(base)) and Path(str(named)).name != Path(str(base)).name:
         warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
     # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
     untie = tied and "lm_head.weight" in deltas
@@ -102,8 +103,8 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
         if out_dtype is not None:
             config["torch_dtype"] = config["dtype"] = str(out_dtype).removeprefix("torch.")
         config.pop("quantization_config", None)
-        write_json(tmp / "config.json", config)
-        for extra in ("generation_config.json", *TOKENIZER_FILES):
-            if (folder / extra).is_file():
-                shutil.copy2(folder / extra, tmp / extra)
+        write_json(tmp / "config.json", portable_hf_config(config))
+        if (folder / "generation_config.json").is_file():
+            shutil.copy2(folder / "generation_config.json", tmp / "generation_config.json")
+        copy_tokenizer_files(folder, tmp)
     return {"out": str(out), "bytes": total, "seconds": time.perf_counter() - start, "shards": n}

@@ -53,6 +53,19 @@ def is_hub_id(name: str) -> bool:
             and not Path(name).exists())
 
 
+def base_model_id(source: str) -> str:
+    """What adapters record as `base_model_name_or_path`: a registered model's Hub id (its name means
+    nothing to peft or the Hub), otherwise the source as the user gave it (as peft writes it)."""
+    m = REGISTERED_MODELS.get(str(source))
+    return m.hub_id if m else str(source)
+
+
+def registered_model(name_or_hub_id: str) -> RegisteredModel | None:
+    """The registered model known by this short name or Hub id, if any."""
+    return REGISTERED_MODELS.get(name_or_hub_id) or next(
+        (m for m in REGISTERED_MODELS.values() if m.hub_id == name_or_hub_id), None)
+
+
 def package_dir(package: str, install: str, needed_by: str) -> Path:
     """The folder of an installed package, found without importing it."""
     spec = importlib.util.find_spec(package)

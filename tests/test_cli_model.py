@@ -4,7 +4,6 @@ import math
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from helpers import ROOT, hf_model
@@ -96,7 +95,7 @@ def test_eval_loss_equals_transformers(tiny_ckpt, tmp_path, capsys):
 
 
 def test_smollm2_gguf_matches_transformers_and_knows_paris(smollm2):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from lora_llama import load_model, load_tokenizer
     from lora_llama.generate import eos_token_ids, generate

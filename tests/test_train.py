@@ -200,7 +200,7 @@ def test_default_recipe_runs_three_steps(smollm2, tmp_path):
     assert {"step", "loss", "lr", "tokens_per_s"} <= set(rows[1])
     assert (out / "recipe.yaml").is_file() and (out / "loss.png").is_file()
     cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert cfg["base_model_name_or_path"] == "smollm2-135m-instruct"
+    assert cfg["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub id peft resolves
 
 
 def test_shipped_recipes_validate():
