@@ -10,7 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from .config import ModelArgs, portable_hf_config
+from .config import ModelArgs, family_of, portable_hf_config
 from .errors import UserError
 from .files import (atomic_dir, iter_shards, make_tokenizer_config_portable, read_config, release_freed_memory,
                     write_json)
@@ -64,17 +64,16 @@ def gguf_to_folder(gguf: Path) -> Path:
         return folder
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # gguf raises many types for a bad file
         raise UserError(f"cannot read GGUF file {gguf}: {e}") from None
-    if config.model_type != "llama":
-        raise UserError(f"{gguf} holds a {config.model_type!r} model, not a LLaMA-family one")
+    family_of(config.to_dict())  # an unsupported family or option is refused before anything is written
     with torch.device("meta"):
-        hf_model = LlamaForCausalLM(config)  # only used to map GGUF tensor names to HF names
+        hf_model = AutoModelForCausalLM.from_config(config)  # only used to map GGUF tensor names to HF names
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=hf_model)["tensors"]
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with atomic_dir(folder, force=True) as tmp:
@@ -129,7 +128,7 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
                 del shard[key]
                 continue
             if key not in expected:
-                raise UserError(f"{file.name}: unexpected tensor {key!r} for a LLaMA model")
+                raise UserError(f"{file.name}: unexpected tensor {key!r} for a {args.model_type} model")
             if shard[key].shape != expected[key]:
                 raise UserError(f"{file.name}: {key} has shape {tuple(shard[key].shape)}, config.json implies {tuple(expected[key])}")
             shard[key] = shard[key].to(device=device, dtype=dtype)

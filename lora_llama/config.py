@@ -15,9 +15,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import UserError
 
-# model_type -> the transformers class that loads it, written as `architectures` in the configs we write
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-LLAMA_MODEL_TYPES = tuple(ARCHITECTURES)
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a model_type differs from Llama (read off transformers' modeling_<type>.py)."""
+    architecture: str  # the transformers class: written as `architectures` in the configs we write
+    qkv_bias: bool | None = None  # bias on q, k, v: fixed by the family, or None for config's attention_bias
+    o_bias: bool | None = None  # bias on o: the same
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    sliding_window: bool = False  # every layer honours config's sliding_window (Mistral)
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM", qkv_bias=False, o_bias=False, sliding_window=True),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+}
 # keys transformers adds when it loads or converts a model: local paths and names that mean nothing elsewhere
 _LOAD_TIME_KEYS = ("_name_or_path", "_model_name_or_path", "_commit_hash", "_attn_implementation_autoset")
 _DEFAULT_LABELS = {"0": "LABEL_0", "1": "LABEL_1"}
@@ -52,6 +67,7 @@ def lora_scale(r: int, alpha: float, rslora: bool = False) -> float:
 
 @dataclass
 class ModelArgs:
+    model_type: str = "llama"  # a key of FAMILIES
     vocab_size: int = 32000
     dim: int = 4096  # hidden_size
     n_layers: int = 32
@@ -64,8 +80,11 @@ class ModelArgs:
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": 8.0, ...}
     max_seq_len: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: q and k normalised per head before RoPE
+    sliding_window: int | None = None  # Mistral: a position attends to itself and the window - 1 before it
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -83,14 +102,14 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in LLAMA_MODEL_TYPES:
-            raise UserError(f"model_type {model_type!r} is not a LLaMA-family model (expected one of {LLAMA_MODEL_TYPES})")
+        family = family_of(cfg)
+        attention_bias = cfg.get("attention_bias", False)
         # transformers >= 5 writes `rope_parameters`; Hub checkpoints carry `rope_theta` + `rope_scaling`.
         rope = dict(cfg.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = rope if rope.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
         return cls(
+            model_type=cfg.get("model_type", "llama"),
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
             n_layers=cfg["num_hidden_layers"],
@@ -103,8 +122,11 @@ class ModelArgs:
             rope_scaling=dict(scaling) if scaling else None,
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
+            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            o_bias=attention_bias if family.o_bias is None else family.o_bias,
             mlp_bias=cfg.get("mlp_bias", False),
+            qk_norm=family.qk_norm,
+            sliding_window=cfg.get("sliding_window") if family.sliding_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
@@ -112,12 +134,27 @@ class ModelArgs:
         )
 
 
+def family_of(cfg: dict) -> Family:
+    """The family of an HF config; what it sets that we do not implement is refused, never ignored."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in FAMILIES:
+        raise UserError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    family = FAMILIES[model_type]
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"{model_type} with hidden_act {act!r} is not supported (only silu)")
+    sliding = cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or [])
+    if sliding and not (family.sliding_window and not cfg.get("layer_types")):
+        raise UserError(f"{model_type} with sliding-window layers (use_sliding_window / layer_types) is not supported")
+    return family
+
+
 def portable_hf_config(cfg: dict) -> dict:
     """config.json as we write it, for any tool to read: `architectures` names the family's class; no
     local path, no load-time key, no default label maps; `rope_theta` (and a non-default `rope_scaling`)
     also at the top level, where transformers < 5 and llama.cpp's converter read them."""
     out = {k: v for k, v in cfg.items() if k not in _LOAD_TIME_KEYS and not (v is None and k in ("dtype", "torch_dtype"))}
-    out["architectures"] = [ARCHITECTURES[cfg.get("model_type", "llama")]]
+    out["architectures"] = [family_of(cfg).architecture]
     if {str(k): v for k, v in (out.get("id2label") or {}).items()} == _DEFAULT_LABELS:
         out.pop("id2label"), out.pop("label2id", None)
     rope = dict(out.get("rope_parameters") or {})

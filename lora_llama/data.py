@@ -112,6 +112,7 @@ class Tokenize:
         self.train_on_prompt, self.prompt_template = train_on_prompt, prompt_template
         self.eos = tokenizer.eos_token_id
         self.chat_template = tokenizer.chat_template or CHATML_TEMPLATE
+        self.special_ids = special_token_ids(tokenizer)
 
     def __call__(self, record: dict) -> list[dict]:
         if self.fmt == "text":
@@ -130,20 +131,28 @@ class Tokenize:
                                             add_generation_prompt=add_generation_prompt)
 
     def chat(self, messages: list[dict]) -> dict:
-        """Render with the chat template; targets are the assistant turns (with their EOS)."""
+        """Render with the chat template; targets are the assistant turns with the token that ends them.
+
+        An assistant turn spans from the end of the template's generation prompt to the end of the
+        turn's rendering, so the system prompt and the generation prompt are never targets.
+        """
         text = self._render(messages)
         spans = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start = len(self._render(messages[:i], add_generation_prompt=True))
-            end = len(self._render(messages[:i + 1]))
-            spans.append((start, end))
+            before, through = self._render(messages[:i], add_generation_prompt=True), self._render(messages[:i + 1])
+            if not (text.startswith(before) and text.startswith(through)):
+                raise UserError("the chat template renders a conversation differently from its first turns, "
+                                "so the assistant turns cannot be located; set data.format or use another template")
+            spans.append((len(before), len(through)))
         ids, offsets = encode_rendered(self.tok, text)
         in_target = [any(s <= a < e for s, e in spans) for a, _ in offsets]
         labels = [t if (keep or self.train_on_prompt) else IGNORE_INDEX for t, keep in zip(ids, in_target)]
-        if self.eos is not None and messages[-1]["role"] == "assistant" and self.eos not in labels[-3:]:
-            ids, labels = ids + [self.eos], labels + [self.eos]  # templates that do not close a turn with EOS
+        # templates that close a turn with a special token (<|im_end|>, <|eot_id|>, </s>) have their stop;
+        # for the others the EOS is added as a target
+        if self.eos is not None and messages[-1]["role"] == "assistant" and not self.special_ids & set(labels[-3:]):
+            ids, labels = ids + [self.eos], labels + [self.eos]
         return self._truncate(ids, labels)
 
     def alpaca(self, record: dict) -> dict:
@@ -164,6 +173,23 @@ class Tokenize:
 
     def _truncate(self, ids, labels) -> dict:
         return {"input_ids": ids[: self.max_len], "labels": labels[: self.max_len]}
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special tokens, those it declares and those added as special (<|eot_id|>)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token that ends an assistant turn in the tokenizer's chat template (EOS without a template)."""
+    if not tokenizer.chat_template:
+        return tokenizer.eos_token_id
+    labels = Tokenize(tokenizer, "chat", 1 << 20).chat(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])["labels"]
+    targets = [t for t in labels if t != IGNORE_INDEX]
+    special = special_token_ids(tokenizer)
+    return next((t for t in reversed(targets) if t in special), tokenizer.eos_token_id)
 
 
 def encode_rendered(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:

@@ -5,6 +5,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from .data import end_of_turn_id
+from .files import read_json
+
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                 generator: torch.Generator | None) -> torch.Tensor:
@@ -53,8 +56,12 @@ def generate(model, prompt_ids: Iterable[int], max_new_tokens: int = 64, tempera
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
-    """EOS ids from the tokenizer and config.json (Llama 3 lists several)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    cfg_eos = model.args.eos_token_id
-    ids.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else [])
-    return sorted(ids)
+    """Every id that ends a generation: the tokenizer's EOS, the token that ends an assistant turn in its
+    chat template, and the EOS of config.json and generation_config.json (Llama 3 and Qwen list several)."""
+    ids = {tokenizer.eos_token_id, end_of_turn_id(tokenizer)}
+    listed = [model.args.eos_token_id]
+    if model.folder is not None and (model.folder / "generation_config.json").is_file():
+        listed.append(read_json(model.folder / "generation_config.json").get("eos_token_id"))
+    for eos in listed:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)

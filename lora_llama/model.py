@@ -74,23 +74,29 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)  # Qwen2: q, k, v biased, o not
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        if args.qk_norm:  # Qwen3: each head of q and k normalised before RoPE
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.qk_norm = args.qk_norm
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, keep=None):
         """(B, T, dim), or (N, dim) at the positions where keep (B, T) is True (every position still attends)."""
         B, T, _ = x.shape
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))  # one autograd node when all three carry LoRA
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = k.transpose(1, 2)  # (B, n_kv, T, head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, n_kv, pos + T, head_dim)
-        y = attend(q, k, v, mask, causal=mask is None and T > 1 and cache is None)
+        y = attend(q, k, v, mask, causal=mask is None and T > 1)  # mask None with T == 1: one query sees every key
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return run_linear(self.o_proj, y if keep is None else y[keep])
 
@@ -182,13 +188,7 @@ class Llama(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)  # (B, T, dim)
         cos, sin = self.rope(position_ids, x.dtype)
-        mask = None  # None: plain causal, handled by attend(causal=True)
-        if segment_ids is not None:
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal  # (B, T, T)
-            mask = mask[:, None]  # (B, 1, T, T)
-        elif cache is not None and T > 1:
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        mask = self.attention_mask(T, start, x.device, segment_ids)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             # the last block's output projection and MLP run at the kept positions only (a loss's targets)
@@ -200,6 +200,23 @@ class Llama(nn.Module):
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)
+
+    def attention_mask(self, T: int, start: int, device, segment_ids=None):
+        """Which keys each query sees: None for plain causal attention (attend's fast path, or one new
+        token that sees every key), else (1 or B, 1, T, start + T) bool: causal, inside the sliding
+        window (Mistral), inside its own example (packed rows, segment_ids (B, T))."""
+        window = self.args.sliding_window
+        windowed = window is not None and start + T > window
+        if segment_ids is None and not windowed and (start == 0 or T == 1):
+            return None
+        q_pos = torch.arange(start, start + T, device=device)[:, None]
+        k_pos = torch.arange(start + T, device=device)[None]
+        mask = k_pos <= q_pos  # (T, start + T)
+        if windowed:
+            mask &= k_pos > q_pos - window
+        if segment_ids is not None:
+            return (mask & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]  # (B, 1, T, T)
+        return mask[None, None]
 
     def forward(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None):
         """Logits (B, T, vocab). For training use `hidden` + a target-only loss instead."""

@@ -15,7 +15,7 @@ import torch
 from .adapters import load_adapter_weights, save_adapter
 from .checkpoint import load_model, load_tokenizer
 from .config import torch_dtype
-from .data import build_examples, collate, count_targets
+from .data import build_examples, collate, count_targets, end_of_turn_id
 from .errors import UserError
 from .files import atomic_dir, write_json
 from .hub import push, resolve_token
@@ -59,6 +59,10 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=pri
         f"({summary['percent']:.3f}%) on {device}")
     log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or m.dtype})")
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
+    if "lm_head" not in recipe.lora.targets and looks_untrained(model, end_of_turn_id(tok)):
+        log(f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(end_of_turn_id(tok))}) "
+            "looks untrained in this base (its embedding or lm_head row is near zero) and both stay frozen: "
+            "the model may never learn to stop; add lm_head to lora.targets or start from an instruct model")
     if found:
         trainer.resume(found[-1])
         log(f"resuming from {found[-1]} (step {trainer.step})")
@@ -265,6 +269,16 @@ def total_steps(train_cfg, n_micro_batches: int) -> int:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def looks_untrained(model, token_id: int | None) -> bool:
+    """Whether a token's embedding or lm_head row is far below the others (< 0.1 x the median row norm),
+    as the chat tokens of base checkpoints are that never saw them (base Qwen's <|im_end|>)."""
+    if token_id is None:
+        return False
+    rows = {model.model.embed_tokens.weight, model.lm_head.weight}
+    return any(float(norms[token_id]) < 0.1 * float(norms.median()) for norms in
+               (w.detach().float().norm(dim=1) for w in rows))
 
 
 def _to(batch: dict, device) -> dict:

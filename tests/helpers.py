@@ -17,6 +17,10 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+# per family: what its config must be told to fit TINY (Qwen3's head_dim defaults to 128)
+FAMILY_DEFAULTS = {"qwen3": dict(head_dim=16)}
+
+
 def make_tokenizer():
     """A byte-level BPE tokenizer trained on a few lines, with BOS added and a ChatML template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors, trainers
@@ -35,12 +39,13 @@ def make_tokenizer():
     return fast
 
 
-def build_checkpoint(folder: Path, shards: int = 1, seed: int = 0, **overrides) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_checkpoint(folder: Path, shards: int = 1, seed: int = 0, family: str = "llama", **overrides) -> Path:
+    """A tiny random checkpoint of transformers' class for `family` (a model_type), saved with a tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**TINY, **overrides})
-    model = LlamaForCausalLM(cfg).float()
+    cfg = AutoConfig.for_model(family, **{**TINY, **FAMILY_DEFAULTS.get(family, {}), **overrides})
+    model = AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():  # random norms and biases so that a wrong mapping shows in the logits
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -54,9 +59,10 @@ def build_checkpoint(folder: Path, shards: int = 1, seed: int = 0, **overrides) 
 
 
 def hf_model(folder):
-    from transformers import LlamaForCausalLM
+    """transformers' own class for the checkpoint (LlamaForCausalLM, MistralForCausalLM, ...)."""
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
 # for memory measurements in a fresh subprocess: prepend to its script

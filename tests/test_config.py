@@ -19,7 +19,7 @@ def test_model_args_from_a_llama3_config_written_by_transformers():
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim) == (64, 2, 4, 2, 32)
     assert args.rope_theta == 500000.0 and args.rope_scaling["rope_type"] == "llama3"
     assert args.rope_scaling["factor"] == 32.0
-    assert args.tie_word_embeddings and args.attention_bias and not args.mlp_bias
+    assert args.tie_word_embeddings and args.qkv_bias and args.o_bias and not args.mlp_bias
     assert args.hf_config == cfg  # kept for merge to write back
 
 
@@ -28,8 +28,10 @@ def test_model_args_defaults_and_refusals():
             "intermediate_size": 16}
     args = ModelArgs.from_hf_config(base)
     assert args.n_kv_heads == 2 and args.head_dim == 4  # MHA and dim // heads when the config is silent
-    with pytest.raises(UserError, match="not a LLaMA-family model"):
+    with pytest.raises(UserError, match="model_type 'gpt2' is not supported"):
         ModelArgs.from_hf_config({**base, "model_type": "gpt2"})
+    with pytest.raises(UserError, match="hidden_act 'gelu' is not supported"):
+        ModelArgs.from_hf_config({**base, "hidden_act": "gelu"})
     with pytest.raises(UserError, match="not a multiple"):
         ModelArgs.from_hf_config({**base, "num_key_value_heads": 3})
     with pytest.raises(UserError, match="'yarn' is not supported"):
