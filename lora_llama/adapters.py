@@ -56,6 +56,10 @@ def read_adapter_config(folder: str | os.PathLike):
             raise UserError(f"{folder}: per-module {key} is not supported")
     if cfg.get("bias", "none") != "none":
         raise UserError(f"{folder}: bias {cfg['bias']!r} is not supported (only 'none')")
+    # options that change what the adapter computes or carries, which we do not implement: refused, not ignored
+    for key in ("modules_to_save", "fan_in_fan_out", "lora_bias", "layer_replication", "use_qalora"):
+        if cfg.get(key):
+            raise UserError(f"{folder}: {key}={cfg[key]!r} is not supported")
     targets = cfg.get("target_modules") or []
     if targets == "all-linear":
         targets = [HF_NAME[t] for t in DECODER_TARGETS]
@@ -86,6 +90,9 @@ def read_adapter_tensors(folder: str | os.PathLike) -> dict:
         loaded = load_file(path)
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {path}: truncated or not a safetensors file ({e})") from None
+    for key, t in loaded.items():
+        if not t.is_floating_point() or t.dim() != 2 or not torch.isfinite(t).all():
+            raise UserError(f"{path}: {key} is not a finite 2-D float matrix (NaN, inf or a wrong type)")
     # PEFT writes `...lora_A.weight`; some tools keep the adapter name: `...lora_A.default.weight`
     return {k.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight"): v for k, v in loaded.items()}
 
@@ -112,6 +119,9 @@ def load_adapter_weights(model, folder: str | os.PathLike) -> None:
 def load_adapter(model, folder: str | os.PathLike) -> dict:
     """Apply a PEFT LoRA adapter to a native model; returns the parameter summary."""
     settings, _ = read_adapter_config(folder)
+    ranks = {t.shape[0] for k, t in read_adapter_tensors(folder).items() if ".lora_A." in k}
+    if ranks - {settings.r}:  # checked before apply_lora allocates r x in for every layer
+        raise UserError(f"{Path(folder) / ADAPTER_CONFIG} says r={settings.r}, its tensors have rank {sorted(ranks)[0]}")
     summary = apply_lora(model, settings)
     load_adapter_weights(model, folder)
     return summary

@@ -74,8 +74,11 @@ def gguf_to_folder(gguf: Path) -> Path:
     family_of(config.to_dict())  # an unsupported family or option is refused before anything is written
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)  # only used to map GGUF tensor names to HF names
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=hf_model)["tensors"]
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=hf_model)["tensors"]
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # a truncated or damaged file fails in many ways inside gguf / transformers
+        raise UserError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     with atomic_dir(folder, force=True) as tmp:
         cfg = config.to_dict()
         cfg.pop("quantization_config", None)

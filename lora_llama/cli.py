@@ -192,9 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"lora-llama {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"lora-llama {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except OSError as e:  # the machine refused a read or write (disk full, permissions): no traceback for that
+        print(f"lora-llama {args.command}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""),
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into a clean stop by the trainer
+        print(f"lora-llama {args.command}: {'stopped by ' + e.args[0] if e.args else 'interrupted'}", file=sys.stderr)
+        return 143 if e.args and e.args[0] == "SIGTERM" else 130
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Typed settings: `ModelArgs` (from an HF config.json), `LoraSettings`, `Recipe`.
+"""Typed settings: `ModelArgs` (from an HF config.json, per family), `LoraSettings`, `Recipe`.
 
 Everything a user writes (a recipe, overrides, LoRA settings) is validated here
 by pydantic, so a typo fails before any model is loaded and the error names the
@@ -14,7 +14,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import UserError
-
 
 
 @dataclass(frozen=True)
@@ -143,8 +142,8 @@ def family_of(cfg: dict) -> Family:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"{model_type} with hidden_act {act!r} is not supported (only silu)")
-    sliding = cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or [])
-    if sliding and not (family.sliding_window and not cfg.get("layer_types")):
+    # Mistral's window covers every layer (ModelArgs.sliding_window); Qwen's per-layer windows are not implemented
+    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
         raise UserError(f"{model_type} with sliding-window layers (use_sliding_window / layer_types) is not supported")
     return family
 
@@ -297,7 +296,11 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         if "=" not in item:
             raise UserError(f"override {item!r} must look like key.path=value")
         key, value = item.split("=", 1)
-        _set_path(tree, key.strip(), yaml.safe_load(value))
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise UserError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
+        _set_path(tree, key.strip(), parsed)
     try:
         return Recipe.model_validate(tree)
     except ValidationError as e:

@@ -33,14 +33,19 @@ def atomic_dir(out: str | os.PathLike, force: bool = False):
 
     An existing `out` is refused unless `force`; with `force` it is replaced only
     after the new one is complete, so a crash never leaves a half-written folder.
+    A failed write (disk full, file too large, no permission) is one UserError naming
+    `out` and the cause; the temporary folder is removed and an existing `out` kept.
     """
+    from safetensors import SafetensorError
+
     out = Path(out)
     if out.exists() and not force:
         raise UserError(f"{out} already exists (pass --force to overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
+    tmp = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
         yield tmp
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -49,8 +54,12 @@ def atomic_dir(out: str | os.PathLike, force: bool = False):
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
+    except (OSError, SafetensorError) as e:
+        cause = f"{e.strerror} ({e.filename})" if getattr(e, "strerror", None) and e.filename else str(e)
+        raise UserError(f"cannot write {out}: {cause}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_json(path: Path, obj) -> None:
@@ -96,7 +105,10 @@ def shard_files(folder: Path) -> list[Path]:
     """The safetensors files of a model folder, in index order."""
     index = folder / INDEX_FILE
     if index.is_file():
-        names = sorted(set(read_json(index)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v for v in weight_map.values()):
+            raise UserError(f"{index} has no valid weight_map (file names of this folder's shards)")
+        names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise UserError(f"{folder}: shard {missing[0]} named in {INDEX_FILE} is missing")

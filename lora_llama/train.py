@@ -17,18 +17,26 @@ from .checkpoint import load_model, load_tokenizer
 from .config import torch_dtype
 from .data import build_examples, collate, count_targets, end_of_turn_id
 from .errors import UserError
-from .files import atomic_dir, write_json
+from .files import atomic_dir, read_json, write_json
 from .hub import push, resolve_token
 from .lora import apply_lora
 from .loss import target_loss
 from .quant import base_weight_bytes
+from .run_folder import (checkpoints, load_state, plot_losses, read_metrics, remove_leftovers, rng_state, run_lock,
+                         save_state, set_rng_state, stop_requests, tensorboard, truncate_metrics)
 
 
 def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=print) -> dict:
-    """Everything `lora-llama train` does. Inputs are all checked before the run folder is touched."""
+    """Everything `lora-llama train` does, holding the run folder's lock throughout."""
+    out = Path(recipe.output.dir)
+    with run_lock(out):
+        return _train(recipe, out, resume, force, log)
+
+
+def _train(recipe, out: Path, resume: bool, force: bool, log) -> dict:
+    """Inputs are all checked before the run folder is touched."""
     import yaml
 
-    out = Path(recipe.output.dir)
     found = checkpoints(out)
     if recipe.output.push_to_hub:  # fail now, not after hours of training
         resolve_token(None)
@@ -53,6 +61,7 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=pri
         shutil.rmtree(out)
         found = []
     out.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     trainer = Trainer(recipe, model, tok, train, val, out)
     log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
@@ -90,7 +99,7 @@ class Trainer:
         self.pad_id = tokenizer.pad_token_id
         # bf16 autocast on CUDA; CPU float32 training stays exact
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
-        self.tb = _tensorboard(self.out)
+        self.tb = None  # opened by fit, once the step it resumes from is known
 
     # ---------------------------------------------------------------- data order
 
@@ -130,11 +139,12 @@ class Trainer:
     # ---------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self) -> Path:
+        """checkpoints/step-N, written whole or not at all (a kill mid-write leaves the previous one)."""
         ckpt_dir = self.out / "checkpoints" / f"step-{self.step}"
         with atomic_dir(ckpt_dir, force=True) as tmp:
             save_adapter(self.model, tmp / "adapter", force=True)
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "rng": _rng_state()}, tmp / "state.pt")
+            save_state(tmp, {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                             "rng": rng_state()})
             write_json(tmp / "trainer_state.json", {"step": self.step, "micro_batches_done": self.step * self.recipe.train.grad_accum,
                                                     "total_steps": self.total})
         for old in checkpoints(self.out)[: -self.recipe.train.keep_last]:
@@ -143,12 +153,18 @@ class Trainer:
 
     def resume(self, ckpt_dir: Path) -> None:
         load_adapter_weights(self.model, ckpt_dir / "adapter")
-        state = torch.load(ckpt_dir / "state.pt", map_location=self.device, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-        self.step = json.loads((ckpt_dir / "trainer_state.json").read_text())["step"]
-        _truncate_metrics(self.out / "metrics.jsonl", self.step)
+        state = load_state(ckpt_dir)
+        step = read_json(ckpt_dir / "trainer_state.json").get("step")
+        if not isinstance(step, int) or not 0 < step <= self.total:
+            raise UserError(f"{ckpt_dir / 'trainer_state.json'}: step {step!r} does not fit this run of {self.total} steps")
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            set_rng_state(state["rng"])
+        except (KeyError, ValueError, RuntimeError, TypeError) as e:
+            raise UserError(f"{ckpt_dir}: the trainer state does not fit this run ({type(e).__name__}: {e})") from None
+        self.step = step
+        truncate_metrics(self.out / "metrics.jsonl", self.step)
 
     # ---------------------------------------------------------------- the loop
 
@@ -170,49 +186,64 @@ class Trainer:
         return record
 
     def fit(self) -> dict:
+        """Train to the end. SIGTERM (preemption) or Ctrl-C stop at the next step boundary with a
+        checkpoint and raise KeyboardInterrupt; the same command then resumes. A second Ctrl-C stops at once."""
         from tqdm.auto import tqdm
 
         t = self.recipe.train
         self.model.train()
+        self.tb = tensorboard(self.out, self.step)
         last_eval = None
         if self.step == 0:
             last_eval = self.run_eval()  # the starting point of the eval curve
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         saved_at = self.step
         try:
-            while self.step < self.total:
-                start = time.perf_counter()
-                loss, tokens = self.train_step()
-                tps = tokens / (time.perf_counter() - start)
-                lr = self.scheduler.get_last_lr()[0]
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-                if self.step % t.log_every == 0 or self.step == self.total:
-                    self.log({"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": tps})
-                if self.step % t.eval_every == 0 or self.step == self.total:
-                    last_eval = self.run_eval()
-                    if last_eval:
-                        bar.write(f"step {self.step}: eval_loss {last_eval['eval_loss']:.4f} "
-                                  f"perplexity {last_eval['eval_perplexity']:.2f}")
-                if self.step % t.save_every == 0 or self.step == self.total:
-                    self.save_checkpoint()
-                    saved_at = self.step
-        except KeyboardInterrupt:
+            with stop_requests() as stop:
+                while self.step < self.total:
+                    if stop:
+                        raise KeyboardInterrupt(stop[0])
+                    self._one_step(bar, t)
+                    last_eval = self._after_step(bar, t) or last_eval
+                    if self.step % t.save_every == 0 or self.step == self.total:
+                        self.save_checkpoint()
+                        saved_at = self.step
+        except KeyboardInterrupt as e:
             bar.close()
-            if self.step > saved_at:
-                path = self.save_checkpoint()
-                print(f"interrupted: saved {path}; run the same command again to resume", flush=True)
+            why = f"stopped by {e.args[0]}" if e.args else "interrupted"
+            path = self.save_checkpoint() if self.step > saved_at else (checkpoints(self.out) or [None])[-1]
+            print(f"{why} at step {self.step}: " + (f"saved {path}; run the same command again to resume"
+                                                     if path else "no checkpoint yet"), flush=True)
             raise
-        bar.close()
+        finally:
+            bar.close()
+            if self.tb:
+                self.tb.close()
         save_adapter(self.model, self.out / "adapter", force=True)
         plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
-        if self.tb:
-            self.tb.close()
         result = {"steps": self.step, "adapter": str(self.out / "adapter"), **(last_eval or {})}
         start = [r for r in read_metrics(self.out / "metrics.jsonl") if r["step"] == 0 and "eval_loss" in r]
         if start:  # the base model's eval loss, also after a resume
             result["eval_loss_start"] = start[0]["eval_loss"]
         return result
+
+    def _one_step(self, bar, t) -> None:
+        start = time.perf_counter()
+        loss, tokens = self.train_step()
+        tps = tokens / (time.perf_counter() - start)
+        lr = self.scheduler.get_last_lr()[0]
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
+        if self.step % t.log_every == 0 or self.step == self.total:
+            self.log({"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": tps})
+
+    def _after_step(self, bar, t) -> dict | None:
+        if not (self.step % t.eval_every == 0 or self.step == self.total):
+            return None
+        record = self.run_eval()
+        if record:
+            bar.write(f"step {self.step}: eval_loss {record['eval_loss']:.4f} perplexity {record['eval_perplexity']:.2f}")
+        return record
 
 
 # ---------------------------------------------------------------------------- evaluation and schedule
@@ -283,66 +314,3 @@ def looks_untrained(model, token_id: int | None) -> bool:
 
 def _to(batch: dict, device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """A run's checkpoint folders, oldest first."""
-    found = [p for p in (Path(out) / "checkpoints").glob("step-*") if p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"].cpu())
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from, so none is repeated."""
-    if path.is_file():
-        path.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step))
-
-
-def _tensorboard(out: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
-        return None
-    return SummaryWriter(str(out / "tensorboard"))
-
-
-def plot_losses(metrics: Path, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(metrics)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss", alpha=0.7)
-    if val:
-        ax.plot(*zip(*val), "o-", label="eval loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (per target token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-
-

@@ -1,0 +1,214 @@
+"""A training run's folder: one run at a time, checkpoint state without pickles, metrics and plots.
+
+    out/checkpoints/step-N/{adapter/, state.safetensors, state.json, trainer_state.json}
+    out/metrics.jsonl, out/tensorboard/, out/loss.png, out/recipe.yaml, out/adapter/
+
+Trainer state (optimizer, scheduler, RNG) is split into its tensors (safetensors) and the
+rest (JSON): loading a checkpoint someone sent you runs no code, where a pickle would.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .files import read_json, write_json
+
+STATE_TENSORS, STATE_JSON, LEGACY_STATE = "state.safetensors", "state.json", "state.pt"
+
+
+@contextlib.contextmanager
+def run_lock(out: Path):
+    """Hold a lock on the run folder for the whole run; a second run on it is refused at once.
+
+    The lock file sits beside the folder (--force may delete the folder) and is an flock, which
+    the kernel drops when its holder dies: the lock of a killed run is simply taken over.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    f = open(out.parent / f".{out.name}.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise UserError(f"{out} is in use by a running `lora-llama train` (pid {holder}); "
+                        "wait for it to end or choose another output.dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    try:
+        yield
+    finally:
+        f.close()  # closing releases the flock
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """Yield a list that SIGTERM (a preempted job) or SIGINT (Ctrl-C) fill with the signal's name,
+    for the trainer to stop at the next step boundary; a second signal stops at once.
+    Outside the main thread (no signal handlers there) the list just stays empty."""
+    requested: list[str] = []
+
+    def handler(signum, frame):
+        if requested:
+            raise KeyboardInterrupt(requested[0])
+        requested.append(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield requested
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """A run's complete checkpoint folders, oldest first (atomic_dir's temporaries start with a dot)."""
+    found = [p for p in (Path(out) / "checkpoints").glob("step-*") if p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def remove_leftovers(out: Path) -> None:
+    """Temporary folders of writes that a killed run left half done (never mistaken for results)."""
+    for parent in (out, out / "checkpoints"):
+        for p in parent.glob(".*.tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- state without pickles
+
+
+def _split(obj, tensors: dict, path: str):
+    """obj with every tensor replaced by a reference into `tensors`, tuples and non-string keys kept."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu").contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, dict):
+        items = [[k, _split(v, tensors, f"{path}.{k}")] for k, v in obj.items()]
+        return {"__dict__": items}
+    if isinstance(obj, (list, tuple)):
+        items = [_split(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    return obj
+
+
+def _join(obj, tensors: dict):
+    if isinstance(obj, list):
+        return [_join(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_join(v, tensors) for v in obj["__tuple__"])
+        return {k: _join(v, tensors) for k, v in obj["__dict__"]}
+    return obj
+
+
+def save_state(folder: Path, state: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict = {}
+    tree = _split(state, tensors, "state")
+    save_file(tensors, folder / STATE_TENSORS, metadata={"format": "pt"})
+    write_json(folder / STATE_JSON, tree)
+
+
+def load_state(folder: Path) -> dict:
+    """What save_state wrote; a checkpoint of an earlier version (state.pt) is read with
+    torch.load(weights_only=True), which refuses anything but tensors and plain containers."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not (folder / STATE_TENSORS).is_file() and (folder / LEGACY_STATE).is_file():
+        try:
+            return torch.load(folder / LEGACY_STATE, map_location="cpu", weights_only=True)
+        except Exception as e:  # unpickling raises many types for a bad or hostile file
+            raise UserError(f"cannot read {folder / LEGACY_STATE}: {str(e).splitlines()[0]}") from None
+    try:
+        tensors = load_file(folder / STATE_TENSORS)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {folder / STATE_TENSORS}: truncated or not a safetensors file ({e})") from None
+    try:
+        return _join(read_json(folder / STATE_JSON), tensors)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{folder / STATE_JSON} does not describe a trainer state ({type(e).__name__}: {e})") from None
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The metric records; a last line cut short by a kill is skipped, not an error."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines written after the checkpoint we resume from, so none is repeated."""
+    if path.is_file():
+        path.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step))
+
+
+def tensorboard(out: Path, resumed_step: int):
+    """A SummaryWriter that drops the events written after the checkpoint we resume from."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(out / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+
+
+def plot_losses(metrics: Path, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", alpha=0.7)
+    if val:
+        ax.plot(*zip(*val), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (per target token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

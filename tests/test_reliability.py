@@ -1,0 +1,320 @@
+"""Faults users meet: preemption (SIGTERM), kills mid-write, full disks, two runs on one folder,
+broken or hostile files, memory over long runs, and any recipe input."""
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import ROOT
+from lora_llama.cli import main
+
+RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
+QA = [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not to be"), ("the quick", "brown fox"),
+      ("how are you", "i am fine"), ("the lazy", "dog")]
+# dropout makes the RNG state part of what a resume must restore
+COMMON = ["train.max_steps=24", "train.batch_size=2", "train.grad_accum=2", "lora.dropout=0.1", "train.save_every=4",
+          "train.eval_every=1000", "train.lr=3e-3", "train.warmup_steps=3", "data.val_size=0"]
+
+
+@pytest.fixture
+def data(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def train_args(ckpt, data, out, *extra):
+    return ["train", RECIPE, f"model.source={ckpt}", f"data.source={data}", f"output.dir={out}", *COMMON, *extra]
+
+
+def run_cli(args, patch="", wait=True):
+    """`lora-llama` in a fresh process; `patch` is Python run first (to slow steps down or inject a fault)."""
+    code = f"import sys, os, time, signal\n{patch}\nfrom lora_llama.cli import main\nsys.exit(main({args!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.communicate(timeout=300) + (proc.returncode,) if wait else proc
+
+
+def one_error_line(err: str) -> bool:
+    """stderr holds one error line and no traceback (the progress bar's lines aside)."""
+    bar = re.compile(r"^[^|]*:\s+\d+%\|")  # tqdm's "train:  50%|..." lines
+    lines = [l for l in err.replace("\r", "\n").splitlines() if l.strip() and not bar.match(l)]
+    return len(lines) == 1 and lines[0].startswith("lora-llama ") and "Traceback" not in err
+
+
+def adapter(out):
+    return load_file(out / "adapter" / "adapter_model.safetensors")
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+SLOW_STEPS = """import lora_llama.train as t
+_step = t.Trainer.train_step
+t.Trainer.train_step = lambda self: (time.sleep(0.15), _step(self))[1]
+"""
+
+
+def test_sigterm_checkpoints_and_the_rerun_matches_bit_for_bit(tiny_ckpt, data, tmp_path):
+    *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "full"))
+    assert code == 0
+    proc = run_cli(train_args(tiny_ckpt, data, tmp_path / "cut"), patch=SLOW_STEPS, wait=False)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and len(metrics.read_text().splitlines() if metrics.is_file() else []) < 7:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    stopped = [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()]
+    step = int(out.split("stopped by SIGTERM at step ")[1].split(":")[0])
+    assert 7 <= step < 24 and f"step-{step}" in stopped and "stopped by SIGTERM" in err
+    assert not (tmp_path / "cut" / "adapter").exists()
+    *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "cut"))
+    assert code == 0 and same(adapter(tmp_path / "full"), adapter(tmp_path / "cut"))
+    losses = lambda out: [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert losses(tmp_path / "full") == losses(tmp_path / "cut")  # metrics.jsonl continues without repeats
+
+
+def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tiny_ckpt, data, tmp_path):
+    *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "full"))
+    kill_at_8 = """import lora_llama.run_folder as rf, lora_llama.train as t
+_save = rf.save_state
+def save_then_die(folder, state):
+    _save(folder, state)
+    if "step-8" in str(folder):
+        os.kill(os.getpid(), signal.SIGKILL)  # the state is written, trainer_state.json and the rename are not
+t.save_state = save_then_die
+"""
+    *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "cut"), patch=kill_at_8)
+    assert code == -signal.SIGKILL
+    ckpts = tmp_path / "cut" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == ["step-4"]
+    assert any(p.name.startswith(".step-8.tmp-") for p in ckpts.iterdir())  # the half-written one, hidden
+    *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "cut"))
+    assert code == 0 and same(adapter(tmp_path / "full"), adapter(tmp_path / "cut"))
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".")]  # the leftover was removed
+    # steps 5-8 were logged before the kill and again after the resume from step 4: each counts once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "cut" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 25))
+    logged = [json.loads(l)["step"] for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 25))
+
+
+def enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device", str(args[1] if len(args) > 1 else "?"))
+
+
+@pytest.mark.parametrize("writer", ["checkpoint", "final adapter"])
+def test_a_full_disk_while_training_is_one_line_and_keeps_the_last_checkpoint(tiny_ckpt, data, tmp_path, monkeypatch,
+                                                                               capsys, writer):
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
+    calls = []
+
+    def failing(tensors, path, *a, **k):
+        calls.append(str(path))
+        in_checkpoint = "checkpoints" in str(path)
+        if (writer == "checkpoint" and in_checkpoint and "step-8" in str(path)) or \
+                (writer == "final adapter" and not in_checkpoint):
+            enospc(tensors, path)
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    out = tmp_path / "run"
+    assert main(train_args(tiny_ckpt, data, out)) == 2
+    err = capsys.readouterr().err
+    assert one_error_line(err) and "No space left on device" in err
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == (["step-4"] if writer == "checkpoint" else ["step-20", "step-24"])
+    load_file(out / "checkpoints" / ckpts[-1] / "adapter" / "adapter_model.safetensors")  # intact
+    assert not [p for p in out.rglob(".*") if ".tmp-" in p.name] and not (out / "adapter").exists()
+
+
+def test_a_failed_merge_write_leaves_nothing(tiny_ckpt, data, tmp_path, monkeypatch, capsys):
+    import lora_llama.merge
+
+    assert main(train_args(tiny_ckpt, data, tmp_path / "run", "train.max_steps=2")) == 0
+    monkeypatch.setattr(lora_llama.merge, "write_safetensors_streaming",
+                        lambda path, *a, **k: (_ for _ in ()).throw(OSError(errno.EFBIG, "File too large", str(path))))
+    code = main(["merge", "--base", str(tiny_ckpt), "--adapter", str(tmp_path / "run" / "adapter"), "--out",
+                 str(tmp_path / "merged")])
+    err = capsys.readouterr().err
+    assert code == 2 and "File too large" in err and one_error_line(err)
+    assert [p.name for p in tmp_path.iterdir() if "merged" in p.name] == []
+
+
+def test_a_failed_cache_write_leaves_nothing(smollm2, tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+
+    monkeypatch.setenv("LORA_LLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda t, path, **k: (_ for _ in ()).throw(OSError(errno.EACCES, "Permission denied", str(path))))
+    assert main(["generate", "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and one_error_line(err)
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_one_run_per_folder(tiny_ckpt, data, tmp_path, capsys):
+    from lora_llama.run_folder import run_lock
+
+    out = tmp_path / "run"
+    with run_lock(out):  # as a live run holds it
+        start = time.perf_counter()
+        assert main(train_args(tiny_ckpt, data, out, "train.max_steps=2")) == 2
+        err = capsys.readouterr().err
+        assert f"in use by a running `lora-llama train` (pid {os.getpid()})" in err
+        assert time.perf_counter() - start < 5 and not out.exists()
+    # the lock file of a run that died (pid written, no flock held) is taken over
+    (tmp_path / ".run.lock").write_text("999999\n")
+    assert main(train_args(tiny_ckpt, data, out, "train.max_steps=2")) == 0
+
+
+def test_resume_loads_no_pickle(tiny_ckpt, data, tmp_path, monkeypatch):
+    import pickle
+
+    out = tmp_path / "run"
+    assert main(train_args(tiny_ckpt, data, out, "train.max_steps=4")) == 0
+    shutil.rmtree(out / "adapter")  # as if stopped after the last checkpoint
+    assert sorted(p.name for p in (out / "checkpoints" / "step-4").iterdir()) == \
+        ["adapter", "state.json", "state.safetensors", "trainer_state.json"]
+
+    def forbidden(*a, **k):
+        raise AssertionError("a pickle was loaded")
+
+    for module, name in ((pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load")):
+        monkeypatch.setattr(module, name, forbidden)
+    assert main(train_args(tiny_ckpt, data, out, "train.max_steps=6", "--resume")) == 0
+
+
+def corrupt_checkpoint_cases(ckpt):
+    return {
+        "truncated state": (ckpt / "state.safetensors", lambda p: p.write_bytes(p.read_bytes()[:100])),
+        "state json": (ckpt / "state.json", lambda p: p.write_text("{broken")),
+        "trainer state": (ckpt / "trainer_state.json", lambda p: p.write_text(json.dumps({"step": "x"}))),
+        "adapter tensors": (ckpt / "adapter" / "adapter_model.safetensors", lambda p: p.write_bytes(b"\0" * 7)),
+    }
+
+
+@pytest.mark.parametrize("case", list(corrupt_checkpoint_cases(ROOT)))
+def test_a_broken_checkpoint_names_the_file(tiny_ckpt, data, tmp_path, capsys, case):
+    out = tmp_path / "run"
+    assert main(train_args(tiny_ckpt, data, out, "train.max_steps=4")) == 0
+    shutil.rmtree(out / "adapter")
+    path, damage = corrupt_checkpoint_cases(out / "checkpoints" / "step-4")[case]
+    damage(path)
+    capsys.readouterr()
+    assert main(train_args(tiny_ckpt, data, out, "train.max_steps=6", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert path.name in err and one_error_line(err)
+
+
+def test_broken_or_hostile_adapters_are_refused_before_allocating(tiny_ckpt, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
+
+    model = load_model(tiny_ckpt)
+    apply_lora(model, LoraSettings(r=4, alpha=8))
+    good = save_adapter(model, tmp_path / "good")
+    cfg = json.loads((good / "adapter_config.json").read_text())
+    tensors = load_file(good / "adapter_model.safetensors")
+    nan = {**tensors, next(iter(tensors)): torch.full_like(next(iter(tensors.values())), float("nan"))}
+    cases = {
+        "huge rank": ({**cfg, "r": 10 ** 9}, tensors, "says r=1000000000, its tensors have rank 4"),
+        "nan": (cfg, nan, "NaN, inf"),
+        "extra modules": ({**cfg, "modules_to_save": ["lm_head"]}, tensors, "modules_to_save"),
+        "truncated": (cfg, None, "adapter_model.safetensors"),
+        "bad json": (None, tensors, "adapter_config.json"),
+    }
+    for name, (c, t, message) in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(c) if c is not None else "{oops")
+        if t is None:
+            (folder / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes()[:50])
+        else:
+            save_file(t, folder / "adapter_model.safetensors")
+        code = main(["generate", "--model", str(tiny_ckpt), "--adapter", str(folder), "--prompt", "hi", "--max-new-tokens", "1"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and one_error_line(err), (name, err)
+
+
+def test_broken_index_and_gguf_name_the_file(tiny_ckpt, smollm2, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LORA_LLAMA_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_ckpt, folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
+    gguf = tmp_path / "cut.gguf"
+    gguf.write_bytes(smollm2.read_bytes()[: 3 << 20])
+    for model, name in ((folder, "model.safetensors.index.json"), (gguf, "cut.gguf")):
+        assert main(["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+        err = capsys.readouterr().err
+        assert name in err and one_error_line(err), err
+
+
+def test_memory_stays_flat_over_300_steps(tiny_ckpt, data, tmp_path):
+    """RSS after each logged step; growth from step 50 (warm) to step 300 under 5%."""
+    record = """import lora_llama.train as t
+_log = t.Trainer.log
+RSS = []
+def log(self, record):
+    _log(self, record)
+    RSS.append(int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]))
+    if record.get("step") == 300:
+        print("RSS", RSS[50], RSS[-1], flush=True)
+t.Trainer.log = log
+"""
+    out, err, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "run", "train.max_steps=300", "train.save_every=100",
+                                        "lora.dropout=0.0"), patch=record)
+    assert code == 0, err[-2000:]
+    warm, end = map(int, out.split("RSS ")[1].split()[:2])
+    assert end < 1.05 * warm, (warm, end)
+
+
+def test_any_recipe_input_gives_exit_0_or_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import lora_llama.train
+
+    monkeypatch.setattr(lora_llama.train, "train_from_recipe", lambda *a, **k: {"steps": 0})  # validation is the subject
+    keys = st.sampled_from(["lora.r", "lora.alpha", "lora.targets", "lora.layers", "train.lr", "train.max_steps",
+                            "train.epochs", "train.betas", "data.max_seq_len", "data.format", "data.fields",
+                            "model.dtype", "model.quantize", "output.dir", "lora", "train", "x.y", "lora.r.z", ""])
+    values = st.one_of(st.integers(-5, 10 ** 6).map(str), st.floats(allow_nan=True).map(str),
+                       st.sampled_from(["null", "[q, v]", "[1, 2]", "{a: 1}", "true", "bf16", "'", "[", "{", ":", "- x"]),
+                       st.text(max_size=12))
+    overrides = st.lists(st.one_of(st.builds(lambda k, v: f"{k}={v}", keys, values), st.text(max_size=12)), max_size=4)
+    recipe_text = st.one_of(st.just("lora: {r: 4}\n"), st.text(max_size=40),
+                            st.builds(lambda k, v: f"{k.split('.')[0]}:\n  {k.split('.')[-1]}: {v}\n", keys, values))
+
+    @settings(max_examples=int(os.environ.get("RECIPE_EXAMPLES", 150)), deadline=None, derandomize="RECIPE_EXAMPLES" not in os.environ,
+              suppress_health_check=list(HealthCheck), database=None)
+    @given(recipe_text, overrides)
+    def check(text, items):
+        path = tmp_path / "r.yaml"
+        path.write_text(text)
+        code = main(["train", str(path), *[i for i in items if not i.startswith("-")]])
+        captured = capsys.readouterr()
+        assert code in (0, 2), (text, items, captured.err)
+        if code == 2:
+            assert one_error_line(captured.err), captured.err
+
+    check()
