@@ -285,6 +285,7 @@ t.Trainer.log = log
                                         "lora.dropout=0.0"), patch=record)
     assert code == 0, err[-2000:]
     warm, end = map(int, out.split("RSS ")[1].split()[:2])
+    print(f"RSS after step 50: {warm} kB, after step 300: {end} kB ({100 * (end / warm - 1):+.2f}%)")
     assert end < 1.05 * warm, (warm, end)
 
 
