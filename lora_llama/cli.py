@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .config import DTYPE_NAMES, torch_dtype
@@ -28,10 +29,18 @@ def _load(args):
 
 def cmd_train(args) -> int:
     from .config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, before any process starts
+    if args.nproc_per_node and args.nproc_per_node > 1 and "RANK" not in os.environ:
+        from .distributed import launch
+
+        return launch(args.nproc_per_node, ["train", args.recipe, *args.overrides] + ["--resume"] * args.resume
+                      + ["--force"] * args.force)
     from .train import train_from_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
     result = train_from_recipe(recipe, resume=args.resume, force=args.force)
+    if os.environ.get("RANK", "0") != "0":  # rank 0 reports for the job
+        return 0
     if "eval_loss_start" in result and "eval_loss" in result:
         print(f"eval loss {result['eval_loss_start']:.4f} (base model) -> {result['eval_loss']:.4f} "
               f"(adapter, step {result['step']})")
@@ -107,7 +116,7 @@ def cmd_generate(args) -> int:
 
 def cmd_eval(args) -> int:
     from .data import read_documents
-    from .train import evaluate_documents
+    from .evaluation import evaluate_documents
 
     model, tok = _load(args)
     docs = read_documents(args.data)
@@ -137,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint "
                    "(also automatic when the folder holds checkpoints)")
     t.add_argument("--force", action="store_true", help="start over in an output.dir that holds an earlier run")
+    t.add_argument("--nproc-per-node", type=int, metavar="N",
+                   help="train on N processes of this machine through torchrun (N GPUs, or N CPU processes with gloo)")
     t.set_defaults(func=cmd_train)
 
     m = sub.add_parser("merge", help="fold an adapter into the base weights and write an HF checkpoint")
@@ -187,10 +198,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "train" or any(x.startswith("-") for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
+    code = _run(args)
+    if os.environ.get("LORA_LLAMA_EXIT_FILE") and os.environ.get("RANK", "0") == "0":
+        with open(os.environ["LORA_LLAMA_EXIT_FILE"], "w") as f:  # for `train --nproc-per-node`: rank 0's code is the job's
+            f.write(str(code))
+    return code
+
+
+def _run(args) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"lora-llama {args.command}: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # one line for the job: every rank meets the same error together
+            print(f"lora-llama {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the machine refused a read or write (disk full, permissions): no traceback for that
         print(f"lora-llama {args.command}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""),

@@ -234,6 +234,9 @@ class TrainSection(Settings):
     seed: int = 0
     gradient_checkpointing: bool = False
     compile: bool = False
+    # several processes (torchrun): ddp replicates the frozen base, fsdp shards it; auto: ddp
+    distributed: Literal["auto", "ddp", "fsdp"] = "auto"
+    collective_timeout_s: float = Field(600.0, gt=0)  # a rank that waits longer on the others raises
 
     @model_validator(mode="after")
     def _one_length(self):

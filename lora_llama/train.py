@@ -16,6 +16,8 @@ from .adapters import load_adapter_weights, save_adapter
 from .checkpoint import load_model, load_tokenizer
 from .config import torch_dtype
 from .data import build_examples, collate, count_targets, end_of_turn_id
+from .distributed import Ranks, setup, teardown
+from .evaluation import evaluate
 from .errors import UserError
 from .files import atomic_dir, read_json, write_json
 from .hub import push, resolve_token
@@ -27,13 +29,18 @@ from .run_folder import (checkpoints, load_state, plot_losses, read_metrics, rem
 
 
 def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=print) -> dict:
-    """Everything `lora-llama train` does, holding the run folder's lock throughout."""
+    """Everything `lora-llama train` does, in one process or in each of torchrun's (rank 0 holds the
+    run folder's lock and writes; the others only compute)."""
     out = Path(recipe.output.dir)
-    with run_lock(out):
-        return _train(recipe, out, resume, force, log)
+    ranks, device = setup(recipe.model.device, recipe.train.collective_timeout_s)
+    try:
+        with run_lock(out) if ranks.main else contextlib.nullcontext():
+            return _train(recipe, out, resume, force, log if ranks.main else (lambda *_: None), ranks, device)
+    finally:
+        teardown()
 
 
-def _train(recipe, out: Path, resume: bool, force: bool, log) -> dict:
+def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, device: str) -> dict:
     """Inputs are all checked before the run folder is touched."""
     import yaml
 
@@ -49,23 +56,25 @@ def _train(recipe, out: Path, resume: bool, force: bool, log) -> dict:
     tok = load_tokenizer(recipe.model.source)
     train, val = build_examples(recipe.data, tok, recipe.train.seed)
     m = recipe.model
-    model = load_model(m.source, dtype=torch_dtype(m.dtype), quantize=m.quantize, device=m.device,
+    model = load_model(m.source, dtype=torch_dtype(m.dtype), quantize=m.quantize, device=device,
                        int8_threshold=m.int8_threshold)
-    device = next(model.parameters()).device
     summary = apply_lora(model, recipe.lora)
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
     if recipe.train.compile:
         for layer in model.model.layers:
             layer.compile()
     if force and out.exists() and not (resume and found):
-        shutil.rmtree(out)
         found = []
-    out.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(out)
-    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    trainer = Trainer(recipe, model, tok, train, val, out)
+        if ranks.main:
+            shutil.rmtree(out)
+    if ranks.main:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out)
+        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    ranks.barrier()  # the others start once the folder is ready
+    trainer = Trainer(recipe, model, tok, train, val, out, ranks)
     log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
-        f"({summary['percent']:.3f}%) on {device}")
+        f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes" if ranks.world > 1 else ""))
     log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or m.dtype})")
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
     if "lm_head" not in recipe.lora.targets and looks_untrained(model, end_of_turn_id(tok)):
@@ -76,7 +85,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log) -> dict:
         trainer.resume(found[-1])
         log(f"resuming from {found[-1]} (step {trainer.step})")
     result = trainer.fit()
-    if recipe.output.push_to_hub:
+    if recipe.output.push_to_hub and ranks.main:
         result["pushed"] = push(out, recipe.output.push_to_hub, log=log)
     return result
 
@@ -84,15 +93,16 @@ def _train(recipe, out: Path, resume: bool, force: bool, log) -> dict:
 class Trainer:
     """Fits a LoRA adapter on a recipe's data; checkpoints so that a resumed run continues bit for bit."""
 
-    def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path):
-        self.recipe, self.model = recipe, model
+    def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path, ranks: Ranks = Ranks()):
+        self.recipe, self.model, self.ranks = recipe, model, ranks
         self.train_examples, self.val_examples, self.out = train, val, Path(out)
         t = recipe.train
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                                            foreach=True)
-        self.batches_per_epoch = math.ceil(len(train) / t.batch_size)
+        # a micro-batch is global: batch_size examples on each rank
+        self.batches_per_epoch = math.ceil(len(train) / (t.batch_size * ranks.world))
         self.total = total_steps(t, self.batches_per_epoch)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.schedule, t.warmup_steps, self.total))
         self.step = 0
@@ -103,58 +113,74 @@ class Trainer:
 
     # ---------------------------------------------------------------- data order
 
-    def micro_batch(self, index: int) -> dict:
-        """The index-th micro-batch of the run: a fresh seeded shuffle each epoch, so a position is all resume needs."""
+    def micro_batch(self, index: int) -> dict | None:
+        """This rank's share of the index-th global micro-batch: a fresh seeded shuffle each epoch, so a
+        position is all resume needs, and the order is the one-process order whatever the number of ranks.
+        None when the last micro-batch of an epoch leaves this rank nothing."""
         bs = self.recipe.train.batch_size
+        glob = bs * self.ranks.world
         epoch, i = divmod(index, self.batches_per_epoch)
         order = torch.randperm(len(self.train_examples), generator=torch.Generator().manual_seed(self.recipe.train.seed + epoch))
-        chosen = [self.train_examples[j] for j in order[i * bs:(i + 1) * bs].tolist()]
-        return _to(collate(chosen, self.pad_id), self.device)
+        chosen = [self.train_examples[j] for j in self.ranks.share(order[i * glob:(i + 1) * glob].tolist(), bs)]
+        return _to(collate(chosen, self.pad_id), self.device) if chosen else None
 
     # ---------------------------------------------------------------- one optimiser step
 
     def train_step(self) -> tuple[float, int]:
-        """Forward/backward over grad_accum micro-batches; the loss is divided by the target count of all of them."""
+        """Forward/backward over grad_accum micro-batches; the loss is divided by the target count of all of
+        them on all ranks, and the gradients summed over ranks: one process's update on the global batch."""
         ga = self.recipe.train.grad_accum
-        batches = [self.micro_batch(self.step * ga + k) for k in range(ga)]
-        n_total = sum(count_targets(b) for b in batches)
-        total_loss = 0.0
+        batches = [b for b in (self.micro_batch(self.step * ga + k) for k in range(ga)) if b is not None]
+        local_tokens = sum(int(b["input_ids"].numel()) for b in batches)
+        n_total, tokens = self.ranks.sum([sum(count_targets(b) for b in batches), local_tokens])
+        local_loss, bad = 0.0, None
         for batch in batches:
             with self.autocast or contextlib.nullcontext():
                 loss_sum, _ = target_loss(self.model, **batch)
             loss = loss_sum / max(n_total, 1)
             if not torch.isfinite(loss):
-                raise UserError(f"non-finite loss ({float(loss.detach())}) at step {self.step + 1}; stopped before the update. "
-                                f"The last good checkpoint is kept in {self.out / 'checkpoints'}")
+                bad = float(loss.detach())
+                break
             loss.backward()
-            total_loss += float(loss.detach())
+            local_loss += float(loss.detach())
+        if self.ranks.any(bad is not None):  # every rank stops before the update, together
+            raise UserError(f"non-finite loss ({bad if bad is not None else 'on another rank'}) at step {self.step + 1}; "
+                            f"stopped before the update. The last good checkpoint is kept in {self.out / 'checkpoints'}")
+        self.ranks.sum_gradients(self.params)
         if self.recipe.train.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.params, self.recipe.train.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return total_loss, sum(int(b["input_ids"].numel()) for b in batches)
+        return self.ranks.sum([local_loss])[0], int(tokens)
 
     # ---------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self) -> Path:
-        """checkpoints/step-N, written whole or not at all (a kill mid-write leaves the previous one)."""
+        """checkpoints/step-N, written whole or not at all (a kill mid-write leaves the previous one), by rank 0;
+        the adapter and optimizer are the same on every rank, so the folder is what one process writes."""
         ckpt_dir = self.out / "checkpoints" / f"step-{self.step}"
-        with atomic_dir(ckpt_dir, force=True) as tmp:
-            save_adapter(self.model, tmp / "adapter", force=True)
-            save_state(tmp, {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                             "rng": rng_state()})
-            write_json(tmp / "trainer_state.json", {"step": self.step, "micro_batches_done": self.step * self.recipe.train.grad_accum,
-                                                    "total_steps": self.total})
-        for old in checkpoints(self.out)[: -self.recipe.train.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        t = self.recipe.train
+        if self.ranks.main:
+            with atomic_dir(ckpt_dir, force=True) as tmp:
+                save_adapter(self.model, tmp / "adapter", force=True)
+                save_state(tmp, {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                                 "rng": rng_state()})
+                write_json(tmp / "trainer_state.json", {
+                    "step": self.step, "micro_batches_done": self.step * t.grad_accum, "total_steps": self.total,
+                    "batch_size": t.batch_size, "grad_accum": t.grad_accum, "world_size": self.ranks.world})
+            for old in checkpoints(self.out)[: -t.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.ranks.barrier()
         return ckpt_dir
 
     def resume(self, ckpt_dir: Path) -> None:
         load_adapter_weights(self.model, ckpt_dir / "adapter")
         state = load_state(ckpt_dir)
-        step = read_json(ckpt_dir / "trainer_state.json").get("step")
+        saved = read_json(ckpt_dir / "trainer_state.json")
+        step = saved.get("step")
+        self._check_global_batch(saved, ckpt_dir)
         if not isinstance(step, int) or not 0 < step <= self.total:
             raise UserError(f"{ckpt_dir / 'trainer_state.json'}: step {step!r} does not fit this run of {self.total} steps")
         try:
@@ -164,11 +190,29 @@ class Trainer:
         except (KeyError, ValueError, RuntimeError, TypeError) as e:
             raise UserError(f"{ckpt_dir}: the trainer state does not fit this run ({type(e).__name__}: {e})") from None
         self.step = step
-        truncate_metrics(self.out / "metrics.jsonl", self.step)
+        if self.ranks.main:
+            truncate_metrics(self.out / "metrics.jsonl", self.step)
+
+    def _check_global_batch(self, saved: dict, ckpt_dir: Path) -> None:
+        """A resume continues the same data order only with the same global micro-batch (batch_size x
+        processes) and grad_accum; any other number of processes is fine when batch_size makes up for it."""
+        t, world = self.recipe.train, self.ranks.world
+        if "world_size" not in saved:  # written before the distributed trainer: one process
+            return
+        before = saved["batch_size"] * saved["world_size"]
+        if before == t.batch_size * world and saved["grad_accum"] == t.grad_accum:
+            return
+        hint = (f"resume with train.batch_size={before // world}" if before % world == 0 else
+                f"resume with a number of processes that divides {before}")
+        raise UserError(f"{ckpt_dir} was trained with global batch {saved['batch_size']} x {saved['world_size']} processes "
+                        f"x grad_accum {saved['grad_accum']}; this run would use {t.batch_size} x {world} x {t.grad_accum}, "
+                        f"which changes the data order: {hint} and train.grad_accum={saved['grad_accum']}")
 
     # ---------------------------------------------------------------- the loop
 
     def log(self, record: dict) -> None:
+        if not self.ranks.main:
+            return
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb:
@@ -180,7 +224,7 @@ class Trainer:
         if not self.val_examples:
             return None
         with self.autocast or contextlib.nullcontext():
-            r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id)
+            r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks)
         record = {"step": self.step, "eval_loss": r["loss"], "eval_perplexity": r["perplexity"]}
         self.log(record)
         return record
@@ -192,17 +236,18 @@ class Trainer:
 
         t = self.recipe.train
         self.model.train()
-        self.tb = tensorboard(self.out, self.step)
+        self.tb = tensorboard(self.out, self.step) if self.ranks.main else None
         last_eval = None
         if self.step == 0:
             last_eval = self.run_eval()  # the starting point of the eval curve
-        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not self.ranks.main)
         saved_at = self.step
         try:
             with stop_requests() as stop:
                 while self.step < self.total:
-                    if stop:
-                        raise KeyboardInterrupt(stop[0])
+                    if self.ranks.any(bool(stop)):  # every rank stops at the same step
+                        raise KeyboardInterrupt(stop[0] if stop else "a stop on another rank")
                     self._one_step(bar, t)
                     last_eval = self._after_step(bar, t) or last_eval
                     if self.step % t.save_every == 0 or self.step == self.total:
@@ -212,15 +257,18 @@ class Trainer:
             bar.close()
             why = f"stopped by {e.args[0]}" if e.args else "interrupted"
             path = self.save_checkpoint() if self.step > saved_at else (checkpoints(self.out) or [None])[-1]
-            print(f"{why} at step {self.step}: " + (f"saved {path}; run the same command again to resume"
-                                                     if path else "no checkpoint yet"), flush=True)
+            if self.ranks.main:
+                print(f"{why} at step {self.step}: " + (f"saved {path}; run the same command again to resume"
+                                                         if path else "no checkpoint yet"), flush=True)
             raise
         finally:
             bar.close()
             if self.tb:
                 self.tb.close()
-        save_adapter(self.model, self.out / "adapter", force=True)
-        plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+        if self.ranks.main:
+            save_adapter(self.model, self.out / "adapter", force=True)
+            plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+        self.ranks.barrier()
         result = {"steps": self.step, "adapter": str(self.out / "adapter"), **(last_eval or {})}
         start = [r for r in read_metrics(self.out / "metrics.jsonl") if r["step"] == 0 and "eval_loss" in r]
         if start:  # the base model's eval loss, also after a resume
@@ -246,37 +294,7 @@ class Trainer:
         return record
 
 
-# ---------------------------------------------------------------------------- evaluation and schedule
-
-
-@torch.no_grad()
-def evaluate(model, examples: list[dict], batch_size: int, pad_id: int) -> dict:
-    """Mean loss per target token over `examples`, and its perplexity."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    # sorted by length so batches carry little padding
-    ordered = sorted(examples, key=lambda e: len(e["input_ids"]))
-    for i in range(0, len(ordered), batch_size):
-        loss, n = target_loss(model, **_to(collate(ordered[i:i + batch_size], pad_id), device))
-        total, count = total + float(loss), count + n
-    model.train(was_training)
-    mean = total / max(count, 1)
-    return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": count}
-
-
-def evaluate_documents(model, tokenizer, docs: list[str], batch_size: int = 8) -> dict:
-    """`lora-llama eval`: each document tokenised with the tokenizer's defaults, no EOS added.
-
-    Documents longer than the model's context are cut into independent windows.
-    """
-    window = model.args.max_seq_len
-    examples = []
-    for doc in docs:
-        ids = tokenizer(doc)["input_ids"]
-        examples += [{"input_ids": ids[i:i + window], "labels": ids[i:i + window]} for i in range(0, len(ids), window)]
-    return evaluate(model, examples, batch_size, tokenizer.pad_token_id)
+# ---------------------------------------------------------------------------- schedule
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):

@@ -1,0 +1,159 @@
+"""Two processes (torchrun, gloo on the CPU, one thread each) against one process with the same global batch."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import ROOT
+from lora_llama.cli import main
+
+RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
+# examples of clearly different lengths, so padding differs between one batch of 4 and two of 2
+QA = [("hi", "hello"), ("what is the capital of france", "paris is"), ("to be", "or not to be, that is the question"),
+      ("the", "fox"), ("how are you today", "i am fine, thank you"), ("the lazy", "dog"), ("hello", "world"),
+      ("that is", "the question of the day"), ("quick", "brown fox jumps over the lazy dog"), ("a", "b"),
+      ("what is the question", "to be or not"), ("where", "here")]
+COMMON = ["train.max_steps=6", "train.grad_accum=2", "train.warmup_steps=0", "train.lr=1e-2", "train.eval_every=3",
+          "train.save_every=2", "data.val_size=0.25", "lora.r=4", "lora.dropout=0.0",
+          "lora.targets=[q,k,v,o,gate,up,down]", "train.collective_timeout_s=60"]
+
+
+@pytest.fixture
+def data(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def args(ckpt, data, out, batch, *extra):
+    return ["train", RECIPE, f"model.source={ckpt}", f"data.source={data}", f"output.dir={out}",
+            f"train.batch_size={batch}", *COMMON, *extra]
+
+
+def torchrun(argv, script=None, timeout=240):
+    """2 processes: through `lora-llama train --nproc-per-node 2`, or torchrun on a script that patches first."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if script is None:
+        cmd = [sys.executable, "-m", "lora_llama", *argv, "--nproc-per-node", "2"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), *argv]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return r.returncode, r.stdout, r.stderr
+
+
+def patched_script(tmp_path, patch: str):
+    path = tmp_path / "patched_train.py"
+    path.write_text(f"import os, sys, signal\n{patch}\nfrom lora_llama.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    return path
+
+
+def rows(out):
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def close_adapters(a, b, tol=1e-5):
+    x, y = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    return x.keys() == y.keys() and max(float((x[k] - y[k]).abs().max()) for k in x) < tol
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path, packing):
+    extra = ["data.packing=true", "data.max_seq_len=48"] if packing else []
+    assert main(args(tiny_ckpt, data, tmp_path / "one", 4, *extra)) == 0
+    code, out, err = torchrun(args(tiny_ckpt, data, tmp_path / "two", 2, *extra))
+    assert code == 0, err[-3000:]
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key in ("loss", "eval_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) < 1e-5, (a, b)
+    assert close_adapters(tmp_path / "one" / "adapter", tmp_path / "two" / "adapter")
+    assert "2 processes" in out and out.count("eval loss") == 1  # rank 0 alone reports
+    # the run folder is what one process writes
+    names = lambda p: sorted(str(f.relative_to(p)) for f in p.rglob("*") if "tensorboard" not in str(f))
+    assert names(tmp_path / "one") == names(tmp_path / "two")
+
+
+def test_killed_job_resumes_on_two_and_on_one_process(tiny_ckpt, data, tmp_path, capsys):
+    code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "full", 2))
+    assert code == 0, err[-3000:]
+    kill = """import lora_llama.train as t
+_step = t.Trainer.train_step
+def step(self):
+    if self.step == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _step(self)
+t.Trainer.train_step = step
+"""
+    code, _, _ = torchrun(args(tiny_ckpt, data, tmp_path / "cut", 2), patched_script(tmp_path, kill))
+    assert code != 0
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    shutil.copytree(tmp_path / "cut", tmp_path / "cut1")
+    code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "cut", 2))  # the same command again
+    assert code == 0, err[-3000:]
+    assert close_adapters(tmp_path / "full" / "adapter", tmp_path / "cut" / "adapter")
+    # one process continues the same global batch with batch_size 4; with 2 it would change the data order
+    assert main(args(tiny_ckpt, data, tmp_path / "cut1", 2)) == 2
+    assert "resume with train.batch_size=4" in capsys.readouterr().err
+    assert main(args(tiny_ckpt, data, tmp_path / "cut1", 4)) == 0
+    assert close_adapters(tmp_path / "full" / "adapter", tmp_path / "cut1" / "adapter")
+
+
+def test_nan_on_one_rank_stops_every_rank_before_the_update(tiny_ckpt, data, tmp_path):
+    nan_on_rank_1 = """import lora_llama.train as t
+_loss = t.target_loss
+calls = [0]
+def loss(*a, **k):
+    s, n = _loss(*a, **k)
+    calls[0] += 1
+    bad = os.environ["RANK"] == "1" and calls[0] == 7
+    return (s * float("nan") if bad else s), n
+t.target_loss = loss
+"""
+    code_file = tmp_path / "code"
+    os.environ["LORA_LLAMA_EXIT_FILE"] = str(code_file)
+    try:
+        code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "run", 2, "train.eval_every=1000"),
+                                patched_script(tmp_path, nan_on_rank_1))
+    finally:
+        del os.environ["LORA_LLAMA_EXIT_FILE"]
+    assert code != 0 and code_file.read_text() == "2"  # rank 0 stopped with the one-line error, exit 2
+    errors = [l for l in err.replace("\r", "\n").splitlines() if l.startswith("lora-llama train: error")]
+    assert len(errors) == 1 and "non-finite loss (on another rank) at step" in errors[0]  # rank 0 speaks for the job
+    step = int(errors[0].split(" at step ")[1].split(";")[0])
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{k}" for k in range(2, step, 2)]
+    assert step > 2 and not (tmp_path / "run" / "adapter").exists()
+    load_file(ckpts / f"step-{step - 1 - (step - 1) % 2}" / "adapter" / "adapter_model.safetensors")
+
+
+def test_a_rank_that_dies_ends_the_job(tiny_ckpt, data, tmp_path):
+    crash_rank_1 = """import lora_llama.train as t
+_step = t.Trainer.train_step
+def step(self):
+    if os.environ["RANK"] == "1" and self.step == 3:
+        raise RuntimeError("rank 1 fails")
+    return _step(self)
+t.Trainer.train_step = step
+"""
+    start = time.perf_counter()
+    code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "run", 2), patched_script(tmp_path, crash_rank_1))
+    assert code != 0 and "rank 1 fails" in err
+    assert time.perf_counter() - start < 120  # not the 60 s collective timeout twice over, and never forever
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-2"]
+    assert not [p for p in (tmp_path / "run").rglob(".*") if ".tmp-" in p.name]
+
+
+def test_bad_recipe_fails_before_any_process_starts(tmp_path, capsys):
+    assert main(["train", RECIPE, "train.distributed=ring", "--nproc-per-node", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "train.distributed" in err and len(err.strip().splitlines()) == 1
