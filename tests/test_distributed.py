@@ -2,13 +2,11 @@
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from helpers import ROOT
