@@ -20,8 +20,10 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 PEFT_PREFIX = "base_model.model."
 
 
-def save_adapter(model, out: str | os.PathLike, base_model: str | None = None, force: bool = False) -> Path:
-    """Write the model's adapter in PEFT format (adapter_config.json + adapter_model.safetensors), atomically."""
+def save_adapter(model, out: str | os.PathLike, base_model: str | None = None, force: bool = False,
+                 tensors: dict | None = None) -> Path:
+    """Write the model's adapter in PEFT format (adapter_config.json + adapter_model.safetensors), atomically.
+    tensors: the adapter's tensors under native names when the model's own are shards (gathered by the caller)."""
     from safetensors.torch import save_file
 
     settings = adapter_settings(model)
@@ -34,7 +36,7 @@ def save_adapter(model, out: str | os.PathLike, base_model: str | None = None, f
         "base_model_name_or_path": base_model or (model.source and base_model_id(model.source)), "use_dora": False,
         "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
     }
-    tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(model).items()}
+    tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in (tensors or lora_state_dict(model)).items()}
     with atomic_dir(out, force=force) as tmp:
         write_json(tmp / ADAPTER_CONFIG, config)
         save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})

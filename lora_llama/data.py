@@ -20,6 +20,8 @@ ALPACA_TEMPLATE = ("Below is an instruction that describes a task{with_input}. W
 # ChatML, for chat data on base models whose tokenizer has no template of its own
 CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# an example without targets: what a rank runs when a batch leaves it nothing (ranks must run the same steps)
+EMPTY_EXAMPLE = {"input_ids": [0, 0], "labels": [IGNORE_INDEX, IGNORE_INDEX]}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 

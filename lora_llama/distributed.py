@@ -50,7 +50,7 @@ class Ranks:
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Sum the adapter's gradients over ranks, flattened into one buffer (one collective, not one per tensor)."""
-        if self.world == 1:
+        if self.world == 1 or not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -63,6 +63,90 @@ class Ranks:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+
+def shard_blocks(model, ranks: Ranks) -> None:
+    """fsdp: FSDP2 (`fully_shard`) on every decoder block, so each rank keeps 1/world of the blocks'
+    frozen weights and of their LoRA parameters (and of the optimizer state). Embeddings, the final norm
+    and lm_head stay whole on every rank: the chunked loss reads lm_head's weight directly (no module
+    call for FSDP's hooks to gather it), and a tied lm_head shares it with the embedding."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.model.layers:
+        fully_shard(block, reshard_after_forward=True)
+
+
+def sum_shard_gradients(params: list[torch.Tensor], ranks: Ranks) -> None:
+    """fsdp reduces gradients to their mean over ranks; the loss is already divided by the global target
+    count, so the sum is wanted: x world (a custom divide factor would need PREMUL_SUM, which gloo lacks)."""
+    for p in params:
+        if p.grad is not None and hasattr(p.grad, "to_local"):
+            p.grad.to_local().mul_(ranks.world)
+
+
+def replicated(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The trainable parameters that no fully_shard owns (their gradients are summed by sum_gradients)."""
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in params if not isinstance(p, DTensor)]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective: every rank calls it); other tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds of the given tensors (its shard of a sharded one)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors)
+
+
+def full_optimizer_state(optimizer) -> dict:
+    """The optimizer's state_dict with every sharded moment gathered whole (a collective): the same
+    format whatever the number of processes, so a run can resume on another."""
+    sd = optimizer.state_dict()
+    sd["state"] = {i: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()}
+    return sd
+
+
+def load_optimizer_state(optimizer, sd: dict) -> None:
+    """load_state_dict, then the moments of sharded parameters cut into this rank's shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    optimizer.load_state_dict(sd)
+    for p, st in optimizer.state.items():
+        if hasattr(p, "device_mesh"):
+            for k, v in st.items():
+                if torch.is_tensor(v) and not hasattr(v, "device_mesh") and v.shape == p.shape:
+                    st[k] = distribute_tensor(v.to(p.to_local().device), p.device_mesh, p.placements)
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, ranks: Ranks) -> float:
+    """torch's clip_grad_norm_ for a mix of sharded and whole gradients: the norm over all of them."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = lambda g: g.to_local() if hasattr(g, "to_local") else g
+    sharded = sum(float(local(g).float().pow(2).sum()) for g in grads if hasattr(g, "to_local"))
+    whole = sum(float(g.float().pow(2).sum()) for g in grads if not hasattr(g, "to_local"))
+    total = (ranks.sum([sharded])[0] + whole) ** 0.5
+    coef = min(1.0, max_norm / (total + 1e-6))
+    for g in grads:
+        local(g).mul_(coef)
+    return total
+
+
+def check_global_batch(saved: dict, train, world: int, ckpt_dir) -> None:
+    """A resume continues the same data order only with the same global micro-batch (batch_size x
+    processes) and grad_accum; another number of processes is fine when batch_size makes up for it."""
+    if "world_size" not in saved:  # written before the distributed trainer: one process
+        return
+    before = saved["batch_size"] * saved["world_size"]
+    if before == train.batch_size * world and saved["grad_accum"] == train.grad_accum:
+        return
+    hint = (f"resume with train.batch_size={before // world}" if before % world == 0 else
+            f"resume with a number of processes that divides {before}")
+    raise UserError(f"{ckpt_dir} was trained with global batch {saved['batch_size']} x {saved['world_size']} processes "
+                    f"x grad_accum {saved['grad_accum']}; this run would use {train.batch_size} x {world} x "
+                    f"{train.grad_accum}, which changes the data order: {hint} and train.grad_accum={saved['grad_accum']}")
 
 
 def _device():

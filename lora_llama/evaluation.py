@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .data import collate
+from .data import EMPTY_EXAMPLE, collate
 from .distributed import Ranks
 from .loss import target_loss
 
@@ -20,6 +20,9 @@ def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, ranks: R
     total, count = 0.0, 0
     # sorted by length so batches carry little padding
     ordered = sorted(examples, key=lambda e: len(e["input_ids"]))[ranks.rank::ranks.world]
+    # every rank runs as many batches as the one with most (fsdp's gathers are collectives)
+    per_rank = math.ceil(len(examples) / ranks.world) if ranks.world > 1 else len(ordered)
+    ordered += [EMPTY_EXAMPLE] * (per_rank - len(ordered))
     for i in range(0, len(ordered), batch_size):
         batch = {k: v.to(device) for k, v in collate(ordered[i:i + batch_size], pad_id).items()}
         loss, n = target_loss(model, **batch)

@@ -15,13 +15,14 @@ import torch
 from .adapters import load_adapter_weights, save_adapter
 from .checkpoint import load_model, load_tokenizer
 from .config import torch_dtype
-from .data import build_examples, collate, count_targets, end_of_turn_id
-from .distributed import Ranks, setup, teardown
+from .data import EMPTY_EXAMPLE, build_examples, collate, count_targets, end_of_turn_id
+from .distributed import (Ranks, check_global_batch, clip_grad_norm, full, full_optimizer_state, load_optimizer_state, local_bytes, replicated, setup,
+                          shard_blocks, sum_shard_gradients, teardown)
 from .evaluation import evaluate
 from .errors import UserError
 from .files import atomic_dir, read_json, write_json
 from .hub import push, resolve_token
-from .lora import apply_lora
+from .lora import apply_lora, lora_state_dict
 from .loss import target_loss
 from .quant import base_weight_bytes
 from .run_folder import (checkpoints, load_state, plot_losses, read_metrics, remove_leftovers, rng_state, run_lock,
@@ -51,6 +52,10 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
     if out.exists() and any(out.iterdir()) and not found and not force:
         raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
+    sharded = ranks.world > 1 and recipe.train.distributed == "fsdp"
+    if sharded and recipe.model.quantize:
+        raise UserError("train.distributed=fsdp cannot shard bitsandbytes' quantised weights; "
+                        "use train.distributed=ddp with model.quantize, or fsdp without it")
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model.source)
@@ -72,10 +77,18 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         remove_leftovers(out)
         (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     ranks.barrier()  # the others start once the folder is ready
+    if found:  # the adapter goes in before fsdp cuts it into shards
+        load_adapter_weights(model, found[-1] / "adapter")
+    if sharded:
+        shard_blocks(model, ranks)
     trainer = Trainer(recipe, model, tok, train, val, out, ranks)
     log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes" if ranks.world > 1 else ""))
     log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or m.dtype})")
+    if sharded:
+        frozen = [p for layer in model.model.layers for p in layer.parameters() if not p.requires_grad]
+        log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.2f} MB of the decoder blocks' "
+            f"{sum(p.numel() * p.element_size() for p in frozen) / 1e6:.2f} MB of frozen weights")
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
     if "lm_head" not in recipe.lora.targets and looks_untrained(model, end_of_turn_id(tok)):
         log(f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(end_of_turn_id(tok))}) "
@@ -95,6 +108,7 @@ class Trainer:
 
     def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path, ranks: Ranks = Ranks()):
         self.recipe, self.model, self.ranks = recipe, model, ranks
+        self.sharded = any(hasattr(p, "device_mesh") for p in model.parameters())  # fsdp: blocks are shards
         self.train_examples, self.val_examples, self.out = train, val, Path(out)
         t = recipe.train
         self.device = next(model.parameters()).device
@@ -122,6 +136,8 @@ class Trainer:
         epoch, i = divmod(index, self.batches_per_epoch)
         order = torch.randperm(len(self.train_examples), generator=torch.Generator().manual_seed(self.recipe.train.seed + epoch))
         chosen = [self.train_examples[j] for j in self.ranks.share(order[i * glob:(i + 1) * glob].tolist(), bs)]
+        if not chosen and self.sharded:  # fsdp's gathers are collectives: every rank runs every micro-batch
+            chosen = [EMPTY_EXAMPLE]
         return _to(collate(chosen, self.pad_id), self.device) if chosen else None
 
     # ---------------------------------------------------------------- one optimiser step
@@ -146,8 +162,12 @@ class Trainer:
         if self.ranks.any(bad is not None):  # every rank stops before the update, together
             raise UserError(f"non-finite loss ({bad if bad is not None else 'on another rank'}) at step {self.step + 1}; "
                             f"stopped before the update. The last good checkpoint is kept in {self.out / 'checkpoints'}")
-        self.ranks.sum_gradients(self.params)
-        if self.recipe.train.max_grad_norm:
+        self.ranks.sum_gradients(replicated(self.params) if self.sharded else self.params)  # fsdp reduces its own
+        if self.sharded:
+            sum_shard_gradients(self.params, self.ranks)
+        if self.recipe.train.max_grad_norm and self.sharded:
+            clip_grad_norm(self.params, self.recipe.train.max_grad_norm, self.ranks)
+        elif self.recipe.train.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.params, self.recipe.train.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -162,11 +182,11 @@ class Trainer:
         the adapter and optimizer are the same on every rank, so the folder is what one process writes."""
         ckpt_dir = self.out / "checkpoints" / f"step-{self.step}"
         t = self.recipe.train
+        adapter, optimizer = self.whole_adapter(), full_optimizer_state(self.optimizer)  # every rank: shards gathered
         if self.ranks.main:
             with atomic_dir(ckpt_dir, force=True) as tmp:
-                save_adapter(self.model, tmp / "adapter", force=True)
-                save_state(tmp, {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                                 "rng": rng_state()})
+                save_adapter(self.model, tmp / "adapter", force=True, tensors=adapter)
+                save_state(tmp, {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "rng": rng_state()})
                 write_json(tmp / "trainer_state.json", {
                     "step": self.step, "micro_batches_done": self.step * t.grad_accum, "total_steps": self.total,
                     "batch_size": t.batch_size, "grad_accum": t.grad_accum, "world_size": self.ranks.world})
@@ -175,16 +195,21 @@ class Trainer:
         self.ranks.barrier()
         return ckpt_dir
 
+    def whole_adapter(self) -> dict:
+        """The adapter's tensors under native names, shards gathered (a collective under fsdp)."""
+        return {k: full(v) for k, v in lora_state_dict(self.model).items()}
+
     def resume(self, ckpt_dir: Path) -> None:
-        load_adapter_weights(self.model, ckpt_dir / "adapter")
+        """The optimizer, schedule, RNG and data position of a checkpoint (its adapter is loaded by the caller,
+        before fsdp shards the model)."""
         state = load_state(ckpt_dir)
         saved = read_json(ckpt_dir / "trainer_state.json")
         step = saved.get("step")
-        self._check_global_batch(saved, ckpt_dir)
+        check_global_batch(saved, self.recipe.train, self.ranks.world, ckpt_dir)
         if not isinstance(step, int) or not 0 < step <= self.total:
             raise UserError(f"{ckpt_dir / 'trainer_state.json'}: step {step!r} does not fit this run of {self.total} steps")
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.optimizer, state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
         except (KeyError, ValueError, RuntimeError, TypeError) as e:
@@ -192,21 +217,6 @@ class Trainer:
         self.step = step
         if self.ranks.main:
             truncate_metrics(self.out / "metrics.jsonl", self.step)
-
-    def _check_global_batch(self, saved: dict, ckpt_dir: Path) -> None:
-        """A resume continues the same data order only with the same global micro-batch (batch_size x
-        processes) and grad_accum; any other number of processes is fine when batch_size makes up for it."""
-        t, world = self.recipe.train, self.ranks.world
-        if "world_size" not in saved:  # written before the distributed trainer: one process
-            return
-        before = saved["batch_size"] * saved["world_size"]
-        if before == t.batch_size * world and saved["grad_accum"] == t.grad_accum:
-            return
-        hint = (f"resume with train.batch_size={before // world}" if before % world == 0 else
-                f"resume with a number of processes that divides {before}")
-        raise UserError(f"{ckpt_dir} was trained with global batch {saved['batch_size']} x {saved['world_size']} processes "
-                        f"x grad_accum {saved['grad_accum']}; this run would use {t.batch_size} x {world} x {t.grad_accum}, "
-                        f"which changes the data order: {hint} and train.grad_accum={saved['grad_accum']}")
 
     # ---------------------------------------------------------------- the loop
 
@@ -265,8 +275,9 @@ class Trainer:
             bar.close()
             if self.tb:
                 self.tb.close()
+        adapter = self.whole_adapter()
         if self.ranks.main:
-            save_adapter(self.model, self.out / "adapter", force=True)
+            save_adapter(self.model, self.out / "adapter", force=True, tensors=adapter)
             plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
         self.ranks.barrier()
         result = {"steps": self.step, "adapter": str(self.out / "adapter"), **(last_eval or {})}

@@ -1,6 +1,7 @@
 """Two processes (torchrun, gloo on the CPU, one thread each) against one process with the same global batch."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,12 +14,13 @@ from helpers import ROOT
 from lora_llama.cli import main
 
 RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
-# examples of clearly different lengths, so padding differs between one batch of 4 and two of 2
+# examples of clearly different lengths, so padding differs between one batch of 4 and two of 2.
+# lr 1e-3: Adam turns float-order noise in near-zero gradients into steps of about lr (3e-5 at lr 1e-2)
 QA = [("hi", "hello"), ("what is the capital of france", "paris is"), ("to be", "or not to be, that is the question"),
       ("the", "fox"), ("how are you today", "i am fine, thank you"), ("the lazy", "dog"), ("hello", "world"),
       ("that is", "the question of the day"), ("quick", "brown fox jumps over the lazy dog"), ("a", "b"),
       ("what is the question", "to be or not"), ("where", "here")]
-COMMON = ["train.max_steps=6", "train.grad_accum=2", "train.warmup_steps=0", "train.lr=1e-2", "train.eval_every=3",
+COMMON = ["train.max_steps=6", "train.grad_accum=2", "train.warmup_steps=0", "train.lr=1e-3", "train.eval_every=3",
           "train.save_every=2", "data.val_size=0.25", "lora.r=4", "lora.dropout=0.0",
           "lora.targets=[q,k,v,o,gate,up,down]", "train.collective_timeout_s=60"]
 
@@ -62,11 +64,11 @@ def close_adapters(a, b, tol=1e-5):
     return x.keys() == y.keys() and max(float((x[k] - y[k]).abs().max()) for k in x) < tol
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path, packing):
+@pytest.mark.parametrize("strategy, packing", [("ddp", False), ("ddp", True), ("fsdp", False), ("fsdp", True)])
+def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path, strategy, packing):
     extra = ["data.packing=true", "data.max_seq_len=48"] if packing else []
     assert main(args(tiny_ckpt, data, tmp_path / "one", 4, *extra)) == 0
-    code, out, err = torchrun(args(tiny_ckpt, data, tmp_path / "two", 2, *extra))
+    code, out, err = torchrun(args(tiny_ckpt, data, tmp_path / "two", 2, f"train.distributed={strategy}", *extra))
     assert code == 0, err[-3000:]
     one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
     assert [r["step"] for r in one] == [r["step"] for r in two]
@@ -76,13 +78,18 @@ def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path
                 assert abs(a[key] - b[key]) < 1e-5, (a, b)
     assert close_adapters(tmp_path / "one" / "adapter", tmp_path / "two" / "adapter")
     assert "2 processes" in out and out.count("eval loss") == 1  # rank 0 alone reports
+    if strategy == "fsdp":  # each rank keeps half of the blocks' frozen weights
+        held, whole = map(float, re.search(r"each rank holds ([\d.]+) MB of the decoder blocks' ([\d.]+) MB", out).groups())
+        assert abs(held / whole - 0.5) < 0.01, (held, whole)
     # the run folder is what one process writes
     names = lambda p: sorted(str(f.relative_to(p)) for f in p.rglob("*") if "tensorboard" not in str(f))
     assert names(tmp_path / "one") == names(tmp_path / "two")
 
 
-def test_killed_job_resumes_on_two_and_on_one_process(tiny_ckpt, data, tmp_path, capsys):
-    code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "full", 2))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_killed_job_resumes_on_two_and_on_one_process(tiny_ckpt, data, tmp_path, capsys, strategy):
+    args_2 = lambda out: args(tiny_ckpt, data, out, 2, f"train.distributed={strategy}")
+    code, _, err = torchrun(args_2(tmp_path / "full"))
     assert code == 0, err[-3000:]
     kill = """import lora_llama.train as t
 _step = t.Trainer.train_step
@@ -92,11 +99,11 @@ def step(self):
     return _step(self)
 t.Trainer.train_step = step
 """
-    code, _, _ = torchrun(args(tiny_ckpt, data, tmp_path / "cut", 2), patched_script(tmp_path, kill))
+    code, _, _ = torchrun(args_2(tmp_path / "cut"), patched_script(tmp_path, kill))
     assert code != 0
     assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step-2", "step-4"]
     shutil.copytree(tmp_path / "cut", tmp_path / "cut1")
-    code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "cut", 2))  # the same command again
+    code, _, err = torchrun(args_2(tmp_path / "cut"))  # the same command again
     assert code == 0, err[-3000:]
     assert close_adapters(tmp_path / "full" / "adapter", tmp_path / "cut" / "adapter")
     # one process continues the same global batch with batch_size 4; with 2 it would change the data order
