@@ -65,6 +65,15 @@ class Ranks:
             dist.barrier()
 
 
+def choose_strategy(requested: str, ranks: Ranks, device: str, weight_bytes: int, quantized: bool) -> str:
+    """"auto": fsdp when the base would not fit one GPU (weights over 80% of its memory), ddp otherwise."""
+    if requested != "auto" or ranks.world == 1:
+        return requested
+    if quantized or not device.startswith("cuda"):
+        return "ddp"
+    return "fsdp" if weight_bytes > 0.8 * torch.cuda.get_device_properties(device).total_memory else "ddp"
+
+
 def shard_blocks(model, ranks: Ranks) -> None:
     """fsdp: FSDP2 (`fully_shard`) on every decoder block, so each rank keeps 1/world of the blocks'
     frozen weights and of their LoRA parameters (and of the optimizer state). Embeddings, the final norm

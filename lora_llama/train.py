@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 
 from .adapters import load_adapter_weights, save_adapter
-from .checkpoint import load_model, load_tokenizer
+from .checkpoint import load_model, load_tokenizer, resolve_source
 from .config import torch_dtype
 from .data import EMPTY_EXAMPLE, build_examples, collate, count_targets, end_of_turn_id
-from .distributed import (Ranks, check_global_batch, clip_grad_norm, full, full_optimizer_state, load_optimizer_state, local_bytes, replicated, setup,
+from .distributed import (Ranks, check_global_batch, choose_strategy, clip_grad_norm, full, full_optimizer_state, load_optimizer_state, local_bytes, replicated, setup,
                           shard_blocks, sum_shard_gradients, teardown)
 from .evaluation import evaluate
 from .errors import UserError
-from .files import atomic_dir, read_json, write_json
+from .files import atomic_dir, read_json, shard_files, write_json
 from .hub import push, resolve_token
 from .lora import apply_lora, lora_state_dict
 from .loss import target_loss
@@ -52,7 +52,9 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
     if out.exists() and any(out.iterdir()) and not found and not force:
         raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
-    sharded = ranks.world > 1 and recipe.train.distributed == "fsdp"
+    weight_bytes = sum(f.stat().st_size for f in shard_files(resolve_source(recipe.model.source)))
+    strategy = choose_strategy(recipe.train.distributed, ranks, device, weight_bytes, bool(recipe.model.quantize))
+    sharded = ranks.world > 1 and strategy == "fsdp"
     if sharded and recipe.model.quantize:
         raise UserError("train.distributed=fsdp cannot shard bitsandbytes' quantised weights; "
                         "use train.distributed=ddp with model.quantize, or fsdp without it")
@@ -83,7 +85,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         shard_blocks(model, ranks)
     trainer = Trainer(recipe, model, tok, train, val, out, ranks)
     log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
-        f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes" if ranks.world > 1 else ""))
+        f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
     log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or m.dtype})")
     if sharded:
         frozen = [p for layer in model.model.layers for p in layer.parameters() if not p.requires_grad]
