@@ -58,6 +58,15 @@ def build_checkpoint(folder: Path, shards: int = 1, seed: int = 0, family: str =
     return folder
 
 
+def chat_file(path: Path, pairs) -> Path:
+    """A JSONL chat data set of one user question and one assistant answer per (q, a) pair."""
+    import json
+
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def hf_model(folder):
     """transformers' own class for the checkpoint (LlamaForCausalLM, MistralForCausalLM, ...)."""
     from transformers import AutoModelForCausalLM

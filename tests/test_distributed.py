@@ -10,7 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from helpers import ROOT
+from helpers import ROOT, chat_file
 from lora_llama.cli import main
 
 RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
@@ -27,10 +27,7 @@ COMMON = ["train.max_steps=6", "train.grad_accum=2", "train.warmup_steps=0", "tr
 
 @pytest.fixture
 def data(tmp_path):
-    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA]
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return chat_file(tmp_path / "d.jsonl", QA)
 
 
 def args(ckpt, data, out, batch, *extra):

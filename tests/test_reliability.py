@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT
+from helpers import ROOT, chat_file
 from lora_llama.cli import main
 
 RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
@@ -27,10 +27,7 @@ COMMON = ["train.max_steps=24", "train.batch_size=2", "train.grad_accum=2", "lor
 
 @pytest.fixture
 def data(tmp_path):
-    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA]
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return chat_file(tmp_path / "d.jsonl", QA)
 
 
 def train_args(ckpt, data, out, *extra):

@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+import helpers
 from helpers import ROOT
 from lora_llama import load_adapter, load_model
 from lora_llama.cli import main
@@ -15,9 +16,7 @@ QA = [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not to be
 
 
 def chat_file(path, pairs=QA):
-    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return helpers.chat_file(path, pairs)
 
 
 def recipe(tiny_ckpt, data, out, *overrides):
