@@ -67,11 +67,14 @@ def write_json(path: Path, obj) -> None:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON file that must exist and parse; a broken one is a user error naming the file."""
+    """A JSON object from a file that must exist and parse; a broken one is a user error naming the file."""
     try:
-        return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
+        obj = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{path} does not hold a JSON object (got {type(obj).__name__})")
+    return obj
 
 
 def read_config(folder: Path) -> dict:

@@ -54,6 +54,9 @@ def test_broken_files_name_the_file(tiny_ckpt, tmp_path):
     (folder / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="config.json is not valid JSON"):
         load_model(folder)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="config.json does not hold a JSON object"):
+        load_model(folder)
     (folder / "config.json").write_text((tiny_ckpt / "config.json").read_text())
     (folder / "model.safetensors").write_bytes((tiny_ckpt / "model.safetensors").read_bytes()[:1000])
     with pytest.raises(UserError, match="cannot read .*model.safetensors: truncated"):
