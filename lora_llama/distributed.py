@@ -167,18 +167,18 @@ def setup(device: str, timeout_s: float) -> tuple[Ranks, str]:
 
     nccl with one GPU per local rank on CUDA, gloo on the CPU. A collective that waits longer
     than `timeout_s` (a dead or hung rank) raises instead of blocking forever."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Ranks(), device
     if not dist.is_available():
         raise UserError("this torch build has no torch.distributed; run one process")
-    cuda = device in ("auto", "cuda") and torch.cuda.is_available() or device.startswith("cuda")
+    cuda = device.startswith("cuda")
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    elif device == "auto":
-        device = "cpu"
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return Ranks(dist.get_rank(), dist.get_world_size()), device

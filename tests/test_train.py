@@ -192,6 +192,7 @@ def test_default_recipe_runs_three_steps(smollm2, tmp_path):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["steps"] == 3 and result["eval_loss"] > 0
     rows = metrics(out)
+    assert "trainable (0.680%) on cpu" in r.stdout  # the device the model is on, not the setting "auto"
     start = [m["eval_loss"] for m in rows if m["step"] == 0]  # the base model's, before any step
     assert result["eval_loss_start"] == start[0]
     assert f"eval loss {start[0]:.4f} (base model) -> {result['eval_loss']:.4f} (adapter, step 3)" in r.stdout
