@@ -74,15 +74,16 @@ def choose_strategy(requested: str, ranks: Ranks, device: str, weight_bytes: int
     return "fsdp" if weight_bytes > 0.8 * torch.cuda.get_device_properties(device).total_memory else "ddp"
 
 
-def shard_blocks(model, ranks: Ranks) -> None:
-    """fsdp: FSDP2 (`fully_shard`) on every decoder block, so each rank keeps 1/world of the blocks'
-    frozen weights and of their LoRA parameters (and of the optimizer state). Embeddings, the final norm
-    and lm_head stay whole on every rank: the chunked loss reads lm_head's weight directly (no module
-    call for FSDP's hooks to gather it), and a tied lm_head shares it with the embedding."""
+def shard_model(model, ranks: Ranks) -> None:
+    """fsdp: FSDP2 (`fully_shard`) on every decoder block and on the root, so each rank keeps 1/world of
+    the frozen weights, of the LoRA parameters and of the optimizer state. The root (embeddings, final
+    norm, lm_head) stays gathered from its forward to its backward: the chunked loss reads lm_head's
+    weight after the model's forward returns."""
     from torch.distributed.fsdp import fully_shard
 
     for block in model.model.layers:
         fully_shard(block, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=False)
 
 
 def sum_shard_gradients(params: list[torch.Tensor], ranks: Ranks) -> None:

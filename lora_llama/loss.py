@@ -94,7 +94,7 @@ def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None):
     keep = target_mask(labels, segment_ids)
     targets = labels[:, 1:][keep]  # (N,)
     predicting = F.pad(keep, (0, 1))  # (B, T): the positions whose output predicts a target
-    h = model.hidden(input_ids, position_ids, segment_ids, keep=predicting)  # (N, dim)
+    h = model(input_ids, position_ids, segment_ids, keep=predicting, hidden_only=True)  # (N, dim)
     n = targets.numel()
     if n == 0:
         return h.sum() * 0.0, 0

@@ -218,9 +218,12 @@ class Llama(nn.Module):
             return (mask & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]  # (B, 1, T, T)
         return mask[None, None]
 
-    def forward(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None):
-        """Logits (B, T, vocab). For training use `hidden` + a target-only loss instead."""
-        return run_linear(self.lm_head, self.hidden(input_ids, position_ids, segment_ids, cache))
+    def forward(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None,
+                keep=None, hidden_only: bool = False):
+        """Logits (B, T, vocab); with hidden_only, `hidden`'s states for a target-only loss (through
+        forward, so that hooks on the whole model, as FSDP's, see the call)."""
+        h = self.hidden(input_ids, position_ids, segment_ids, cache, keep)
+        return h if hidden_only else run_linear(self.lm_head, h)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.model.embed_tokens.weight

@@ -17,7 +17,7 @@ from .checkpoint import load_model, load_tokenizer, resolve_source
 from .config import torch_dtype
 from .data import EMPTY_EXAMPLE, build_examples, collate, count_targets, end_of_turn_id
 from .distributed import (Ranks, check_global_batch, choose_strategy, clip_grad_norm, full, full_optimizer_state, load_optimizer_state, local_bytes, replicated, setup,
-                          shard_blocks, sum_shard_gradients, teardown)
+                          shard_model, sum_shard_gradients, teardown)
 from .evaluation import evaluate
 from .errors import UserError
 from .files import atomic_dir, read_json, shard_files, write_json
@@ -58,6 +58,9 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     if sharded and recipe.model.quantize:
         raise UserError("train.distributed=fsdp cannot shard bitsandbytes' quantised weights; "
                         "use train.distributed=ddp with model.quantize, or fsdp without it")
+    if sharded and "lm_head" in recipe.lora.targets:
+        raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported (the chunked loss runs "
+                        "lm_head outside the sharded model's backward); use ddp, or drop lm_head")
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model.source)
@@ -82,15 +85,15 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     if found:  # the adapter goes in before fsdp cuts it into shards
         load_adapter_weights(model, found[-1] / "adapter")
     if sharded:
-        shard_blocks(model, ranks)
+        shard_model(model, ranks)
     trainer = Trainer(recipe, model, tok, train, val, out, ranks)
     log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
     log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or m.dtype})")
     if sharded:
-        frozen = [p for layer in model.model.layers for p in layer.parameters() if not p.requires_grad]
-        log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.2f} MB of the decoder blocks' "
-            f"{sum(p.numel() * p.element_size() for p in frozen) / 1e6:.2f} MB of frozen weights")
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.3f} MB of the base's "
+            f"{sum(p.numel() * p.element_size() for p in frozen) / 1e6:.3f} MB of frozen weights")
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
     if "lm_head" not in recipe.lora.targets and looks_untrained(model, end_of_turn_id(tok)):
         log(f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(end_of_turn_id(tok))}) "

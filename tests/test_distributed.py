@@ -75,8 +75,8 @@ def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path
                 assert abs(a[key] - b[key]) < 1e-5, (a, b)
     assert close_adapters(tmp_path / "one" / "adapter", tmp_path / "two" / "adapter")
     assert f"2 processes ({strategy})" in out and out.count("eval loss") == 1  # rank 0 alone reports
-    if strategy == "fsdp":  # each rank keeps half of the blocks' frozen weights
-        held, whole = map(float, re.search(r"each rank holds ([\d.]+) MB of the decoder blocks' ([\d.]+) MB", out).groups())
+    if strategy == "fsdp":  # each rank keeps half of the base's frozen weights
+        held, whole = map(float, re.search(r"each rank holds ([\d.]+) MB of the base's ([\d.]+) MB", out).groups())
         assert abs(held / whole - 0.5) < 0.01, (held, whole)
     # the run folder is what one process writes
     names = lambda p: sorted(str(f.relative_to(p)) for f in p.rglob("*") if "tensorboard" not in str(f))
@@ -159,3 +159,12 @@ def test_bad_recipe_fails_before_any_process_starts(tmp_path, capsys):
     assert main(["train", RECIPE, "train.distributed=ring", "--nproc-per-node", "2"]) == 2
     err = capsys.readouterr().err
     assert "train.distributed" in err and len(err.strip().splitlines()) == 1
+
+
+def test_fsdp_refuses_int8_and_an_adapted_lm_head_before_training(tiny_ckpt, data, tmp_path):
+    for extra, message in ((["model.quantize=int8"], "cannot shard bitsandbytes"),
+                           (["lora.targets=[q,v,lm_head]"], "lm_head is not supported")):
+        code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "run", 2, "train.distributed=fsdp", *extra))
+        errors = [l for l in err.splitlines() if l.startswith("lora-llama train: error")]
+        assert code == 2 and len(errors) == 1 and message in errors[0], err[-2000:]
+        assert not (tmp_path / "run" / "checkpoints").exists()
