@@ -58,15 +58,15 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     if sharded and recipe.model.quantize:
         raise UserError("train.distributed=fsdp cannot shard bitsandbytes' quantised weights; "
                         "use train.distributed=ddp with model.quantize, or fsdp without it")
-    if sharded and "lm_head" in recipe.lora.targets:
-        raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported (the chunked loss runs "
-                        "lm_head outside the sharded model's backward); use ddp, or drop lm_head")
+    if sharded and "lm_head" in recipe.lora.targets:  # the chunked loss runs lm_head outside the model's backward
+        raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head")
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model.source)
     train, val = build_examples(recipe.data, tok, recipe.train.seed)
     m = recipe.model
-    model = load_model(m.source, dtype=torch_dtype(m.dtype), quantize=m.quantize, device=device,
+    # fsdp: loaded into host memory; fully_shard moves each block's shard to the GPU (none holds the whole base)
+    model = load_model(m.source, dtype=torch_dtype(m.dtype), quantize=m.quantize, device="cpu" if sharded else device,
                        int8_threshold=m.int8_threshold)
     summary = apply_lora(model, recipe.lora)
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
