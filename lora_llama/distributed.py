@@ -1,10 +1,10 @@
 """Training on several processes with torch.distributed (c10d), launched by torchrun.
 
-Every rank holds the frozen base and the adapter; each takes its share of every global
-micro-batch (`Ranks.share`), so N processes x batch b compute what one process computes on
-batch N·b. The loss is divided by the target count of the whole global batch (`Ranks.sum`),
-and the adapter's gradients are summed over ranks (`Ranks.sum_gradients`) before the update:
-the same update as one process, to float-summation order. Only rank 0 writes files.
+Each rank takes its share of every global micro-batch (`Ranks.share`), so N processes x batch b
+compute what one process computes on batch N·b. The loss is divided by the target count of the
+whole global batch (`Ranks.sum`), and the adapter's gradients are summed over ranks
+(`Ranks.sum_gradients`) before the update: the same update as one process, to float-summation order. ddp keeps the whole frozen base on
+every rank; fsdp (`shard_model`) gives each rank 1/world of it. Only rank 0 writes files.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def choose_strategy(requested: str, ranks: Ranks, device: str, weight_bytes: int
     return "fsdp" if weight_bytes > 0.8 * torch.cuda.get_device_properties(device).total_memory else "ddp"
 
 
-def shard_model(model, ranks: Ranks) -> None:
+def shard_model(model) -> None:
     """fsdp: FSDP2 (`fully_shard`) on every decoder block and on the root, so each rank keeps 1/world of
     the frozen weights, of the LoRA parameters and of the optimizer state. The root (embeddings, final
     norm, lm_head) stays gathered from its forward to its backward: the chunked loss reads lm_head's
