@@ -16,6 +16,11 @@ from .errors import UserError
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def _rank_0() -> bool:
+    """Whether this process speaks for the job: the only one, or rank 0 of torchrun's."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _load(args):
     """Model (with the adapter when given) and tokenizer for generate / eval."""
     from .adapters import load_adapter
@@ -39,7 +44,7 @@ def cmd_train(args) -> int:
     from .train import train_from_recipe
 
     result = train_from_recipe(recipe, resume=args.resume, force=args.force)
-    if os.environ.get("RANK", "0") != "0":  # rank 0 reports for the job
+    if not _rank_0():  # rank 0 reports for the job
         return 0
     if "eval_loss_start" in result and "eval_loss" in result:
         print(f"eval loss {result['eval_loss_start']:.4f} (base model) -> {result['eval_loss']:.4f} "
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
     code = _run(args)
-    if os.environ.get("LORA_LLAMA_EXIT_FILE") and os.environ.get("RANK", "0") == "0":
+    if os.environ.get("LORA_LLAMA_EXIT_FILE") and _rank_0():
         with open(os.environ["LORA_LLAMA_EXIT_FILE"], "w") as f:  # for `train --nproc-per-node`: rank 0's code is the job's
             f.write(str(code))
     return code
@@ -209,7 +214,7 @@ def _run(args) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        if os.environ.get("RANK", "0") == "0":  # one line for the job: every rank meets the same error together
+        if _rank_0():  # one line for the job: every rank meets the same error together
             print(f"lora-llama {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the machine refused a read or write (disk full, permissions): no traceback for that

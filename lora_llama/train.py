@@ -95,8 +95,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.3f} MB of the base's "
             f"{sum(p.numel() * p.element_size() for p in frozen) / 1e6:.3f} MB of frozen weights")
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
-    if "lm_head" not in recipe.lora.targets and looks_untrained(model, end_of_turn_id(tok)):
-        log(f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(end_of_turn_id(tok))}) "
+    if "lm_head" not in recipe.lora.targets and looks_untrained(model, stop := end_of_turn_id(tok)):
+        log(f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(stop)}) "
             "looks untrained in this base (its embedding or lm_head row is near zero) and both stay frozen: "
             "the model may never learn to stop; add lm_head to lora.targets or start from an instruct model")
     if found:
