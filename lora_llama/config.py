@@ -204,7 +204,8 @@ class ModelSection(Settings):
 
 class DataSection(Settings):
     source: str = "chatterbot-corpus"  # file, folder, Hub dataset id or registered name
-    format: Literal["text", "alpaca", "chat", "auto"] = "chat"
+    # preference: prompt / chosen / rejected columns, for train.objective dpo or orpo
+    format: Literal["text", "alpaca", "chat", "preference", "auto"] = "chat"
     max_seq_len: int = Field(256, gt=1)
     val_size: float = Field(0.1, ge=0.0, lt=1.0)
     val_source: str | None = None  # a separate validation source instead of a split
@@ -214,6 +215,15 @@ class DataSection(Settings):
     fields: dict[str, str] = {}
     prompt_template: str | None = None  # for alpaca data on base models without a chat template
     max_examples: int | None = Field(None, gt=0)
+
+
+class DPOSettings(Settings):
+    beta: float = Field(0.1, gt=0)  # strength of the pull towards the reference (the base, adapter off)
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss, or IPO's squared one (per-token average)
+
+
+class ORPOSettings(Settings):
+    beta: float = Field(0.1, gt=0)  # weight of the odds-ratio term against the NLL (the paper's lambda; trl's beta)
 
 
 class TrainSection(Settings):
@@ -237,6 +247,10 @@ class TrainSection(Settings):
     # several processes (torchrun): ddp replicates the frozen base, fsdp shards it; auto: ddp
     distributed: Literal["auto", "ddp", "fsdp"] = "auto"
     collective_timeout_s: float = Field(600.0, gt=0)  # a rank that waits longer on the others raises
+    # sft: next-token loss on the targets; dpo / orpo: preference pairs (data.format preference)
+    objective: Literal["sft", "dpo", "orpo"] = "sft"
+    dpo: DPOSettings = DPOSettings()
+    orpo: ORPOSettings = ORPOSettings()
 
     @model_validator(mode="after")
     def _one_length(self):
@@ -257,6 +271,19 @@ class Recipe(Settings):
     train: TrainSection = TrainSection()
     output: OutputSection = OutputSection()
 
+    @model_validator(mode="after")
+    def _objective_fits_data(self):
+        preference = self.train.objective != "sft"
+        if preference and self.data.format not in ("preference", "auto"):
+            raise ValueError(f"train.objective {self.train.objective} needs data.format preference "
+                             f"(prompt, chosen, rejected), not {self.data.format}")
+        if not preference and self.data.format == "preference":
+            raise ValueError("data.format preference needs train.objective dpo or orpo")
+        if preference and self.data.packing:
+            raise ValueError(f"data.packing is not supported with train.objective {self.train.objective}: "
+                             "a pair's chosen and rejected answers each need a row of their own")
+        return self
+
 
 def _describe(err: ValidationError, model: type[BaseModel]) -> str:
     """One line naming the key path; for an unknown key, the closest valid name."""
@@ -269,6 +296,8 @@ def _describe(err: ValidationError, model: type[BaseModel]) -> str:
         near = difflib.get_close_matches(str(e["loc"][-1]), list(cls.model_fields), n=1)
         hint = f" (did you mean {'.'.join([*map(str, e['loc'][:-1]), near[0]])!r}?)" if near else ""
         return f"unknown recipe key {path!r}{hint}"
+    if e["type"] == "value_error":  # a rule across keys: its message names them
+        return "recipe: " + e["msg"].removeprefix("Value error, ")
     return f"recipe key {path!r}: {e['msg']} (got {e.get('input')!r})"
 
 

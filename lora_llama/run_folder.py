@@ -192,23 +192,30 @@ def tensorboard(out: Path, resumed_step: int):
 
 
 def plot_losses(metrics: Path, png: Path) -> None:
+    """The loss curves; for preference objectives a second panel with the reward accuracy and margin."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss", alpha=0.7)
-    if val:
-        ax.plot(*zip(*val), "o-", label="eval loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (per target token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    curve = lambda key: [(r["step"], r[key]) for r in rows if key in r]
+    rewards = any("rewards/margins" in r for r in rows)
+    fig, axes = plt.subplots(1, 2 if rewards else 1, figsize=(12 if rewards else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    for key, style, label in (("loss", "-", "train loss"), ("eval_loss", "o-", "eval loss")):
+        if curve(key):
+            ax.plot(*zip(*curve(key)), style, label=label, alpha=0.7 if key == "loss" else 1.0)
+    ax.set_ylabel("loss (per pair)" if rewards else "loss (per target token)")
+    if rewards:
+        for key, style in (("rewards/accuracies", "-"), ("rewards/margins", "-"), ("eval_rewards/accuracies", "o-"),
+                           ("eval_rewards/margins", "o-")):
+            if curve(key):
+                axes[0][1].plot(*zip(*curve(key)), style, label=key, alpha=0.7 if style == "-" else 1.0)
+    for a in axes[0]:
+        a.set_xlabel("step")
+        a.legend()
+        a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

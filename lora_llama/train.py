@@ -15,7 +15,7 @@ import torch
 from .adapters import load_adapter_weights, save_adapter
 from .checkpoint import load_model, load_tokenizer, resolve_source
 from .config import torch_dtype
-from .data import EMPTY_EXAMPLE, build_examples, collate, count_targets, end_of_turn_id
+from .data import build_examples, end_of_turn_id
 from .distributed import (Ranks, check_global_batch, choose_strategy, clip_grad_norm, full, full_optimizer_state, load_optimizer_state, local_bytes, replicated, setup,
                           shard_model, sum_shard_gradients, teardown)
 from .evaluation import evaluate
@@ -23,8 +23,10 @@ from .errors import UserError
 from .files import atomic_dir, read_json, shard_files, write_json
 from .hub import push, resolve_token
 from .lora import apply_lora, lora_state_dict
-from .loss import target_loss
+from .objectives import make_objective
+from .pairs import build_pairs
 from .quant import base_weight_bytes
+from .schedule import lr_lambda, total_steps
 from .run_folder import (checkpoints, load_state, plot_losses, read_metrics, remove_leftovers, rng_state, run_lock,
                          save_state, set_rng_state, stop_requests, tensorboard, truncate_metrics)
 
@@ -63,7 +65,10 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model.source)
-    train, val = build_examples(recipe.data, tok, recipe.train.seed)
+    if recipe.train.objective == "sft":
+        train, val = build_examples(recipe.data, tok, recipe.train.seed)
+    else:
+        train, val = build_pairs(recipe.data, tok, recipe.train.seed, log)
     m = recipe.model
     # fsdp: loaded into host memory; fully_shard moves each block's shard to the GPU (none holds the whole base)
     model = load_model(m.source, dtype=torch_dtype(m.dtype), quantize=m.quantize, device="cpu" if sharded else device,
@@ -113,6 +118,7 @@ class Trainer:
 
     def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path, ranks: Ranks = Ranks()):
         self.recipe, self.model, self.ranks = recipe, model, ranks
+        self.objective = make_objective(recipe.train)
         self.sharded = any(hasattr(p, "device_mesh") for p in model.parameters())  # fsdp: blocks are shards
         self.train_examples, self.val_examples, self.out = train, val, Path(out)
         t = recipe.train
@@ -142,28 +148,31 @@ class Trainer:
         order = torch.randperm(len(self.train_examples), generator=torch.Generator().manual_seed(self.recipe.train.seed + epoch))
         chosen = [self.train_examples[j] for j in self.ranks.share(order[i * glob:(i + 1) * glob].tolist(), bs)]
         if not chosen and self.sharded:  # fsdp's gathers are collectives: every rank runs every micro-batch
-            chosen = [EMPTY_EXAMPLE]
-        return _to(collate(chosen, self.pad_id), self.device) if chosen else None
+            chosen = [self.objective.empty]
+        return _to(self.objective.collate(chosen, self.pad_id), self.device) if chosen else None
 
     # ---------------------------------------------------------------- one optimiser step
 
-    def train_step(self) -> tuple[float, int]:
-        """Forward/backward over grad_accum micro-batches; the loss is divided by the target count of all of
-        them on all ranks, and the gradients summed over ranks: one process's update on the global batch."""
-        ga = self.recipe.train.grad_accum
+    def train_step(self) -> tuple[float, int, dict]:
+        """Forward/backward over grad_accum micro-batches; each loss term is divided by its count (targets,
+        pairs) over all of them on all ranks, and the gradients summed over ranks: one process's update on the
+        global batch. Returns the loss, the tokens seen and the objective's statistics (preference: per pair)."""
+        ga, obj = self.recipe.train.grad_accum, self.objective
         batches = [b for b in (self.micro_batch(self.step * ga + k) for k in range(ga)) if b is not None]
         local_tokens = sum(int(b["input_ids"].numel()) for b in batches)
-        n_total, tokens = self.ranks.sum([sum(count_targets(b) for b in batches), local_tokens])
-        local_loss, bad = 0.0, None
+        counts = [obj.counts(b) for b in batches]
+        *totals, tokens = self.ranks.sum([sum(c[i] for c in counts) for i in range(obj.n_counts)] + [local_tokens])
+        local_loss, bad, stats = 0.0, None, dict.fromkeys(obj.stat_names, 0.0)
         for batch in batches:
             with self.autocast or contextlib.nullcontext():
-                loss_sum, _ = target_loss(self.model, **batch)
-            loss = loss_sum / max(n_total, 1)
+                terms, batch_stats = obj.terms(self.model, batch)
+            loss = sum(t / max(n, 1) for t, n in zip(terms, totals))
             if not torch.isfinite(loss):
                 bad = float(loss.detach())
                 break
             loss.backward()
             local_loss += float(loss.detach())
+            stats = {k: stats[k] + batch_stats[k] for k in stats}
         if self.ranks.any(bad is not None):  # every rank stops before the update, together
             raise UserError(f"non-finite loss ({bad if bad is not None else 'on another rank'}) at step {self.step + 1}; "
                             f"stopped before the update. The last good checkpoint is kept in {self.out / 'checkpoints'}")
@@ -178,7 +187,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return self.ranks.sum([local_loss])[0], int(tokens)
+        loss, *stat_sums = self.ranks.sum([local_loss, *stats.values()])
+        return loss, int(tokens), {k: v / max(totals[0], 1) for k, v in zip(stats, stat_sums)}
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -239,8 +249,9 @@ class Trainer:
         if not self.val_examples:
             return None
         with self.autocast or contextlib.nullcontext():
-            r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks)
-        record = {"step": self.step, "eval_loss": r["loss"], "eval_perplexity": r["perplexity"]}
+            r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks,
+                         self.objective)
+        record = {"step": self.step, **{f"eval_{k}": v for k, v in r.items() if k not in ("tokens", "pairs")}}
         self.log(record)
         return record
 
@@ -293,44 +304,21 @@ class Trainer:
 
     def _one_step(self, bar, t) -> None:
         start = time.perf_counter()
-        loss, tokens = self.train_step()
+        loss, tokens, stats = self.train_step()
         tps = tokens / (time.perf_counter() - start)
         lr = self.scheduler.get_last_lr()[0]
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
         if self.step % t.log_every == 0 or self.step == self.total:
-            self.log({"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": tps})
+            self.log({"step": self.step, "loss": loss, **stats, "lr": lr, "tokens_per_s": tps})
 
     def _after_step(self, bar, t) -> dict | None:
         if not (self.step % t.eval_every == 0 or self.step == self.total):
             return None
         record = self.run_eval()
         if record:
-            bar.write(f"step {self.step}: eval_loss {record['eval_loss']:.4f} perplexity {record['eval_perplexity']:.2f}")
+            bar.write(f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
         return record
-
-
-# ---------------------------------------------------------------------------- schedule
-
-
-def lr_lambda(schedule: str, warmup: int, total: int):
-    """Linear warmup, then cosine / linear decay to zero, or constant."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-    return f
-
-
-def total_steps(train_cfg, n_micro_batches: int) -> int:
-    if train_cfg.epochs is None:
-        return train_cfg.max_steps
-    steps = math.ceil(train_cfg.epochs * n_micro_batches / train_cfg.grad_accum)
-    # an explicit max_steps caps an epoch count
-    return min(steps, train_cfg.max_steps) if "max_steps" in train_cfg.model_fields_set else steps
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -111,7 +111,7 @@ t.Trainer.train_step = step
 
 
 def test_nan_on_one_rank_stops_every_rank_before_the_update(tiny_ckpt, data, tmp_path):
-    nan_on_rank_1 = """import lora_llama.train as t
+    nan_on_rank_1 = """import lora_llama.objectives as t
 _loss = t.target_loss
 calls = [0]
 def loss(*a, **k):
@@ -168,3 +168,23 @@ def test_fsdp_refuses_int8_and_an_adapted_lm_head_before_training(tiny_ckpt, dat
         errors = [l for l in err.splitlines() if l.startswith("lora-llama train: error")]
         assert code == 2 and len(errors) == 1 and message in errors[0], err[-2000:]
         assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dpo_on_two_processes_equals_one(tiny_ckpt, tmp_path, strategy):
+    """The reference pass (adapter off, no grad) and the per-pair loss over the global batch on two ranks."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": q, "chosen": a, "rejected": QA[(i + 5) % len(QA)][1]}) + "\n"
+                             for i, (q, a) in enumerate(QA)))
+    dpo = ["train.objective=dpo", "data.format=preference", "train.lr=1e-2"]
+    assert main(args(tiny_ckpt, pairs, tmp_path / "one", 4, *dpo)) == 0
+    code, _, err = torchrun(args(tiny_ckpt, pairs, tmp_path / "two", 2, f"train.distributed={strategy}", *dpo))
+    assert code == 0, err[-3000:]
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "eval_loss", "eval_rewards/margins"):
+            if key in a:
+                assert abs(a[key] - b[key]) < 1e-5, (key, a, b)
+    assert any(abs(r.get("rewards/margins", 0)) > 1e-3 for r in one)  # the adapter did move
+    assert close_adapters(tmp_path / "one" / "adapter", tmp_path / "two" / "adapter")

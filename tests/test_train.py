@@ -57,7 +57,7 @@ def grads_of_first_step(tiny_ckpt, data, out, batch, accum):
     trainer = Trainer(r, model, tok, train, val, out)
     seen = {}
     trainer.optimizer.step = lambda: seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    loss, _ = trainer.train_step()
+    loss, _, _ = trainer.train_step()
     return loss, seen
 
 
@@ -106,10 +106,10 @@ def test_interrupt_and_resume_continue_exactly(tiny_ckpt, tmp_path, monkeypatch)
 
 
 def test_nan_loss_stops_with_exit_2_and_keeps_last_checkpoint(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    import lora_llama.train as train_mod
+    import lora_llama.objectives as objectives
 
     data = chat_file(tmp_path / "d.jsonl")
-    real = train_mod.target_loss
+    real = objectives.target_loss
     calls = {"n": 0}
 
     def poisoned(*a, **k):
@@ -117,7 +117,7 @@ def test_nan_loss_stops_with_exit_2_and_keeps_last_checkpoint(tiny_ckpt, tmp_pat
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] == 7 else loss), n
 
-    monkeypatch.setattr(train_mod, "target_loss", poisoned)
+    monkeypatch.setattr(objectives, "target_loss", poisoned)
     out = tmp_path / "run"
     code = main(["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={tiny_ckpt}",
                  f"data.source={data}", f"output.dir={out}", "data.val_size=0", "train.max_steps=10",
@@ -213,7 +213,7 @@ def test_shipped_recipes_validate():
 
 
 def test_epochs_set_the_length_and_max_steps_caps_it():
-    from lora_llama.train import total_steps
+    from lora_llama.schedule import total_steps
 
     r = load_recipe(None, ["train.epochs=2", "train.grad_accum=2"])
     assert total_steps(r.train, n_micro_batches=10) == 10
