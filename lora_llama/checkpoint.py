@@ -23,11 +23,9 @@ CACHE_FORMAT = 2  # of the folders gguf_to_folder writes (2: portable config.jso
 def resolve_source(source: str | os.PathLike) -> Path:
     """Return a local HF folder (config.json + safetensors + tokenizer) for any accepted source."""
     source = str(source)
-    if source in REGISTERED_MODELS:
-        return gguf_to_folder(registered_model_path(source))
+    if (gguf := gguf_file(source)) is not None:
+        return gguf_to_folder(gguf)
     path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_to_folder(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path} has no config.json: not a Hugging Face model folder")
@@ -38,6 +36,14 @@ def resolve_source(source: str | os.PathLike) -> Path:
         return download_from_hub(source)
     known = ", ".join(REGISTERED_MODELS)
     raise UserError(f"model not found: {source!r} is no local path, Hub id or registered name ({known})")
+
+
+def gguf_file(source: str | os.PathLike) -> Path | None:
+    """The GGUF file behind a source (a registered name or a .gguf path), or None for other sources."""
+    if str(source) in REGISTERED_MODELS:
+        return registered_model_path(str(source))
+    path = Path(source).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def download_from_hub(repo_id: str) -> Path:

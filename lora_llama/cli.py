@@ -53,18 +53,56 @@ def cmd_train(args) -> int:
     return 0
 
 
-def cmd_merge(args) -> int:
-    import warnings
+def _trained_quantize(args) -> str | None:
+    """--quantize, or the model.quantize of the run the adapter comes from (run/adapter, run/checkpoints/step-N/adapter)."""
+    if args.quantize or args.onto != "dequantized" or not args.adapter:
+        return args.quantize
+    import yaml
+    from pathlib import Path
 
-    from .merge import merge_checkpoint
+    adapter = Path(args.adapter).resolve()
+    for run in (adapter.parent, adapter.parent.parent.parent):
+        if (run / "recipe.yaml").is_file():
+            return ((yaml.safe_load((run / "recipe.yaml").read_text()) or {}).get("model") or {}).get("quantize")
+    return None
+
+
+def _warnings_to_stderr(call):
+    import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = merge_checkpoint(args.base, args.adapter, args.out, dtype=args.dtype, force=args.force)
+        result = call()
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
+    return result
+
+
+def cmd_merge(args) -> int:
+    from .merge import merge_checkpoint
+
+    result = _warnings_to_stderr(lambda: merge_checkpoint(args.base, args.adapter, args.out, dtype=args.dtype,
+                                                          force=args.force, onto=args.onto, quantize=_trained_quantize(args)))
     print(f"merged into {result['out']}: {result['shards']} shards, {result['bytes'] / 1e6:.1f} MB "
           f"in {result['seconds']:.1f} s")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export_gguf, export_lora_gguf
+
+    if args.lora_gguf:
+        if not args.adapter or args.out:
+            raise UserError("--lora-gguf writes the adapter alone: give --adapter and no --out")
+        r = _warnings_to_stderr(lambda: export_lora_gguf(args.adapter, args.lora_gguf, base=args.base, force=args.force))
+        print(f"wrote {r['out']}: {r['tensors']} LoRA tensors, {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f} s")
+        return 0
+    if not args.base or not args.out:
+        raise UserError("export needs --base and --out FILE.gguf (or --adapter and --lora-gguf FILE.gguf)")
+    r = _warnings_to_stderr(lambda: export_gguf(args.base, args.out, adapter=args.adapter, out_type=args.type,
+                                                force=args.force, onto=args.onto, quantize=_trained_quantize(args)))
+    print(f"wrote {r['out']}: {r['tensors']} tensors, {r['bytes'] / 1e6:.1f} MB ({args.type}) in {r['seconds']:.1f} s; "
+          f"{r['modelfile']} for `ollama create`")
     return 0
 
 
@@ -144,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_NAMES))
         sp.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: auto)")
 
+    def onto_args(sp):
+        sp.add_argument("--onto", default="original", choices=["original", "dequantized"],
+                        help="fold the adapter into the full-precision weights (default) or into dequant(quant(W)), "
+                             "the weights an adapter trained on an int8 / nf4 base saw")
+        sp.add_argument("--quantize", choices=["int8", "nf4"],
+                        help="for --onto dequantized (default: model.quantize of the adapter's run folder)")
+
     t = sub.add_parser("train", help="fit a LoRA adapter from a YAML recipe",
                        description="Fit a LoRA adapter. Overrides set any recipe key: train.max_steps=20 lora.r=16")
     t.add_argument("recipe", help="YAML recipe (see recipes/)")
@@ -161,7 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="output folder (refused if it exists, unless --force)")
     m.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="output dtype (default: the base's)")
     m.add_argument("--force", action="store_true", help="replace an existing --out")
+    onto_args(m)
     m.set_defaults(func=cmd_merge)
+
+    x = sub.add_parser("export", help="write base (+ adapter) as a GGUF file for llama.cpp / Ollama, or an adapter "
+                       "as a llama.cpp LoRA GGUF")
+    x.add_argument("--base", help="the base model (any MODEL form); for --lora-gguf, default: the adapter's base")
+    x.add_argument("--adapter", help="PEFT LoRA adapter folder, merged in (or, with --lora-gguf, exported alone)")
+    x.add_argument("--out", help="output .gguf file (refused if it exists, unless --force); a Modelfile goes beside it")
+    x.add_argument("--type", default="f16", choices=["f16", "bf16", "q8_0"], help="weights' type (default: f16)")
+    x.add_argument("--lora-gguf", metavar="FILE.gguf", help="write the adapter alone as a llama.cpp LoRA GGUF")
+    x.add_argument("--force", action="store_true", help="replace an existing output")
+    onto_args(x)
+    x.set_defaults(func=cmd_export)
 
     u = sub.add_parser("push", help="upload an adapter (or a run's final adapter) to the Hugging Face Hub")
     u.add_argument("path", metavar="ADAPTER_OR_RUN_DIR")

@@ -1,10 +1,11 @@
 """Streaming merge: fold ΔW = scale·B·A into the base checkpoint, shard by shard.
 
 Only one shard (plus the small adapter) is in memory at a time, so the size of
-the model does not matter. ΔW is always added to the ORIGINAL full-precision W0
-read from the base checkpoint, never to quantised weights (a GGUF base is
-dequantised first). The result is a standard HF folder that
-`AutoModelForCausalLM` and `load_model` open.
+the model does not matter. ΔW is added to the original full-precision W0 read
+from the base checkpoint (a GGUF base is dequantised first), or, with
+onto="dequantized", to dequant(quant(W0)): what an adapter trained on an int8 /
+nf4 base saw. The result is a standard HF folder that `AutoModelForCausalLM`
+and `load_model` open.
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import torch
 
 from .adapters import adapter_deltas
 from .checkpoint import resolve_source
-from .config import portable_hf_config, torch_dtype
+from .config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
 from .errors import UserError
 from .files import (INDEX_FILE, SAFETENSORS_DTYPES, atomic_dir, copy_tokenizer_files, read_config,
                     release_freed_memory, shard_files, tensor_shapes, write_json, write_safetensors_streaming)
 from .lora import fold
+from .quant import DECODER_LINEARS, dequantized
 from .registry import base_model_id
 
 
@@ -38,53 +40,92 @@ def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
                             f"which do not fit the base weight {(out_f, in_f)}")
 
 
+ONTO = ("original", "dequantized")
+
+
+class Merger:
+    """Base + adapter, one tensor at a time, for `merge` and `export`: W0 + scale·B·A for every adapted weight.
+
+    onto="original" folds ΔW into the full-precision W0 of the checkpoint; onto="dequantized" into
+    dequant(quant(W0)) of every decoder linear, the weights an adapter trained on a `quantize` base saw.
+    Without an adapter, the base's own tensors come out unchanged."""
+
+    def __init__(self, base: str, adapter: str | os.PathLike | None = None, onto: str = "original",
+                 quantize: str | None = None):
+        if onto not in ONTO:
+            raise UserError(f"unknown --onto {onto!r} (use {' or '.join(ONTO)})")
+        if onto == "dequantized" and quantize not in QUANTIZE_KINDS:
+            raise UserError("--onto dequantized needs the quantisation the adapter was trained on: "
+                            f"--quantize {' or '.join(QUANTIZE_KINDS)} (or a run folder's recipe.yaml next to the adapter)")
+        self.deltas, self.scale = {}, 0.0
+        if adapter is not None:
+            adapter = Path(adapter)
+            if not adapter.is_dir():
+                raise UserError(f"adapter folder not found: {adapter}")
+            self.deltas, self.scale, adapter_cfg = adapter_deltas(adapter)
+        self.folder = resolve_source(base)
+        self.config = read_config(self.folder)
+        self.files = shard_files(self.folder)
+        tied = bool(self.config.get("tie_word_embeddings", False))
+        check_adapter_fits(self.deltas, tensor_shapes(self.files), tied)
+        named = adapter_cfg.get("base_model_name_or_path") if adapter is not None else None
+        if named and str(named) not in (str(base), base_model_id(base)) and Path(str(named)).name != Path(str(base)).name:
+            warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
+        # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
+        self.untie = tied and "lm_head.weight" in self.deltas
+        if self.untie:
+            self.config["tie_word_embeddings"] = False
+        self.config.pop("quantization_config", None)
+        self.onto, self.quantize = onto, quantize
+
+    def plan(self, sf) -> list[tuple[str, str]]:
+        """(output name, source name) of an open shard: a tied lm_head with an adapter comes from the embedding."""
+        plan = [(k, k) for k in sf.keys() if not k.endswith("rotary_emb.inv_freq")]
+        if self.untie and "model.embed_tokens.weight" in sf.keys():
+            plan.append(("lm_head.weight", "model.embed_tokens.weight"))
+        return plan
+
+    def entries(self, sf, out_dtype=None) -> list[tuple[str, torch.dtype, tuple]]:
+        """(name, dtype, shape) of what `tensors` yields for this shard, from its header alone."""
+        entries = []
+        for out_key, src in self.plan(sf):
+            piece = sf.get_slice(src)
+            entries.append((out_key, out_dtype or getattr(torch, SAFETENSORS_DTYPES[piece.get_dtype()]),
+                            tuple(piece.get_shape())))
+        return entries
+
+    def tensors(self, sf, out_dtype=None):
+        """The shard's merged tensors in `plan` order. Each is a fresh copy read from the shard, folded in place:
+        no (out, in) temporaries besides it."""
+        for out_key, src in self.plan(sf):
+            w = sf.get_tensor(src)
+            target_dtype = out_dtype or w.dtype
+            if self.onto == "dequantized" and out_key.rsplit(".", 2)[-2] in DECODER_LINEARS and w.dim() == 2:
+                w = dequantized(w, self.quantize)
+            if out_key in self.deltas:
+                w = fold(w, *self.deltas[out_key], self.scale, inplace=True)
+            yield out_key, w.to(target_dtype).contiguous()
+
+
 def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
-                     force: bool = False, progress: bool = True) -> dict:
+                     force: bool = False, progress: bool = True, onto: str = "original", quantize: str | None = None) -> dict:
     """Write base + adapter as one HF checkpoint in `out`; returns {"out", "bytes", "seconds", "shards"}."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
     out_dtype = torch_dtype(dtype) if dtype else None
-    adapter = Path(adapter)
-    if not adapter.is_dir():
-        raise UserError(f"adapter folder not found: {adapter}")
     out = Path(out)
     if out.exists() and not force:
         raise UserError(f"{out} already exists (pass --force to overwrite)")
-    deltas, scale, adapter_cfg = adapter_deltas(adapter)
-    folder = resolve_source(base)
-    config = read_config(folder)
-    files = shard_files(folder)
-    tied = bool(config.get("tie_word_embeddings", False))
-    check_adapter_fits(deltas, tensor_shapes(files), tied)
-    named = adapter_cfg.get("base_model_name_or_path")
-    if named and str(named) not in (str(base), base_model_id(base)) and Path(str(named)).name != Path(str(base)).name:
-        warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
-    # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
-    untie = tied and "lm_head.weight" in deltas
-
-    def merged_tensor(name: str, w: torch.Tensor) -> torch.Tensor:
-        """W0 + scale·B·A for an adapted weight, in the output dtype. `w` is a fresh copy read
-        from the shard, so it is folded in place: no (out, in) temporaries besides it."""
-        target_dtype = out_dtype or w.dtype
-        if name in deltas:
-            w = fold(w, *deltas[name], scale, inplace=True)
-        return w.to(target_dtype).contiguous()
+    merger = Merger(base, adapter, onto, quantize)
+    files, config = merger.files, merger.config
 
     def merge_shard(src_file: Path, dst_file: Path) -> tuple[list[str], int]:
         """One shard, one tensor at a time: read, fold, write, free. Returns (names written, bytes)."""
         with safe_open(src_file, framework="pt") as sf:
-            # (output name, source name): a tied lm_head with an adapter is written from the embedding
-            plan = [(k, k) for k in sf.keys() if not k.endswith("rotary_emb.inv_freq")]
-            if untie and "model.embed_tokens.weight" in sf.keys():
-                plan.append(("lm_head.weight", "model.embed_tokens.weight"))
-            entries = []
-            for out_key, src in plan:
-                piece = sf.get_slice(src)
-                dtype = out_dtype or getattr(torch, SAFETENSORS_DTYPES[piece.get_dtype()])
-                entries.append((out_key, dtype, tuple(piece.get_shape())))
-            folded = (merged_tensor(out_key, sf.get_tensor(src)) for out_key, src in plan)
+            entries = merger.entries(sf, out_dtype)
+            folded = (t for _, t in merger.tensors(sf, out_dtype))
             size = write_safetensors_streaming(dst_file, entries, folded, metadata={"format": "pt"})
         return [k for k, _, _ in entries], size  # returning drops the shard's mapping before the next one
 
@@ -98,13 +139,10 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
             weight_map.update({k: name for k in keys})
             total += size
         write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        if untie:
-            config["tie_word_embeddings"] = False
         if out_dtype is not None:
             config["torch_dtype"] = config["dtype"] = str(out_dtype).removeprefix("torch.")
-        config.pop("quantization_config", None)
         write_json(tmp / "config.json", portable_hf_config(config))
-        if (folder / "generation_config.json").is_file():
-            shutil.copy2(folder / "generation_config.json", tmp / "generation_config.json")
-        copy_tokenizer_files(folder, tmp)
+        if (merger.folder / "generation_config.json").is_file():
+            shutil.copy2(merger.folder / "generation_config.json", tmp / "generation_config.json")
+        copy_tokenizer_files(merger.folder, tmp)
     return {"out": str(out), "bytes": total, "seconds": time.perf_counter() - start, "shards": n}

@@ -63,6 +63,18 @@ def quantize_loaded_linears(model, kind: str, threshold: float = 6.0, device="cp
                     setattr(parent, name, quantize_linear(lin, kind, threshold, device))
 
 
+def dequantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """dequant(quant(W)) in float32: the weight a layer quantised by `quantize_linear` multiplies with,
+    computed by bitsandbytes' own functions on the state it keeps (int8: per-row absmax; nf4: blocks of 64)."""
+    bnb = _bnb()
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    lin.weight.data = weight.detach().to(torch.float32)
+    q = quantize_linear(lin, kind)
+    if kind == "int8":
+        return bnb.functional.int8_vectorwise_dequant(q.weight.CB, q.weight.SCB).float()
+    return bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).float()
+
+
 def tensor_bytes(module: nn.Module) -> int:
     """Bytes a module holds in parameters and buffers (int8 weights + their scales, for bitsandbytes)."""
     total = sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))

@@ -1,0 +1,362 @@
+"""`lora-llama export`: base (+ adapter) as one GGUF file for llama.cpp, Ollama and LM Studio, written in pure
+Python with `gguf` (llama.cpp's own library), and an adapter alone as a llama.cpp LoRA GGUF.
+
+The model is streamed as `merge` streams it: tensor infos come from the shards' headers, then each tensor is
+read, folded, converted and written before the next is read. Names, layouts and metadata follow llama.cpp's
+`convert_hf_to_gguf.py`: q and k rows of llama-architecture files are permuted from the HF rotate-half order
+to llama.cpp's interleaved pairs; norms and biases stay float32. The tokenizer is copied from the source when
+the base is a GGUF, and otherwise built from tokenizer.json when its pre-tokenizer is one llama.cpp knows by
+structure (GPT-2, SmolLM, Llama 3, Qwen2); anything else is refused, never guessed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import gguf_file, load_tokenizer, resolve_source
+from .config import ModelArgs
+from .data import end_of_turn_id
+from .errors import UserError
+from .files import read_config, read_json
+from .merge import Merger
+
+GGUF_TYPES = ("f16", "bf16", "q8_0")
+# our family -> llama.cpp architecture; llama.cpp's own converter writes Mistral as llama too
+ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+# the original regexes of Llama 3's and Qwen2's tokenizer.json (llama.cpp's llama-vocab.cpp quotes them)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("export needs the gguf package: pip install gguf") from None
+    return gguf
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.suffix != ".gguf":
+        raise UserError(f"{out}: the output must be a .gguf file")
+    if out.exists() and not force:
+        raise UserError(f"{out} already exists (pass --force to overwrite)")
+    if not out.parent.is_dir():
+        raise UserError(f"{out.parent} does not exist")
+
+
+# ---------------------------------------------------------------------------- names and layouts
+
+
+def architecture(args: ModelArgs):
+    return _gguf().MODEL_ARCH[ARCHITECTURES[args.model_type]]
+
+
+def permute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF's rotate-half row order of q or k -> the interleaved pairs llama.cpp's llama architecture rotates
+    (`LlamaModel.permute` in convert_hf_to_gguf.py); a bias is a tensor of one column."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class TensorNames:
+    """HF tensor name -> GGUF name, and the row permutation it needs."""
+
+    def __init__(self, args: ModelArgs):
+        gguf = _gguf()
+        self.args, self.arch = args, architecture(args)
+        self.map = gguf.get_tensor_name_map(self.arch, args.n_layers)
+        self.permuted = self.arch == gguf.MODEL_ARCH.LLAMA
+
+    def name(self, hf_name: str) -> str:
+        found = self.map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if found is None:
+            raise UserError(f"no GGUF name for tensor {hf_name!r} of a {self.args.model_type} model")
+        return found
+
+    def layout(self, hf_name: str, w: torch.Tensor) -> torch.Tensor:
+        if self.permuted and ".q_proj." in hf_name:
+            return permute_rows(w, self.args.n_heads)
+        if self.permuted and ".k_proj." in hf_name:
+            return permute_rows(w, self.args.n_kv_heads)
+        return w
+
+
+def rope_factors(args: ModelArgs) -> torch.Tensor | None:
+    """Llama 3.1's frequency factors, the `rope_freqs` tensor llama.cpp reads (as its converter computes them)."""
+    s = args.rope_scaling or {}
+    if s.get("rope_type", s.get("type")) != "llama3":
+        return None
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+    factor, low, high = s.get("factor", 8.0), s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old = s.get("original_max_position_embeddings", 8192)
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------- tensor types
+
+
+def ggml_type(out_type: str, shape: tuple):
+    """1-D tensors (norms, biases) stay F32; q8_0 needs rows in blocks of 32, else F16 (as llama.cpp's converter)."""
+    T = _gguf().GGMLQuantizationType
+    if len(shape) < 2:
+        return T.F32
+    if out_type == "q8_0" and shape[-1] % 32 == 0:
+        return T.Q8_0
+    return T.BF16 if out_type == "bf16" else T.F16
+
+
+def convert(w: torch.Tensor, qtype):
+    gguf = _gguf()
+    a = w.detach().to(torch.float32).numpy()
+    T = gguf.GGMLQuantizationType
+    if qtype == T.F32:
+        return a
+    if qtype == T.F16:
+        return a.astype(np.float16)
+    return gguf.quants.quantize(a, qtype)
+
+
+def nbytes(shape: tuple, qtype) -> int:
+    return math.prod(_gguf().quant_shape_to_byte_shape(shape, qtype))
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+def write_hparams(writer, args: ModelArgs, name: str, out_type: str) -> None:
+    gguf = _gguf()
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_context_length(args.max_seq_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.intermediate_size)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_key_length(args.head_dim)
+    writer.add_value_length(args.head_dim)
+    writer.add_vocab_size(args.vocab_size)
+    writer.add_rope_dimension_count(args.head_dim)
+    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[out_type]
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def copy_tokenizer(writer, source: Path) -> None:
+    """Every tokenizer.* field of a source GGUF, as it is."""
+    gguf = _gguf()
+    reader = gguf.GGUFReader(source)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            types = field.types
+            sub = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), types[0], sub_type=sub)
+
+
+def pre_tokenizer_name(tokenizer_json: dict) -> str | None:
+    """llama.cpp's name for a byte-level BPE pre-tokenizer, recognised by its structure; None when unknown."""
+    pre, norm = tokenizer_json.get("pre_tokenizer") or {}, tokenizer_json.get("normalizer")
+    byte_level = lambda p, regex: (p.get("type") == "ByteLevel" and p.get("use_regex", True) == regex
+                                   and not p.get("add_prefix_space", False))
+    split = lambda p, regex: (p.get("type") == "Split" and (p.get("pattern") or {}).get("Regex") == regex
+                              and p.get("behavior") == "Isolated" and not p.get("invert", False))
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if norm is None and len(steps) == 1 and byte_level(steps[0], True):
+        return "gpt-2"
+    if len(steps) != 2:
+        return None
+    first, second = steps
+    if norm is None and first.get("type") == "Digits" and first.get("individual_digits") and byte_level(second, True):
+        return "smollm"
+    if norm is None and split(first, LLAMA3_SPLIT) and byte_level(second, False):
+        return "llama-bpe"
+    if (norm is None or norm.get("type") == "NFC") and split(first, QWEN2_SPLIT) and byte_level(second, False):
+        return "qwen2"
+    return None
+
+
+def build_tokenizer(writer, folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer from an HF folder, as llama.cpp's converter writes it (`gpt2` model)."""
+    gguf = _gguf()
+    if not (folder / "tokenizer.json").is_file():
+        raise UserError(f"{folder} has no tokenizer.json: cannot describe its tokenizer to llama.cpp")
+    spec = read_json(folder / "tokenizer.json")
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise UserError(f"{folder}: a {model.get('type')} tokenizer" + (" with byte fallback (sentencepiece style)"
+                        if model.get("byte_fallback") else "") + " is not exported; only byte-level BPE tokenizers are. "
+                        "Convert the merged folder with llama.cpp's convert_hf_to_gguf.py")
+    pre = pre_tokenizer_name(spec)
+    if pre is None:
+        raise UserError(f"{folder}: its pre-tokenizer is not one llama.cpp is known to reproduce "
+                        "(GPT-2, SmolLM, Llama 3, Qwen2); refusing to guess. Convert the merged folder with "
+                        "llama.cpp's convert_hf_to_gguf.py")
+    tok = load_tokenizer(folder)
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    added = {i: t for i, t in tok.added_tokens_decoder.items()}
+    T = gguf.TokenType
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(T.UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(T.CONTROL if added[i].special else T.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(T.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens))
+    special.chat_template = special.chat_template or tok.chat_template
+    special.add_to_gguf(writer)
+
+
+# ---------------------------------------------------------------------------- the files
+
+
+def _atomic_gguf(writer, out: Path, write_tensors) -> int:
+    """Header, metadata and tensor infos, then the tensors, into a hidden temporary renamed over `out` at the
+    end: a kill leaves no half-written file under the final name."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        write_tensors()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out.stat().st_size
+
+
+def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | None = None, out_type: str = "f16",
+                force: bool = False, onto: str = "original", quantize: str | None = None, progress: bool = True) -> dict:
+    """Write base (+ adapter, merged) as one GGUF file, and an Ollama Modelfile beside it."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    gguf = _gguf()
+    if out_type not in GGUF_TYPES:
+        raise UserError(f"unknown --type {out_type!r} (use {', '.join(GGUF_TYPES)})")
+    out = Path(out)
+    _check_out(out, force)
+    modelfile = out.with_name("Modelfile")
+    if modelfile.exists() and not force:
+        raise UserError(f"{modelfile} already exists (pass --force to overwrite)")
+    merger = Merger(base, adapter, onto, quantize)
+    args = ModelArgs.from_hf_config(merger.config)
+    names = TensorNames(args)
+    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[names.arch])
+    write_hparams(writer, args, out.stem, out_type)
+    source_gguf = gguf_file(base)
+    if source_gguf is not None:
+        copy_tokenizer(writer, source_gguf)
+    else:
+        build_tokenizer(writer, merger.folder, args.vocab_size)
+
+    freqs = rope_factors(args)
+    if freqs is not None:
+        writer.add_tensor_info("rope_freqs.weight", tuple(freqs.shape), np.float32, freqs.numel() * 4,
+                               raw_dtype=gguf.GGMLQuantizationType.F32)
+    count = 0
+    for f in merger.files:  # tensor infos from the headers, in the order the tensors will be written
+        with safe_open(f, framework="pt") as sf:
+            for key, _, shape in merger.entries(sf):
+                qtype = ggml_type(out_type, shape)
+                writer.add_tensor_info(names.name(key), shape, np.float32, nbytes(shape, qtype), raw_dtype=qtype)
+                count += 1
+
+    def write_tensors():
+        if freqs is not None:
+            writer.write_tensor_data(freqs.numpy())
+        with tqdm(total=count, desc="export", unit="tensor", disable=not progress) as bar:
+            for f in merger.files:
+                with safe_open(f, framework="pt") as sf:
+                    for key, w in merger.tensors(sf):
+                        writer.write_tensor_data(convert(names.layout(key, w), ggml_type(out_type, tuple(w.shape))))
+                        bar.update(1)
+
+    size = _atomic_gguf(writer, out, write_tensors)
+    write_modelfile(modelfile, out, merger.folder, args)
+    return {"out": str(out), "bytes": size, "tensors": count, "modelfile": str(modelfile),
+            "seconds": time.perf_counter() - start}
+
+
+def write_modelfile(path: Path, gguf_path: Path, folder: Path, args: ModelArgs) -> None:
+    """FROM the file, and a stop for every token that ends a turn (Ollama reads the chat template from the
+    GGUF's tokenizer.chat_template)."""
+    tok = load_tokenizer(folder)
+    stops = {tok.eos_token_id, end_of_turn_id(tok)}
+    for eos in (args.eos_token_id, (read_json(folder / "generation_config.json").get("eos_token_id")
+                                    if (folder / "generation_config.json").is_file() else None)):
+        stops.update(eos if isinstance(eos, list) else [eos])
+    lines = [f"FROM ./{gguf_path.name}"]
+    lines += [f'PARAMETER stop "{tok.convert_ids_to_tokens(i)}"' for i in sorted(i for i in stops if i is not None)]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def export_lora_gguf(adapter: str | os.PathLike, out: str | os.PathLike, base: str | None = None,
+                     force: bool = False) -> dict:
+    """The adapter alone as a llama.cpp LoRA GGUF (`llama-cli -m model.gguf --lora FILE`): lora_a (r, in) and
+    lora_b (out, r) per adapted weight under the model's GGUF names, lora_b's rows permuted like the weight's,
+    and adapter.lora.alpha = scale · r (llama.cpp scales by alpha / r)."""
+    from .adapters import adapter_deltas
+
+    start = time.perf_counter()
+    gguf = _gguf()
+    out = Path(out)
+    _check_out(out, force)
+    if not Path(adapter).is_dir():
+        raise UserError(f"adapter folder not found: {adapter}")
+    deltas, scale, cfg = adapter_deltas(adapter)
+    base = base or cfg.get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{adapter}: adapter_config.json names no base model; pass --base")
+    args = ModelArgs.from_hf_config(read_config(resolve_source(base)))
+    names = TensorNames(args)
+    if "lm_head.weight" in deltas and args.tie_word_embeddings:
+        raise UserError("an adapter on a tied lm_head has no llama.cpp LoRA form (the base has no output tensor); "
+                        "export the merged model instead")
+    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[names.arch])
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    rank = next(iter(deltas.values()))[0].shape[0]
+    writer.add_float32("adapter.lora.alpha", scale * rank)
+    tensors = []
+    for key, (A, B) in deltas.items():
+        name = names.name(key)
+        tensors += [(name + ".lora_a", A.float()), (name + ".lora_b", names.layout(key, B.float()))]
+    for name, t in tensors:
+        writer.add_tensor_info(name, tuple(t.shape), np.float32, t.numel() * 4, raw_dtype=gguf.GGMLQuantizationType.F32)
+    size = _atomic_gguf(writer, out, lambda: [writer.write_tensor_data(t.contiguous().numpy()) for _, t in tensors])
+    return {"out": str(out), "bytes": size, "tensors": len(tensors), "seconds": time.perf_counter() - start}
