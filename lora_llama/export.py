@@ -232,6 +232,10 @@ def build_tokenizer(writer, folder: Path, vocab_size: int) -> None:
     writer.add_token_types(types)
     special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens))
     special.chat_template = special.chat_template or tok.chat_template
+    # what the tokenizer does, not what its config may leave unsaid: llama.cpp's default adds a BOS to most vocabularies
+    probe = tok("a")["input_ids"]
+    special.add_special_token = {"bos": tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id],
+                                 "eos": tok.eos_token_id is not None and probe[-1:] == [tok.eos_token_id]}
     special.add_to_gguf(writer)
 
 
