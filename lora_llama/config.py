@@ -247,6 +247,9 @@ class TrainSection(Settings):
     # several processes (torchrun): ddp replicates the frozen base, fsdp shards it; auto: ddp
     distributed: Literal["auto", "ddp", "fsdp"] = "auto"
     collective_timeout_s: float = Field(600.0, gt=0)  # a rank that waits longer on the others raises
+    # fp32, or bf16-mixed (bf16 base and products, float32 LoRA, optimizer, norms and loss); auto: bf16-mixed on a
+    # GPU with bf16 and on a CPU with native bf16 (AVX512_BF16, AMX), fp32 otherwise (lora_llama/precision.py)
+    precision: Literal["fp32", "bf16-mixed", "auto"] = "auto"
     # sft: next-token loss on the targets; dpo / orpo: preference pairs (data.format preference)
     objective: Literal["sft", "dpo", "orpo"] = "sft"
     dpo: DPOSettings = DPOSettings()

@@ -153,10 +153,11 @@ class _SharedInputLoRA(torch.autograd.Function):
     def forward(ctx, x, scales, *params):
         layers = [params[i:i + 4] for i in range(0, len(params), 4)]
         lora_a = torch.cat([p[2] for p in layers]) if len(layers) > 1 else layers[0][2]  # (Σr, in)
-        a = linear(x, lora_a)  # (N, Σr)
+        # bf16-mixed: A and B are float32 master weights, used in x's dtype (x and W0 share it)
+        a = linear(x, lora_a.to(x.dtype))  # (N, Σr)
         ends = list(itertools.accumulate(p[3].shape[1] for p in layers))
         ctx.cols = [slice(e - p[3].shape[1], e) for e, p in zip(ends, layers)]  # layer i's columns of a
-        ys = [linear(x, w0, bias).addmm_(a[:, cols], lora_b.t(), alpha=scale)  # (N, out_i)
+        ys = [linear(x, w0, bias).addmm_(a[:, cols], lora_b.to(x.dtype).t(), alpha=scale)  # (N, out_i)
               for (w0, bias, _, lora_b), cols, scale in zip(layers, ctx.cols, scales)]
         ctx.save_for_backward(x, a, lora_a, *params)
         ctx.scales = scales
@@ -166,26 +167,28 @@ class _SharedInputLoRA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads_y):
         x, a, lora_a, *params = ctx.saved_tensors
+        dtype = x.dtype  # of the products; the gradients of A and B are returned in their own dtype
         need = ctx.needs_input_grad[2:]  # per params entry
         grads, grad_x = [None] * len(params), None
         ga = torch.zeros_like(a)  # gradient reaching a, (N, Σr)
         for i, (gy, cols, scale) in enumerate(zip(grads_y, ctx.cols, ctx.scales)):
             if gy is None:
                 continue
-            ga[:, cols] = linear(gy, params[4 * i + 3].t()).mul_(scale)
+            lora_b = params[4 * i + 3]
+            ga[:, cols] = linear(gy, lora_b.to(dtype).t()).mul_(scale)
             if need[4 * i + 3]:
                 # B_i: (out_i, r) = gyᵀ·a, as (aᵀ·gy)ᵀ: a product over the N rows goes to oneDNN as small·(big view)ᵀ
-                grads[4 * i + 3] = linear(a[:, cols].t().contiguous(), gy.t()).t().mul_(scale)
+                grads[4 * i + 3] = linear(a[:, cols].t().contiguous(), gy.t()).t().to(lora_b.dtype).mul_(scale)
             if ctx.needs_input_grad[0]:
                 gx = linear(gy, params[4 * i].t())  # gy·W_i
                 grad_x = gx if grad_x is None else grad_x.add_(gx)
         reached = [gy is not None and need[4 * i + 2] for i, gy in enumerate(grads_y)]
         if any(reached):
-            grad_lora_a = linear(ga.t().contiguous(), x.t())  # (Σr, in) = gaᵀ·x: one product for all A
+            grad_lora_a = linear(ga.t().contiguous(), x.t()).to(lora_a.dtype)  # (Σr, in) = gaᵀ·x: one product for all A
             for i, cols in enumerate(ctx.cols):
                 grads[4 * i + 2] = grad_lora_a[cols] if reached[i] else None  # as autograd: None, not zeros
         if grad_x is not None:
-            grad_x.addmm_(ga, lora_a)
+            grad_x.addmm_(ga, lora_a.to(dtype))
         return (grad_x, None, *grads)
 
 

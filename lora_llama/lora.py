@@ -74,11 +74,13 @@ class LoRALinear(nn.Module):
         self.disabled = False  # the base output only (see `adapters_disabled`)
 
     def fused(self, x: torch.Tensor) -> bool:
-        """Whether the layer can run as one autograd node: plain frozen float base, no dropout, one dtype."""
+        """Whether the layer can run as one autograd node: plain frozen float base, no dropout, x in the base's
+        dtype, A and B in it too or in float32 (bf16-mixed: float32 masters, cast for the products)."""
         base = self.base_layer
         return (type(base) is nn.Linear and type(self.lora_dropout) is nn.Identity
                 and not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
-                and x.dtype == base.weight.dtype == self.lora_A.weight.dtype == self.lora_B.weight.dtype
+                and x.dtype == base.weight.dtype and self.lora_A.weight.dtype == self.lora_B.weight.dtype
+                and self.lora_A.weight.dtype in (x.dtype, torch.float32)
                 and not torch.is_autocast_enabled(x.device.type))
 
     def low_rank_node(self, x: torch.Tensor) -> tuple | None:

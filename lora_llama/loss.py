@@ -30,6 +30,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if torch.is_autocast_enabled(device):  # out= products are not autocast: pick its dtype by hand
             dtype = torch.get_autocast_dtype(device)
             h, weight = h.to(dtype), weight.to(dtype)
+        if h.dtype == torch.bfloat16:  # bf16-mixed: the logits in float32 (bf16 would round them to 8 bits)
+            h, weight = h.float(), weight.float()
         grad_h = torch.empty_like(h) if need_h else None  # (N, dim)
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, dim)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
@@ -60,8 +62,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None, None)
 
 
+def _logits(lm_head, h):
+    """lm_head(h) in float32. From bf16 activations too: bf16 products would round the logits to 8 bits before
+    the softmax (at |logit| ~ 20, steps of 0.125), which an adapted lm_head's large updates make visible."""
+    if h.dtype != torch.bfloat16:
+        return lm_head(h).float()
+    node = getattr(lm_head, "low_rank_node", lambda _: None)(h)  # a LoRA layer's (W0, b, A, B, scale)
+    if node is None and type(lm_head) is nn.Linear:
+        node = (lm_head.weight, lm_head.bias, None, None, 0.0)
+    if node is None:
+        return lm_head(h).float()
+    w0, b, lora_a, lora_b, scale = node
+    h32 = h.float()
+    y = F.linear(h32, w0.float(), None if b is None else b.float())
+    return y if lora_a is None else y.addmm_(F.linear(h32, lora_a.float()), lora_b.float().t(), alpha=scale)
+
+
 def _ce_chunk(lm_head, h, t, reduction="sum"):
-    return F.cross_entropy(lm_head(h).float(), t, reduction=reduction)
+    return F.cross_entropy(_logits(lm_head, h), t, reduction=reduction)
 
 
 def linear_cross_entropy(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from .files import atomic_dir, read_json, shard_files, write_json
 from .hub import push, resolve_token
 from .lora import apply_lora, lora_state_dict
 from .objectives import make_objective
+from .precision import base_dtype, resolve_precision
 from .pairs import build_pairs
 from .quant import base_weight_bytes
 from .schedule import lr_lambda, total_steps
@@ -70,8 +71,10 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     else:
         train, val = build_pairs(recipe.data, tok, recipe.train.seed, log)
     m = recipe.model
+    precision, why = resolve_precision(recipe.train.precision, device)
+    dtype = base_dtype(precision, torch_dtype(m.dtype))
     # fsdp: loaded into host memory; fully_shard moves each block's shard to the GPU (none holds the whole base)
-    model = load_model(m.source, dtype=torch_dtype(m.dtype), quantize=m.quantize, device="cpu" if sharded else device,
+    model = load_model(m.source, dtype=dtype, quantize=m.quantize, device="cpu" if sharded else device,
                        int8_threshold=m.int8_threshold)
     summary = apply_lora(model, recipe.lora)
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
@@ -94,7 +97,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     trainer = Trainer(recipe, model, tok, train, val, out, ranks)
     log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
-    log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or m.dtype})")
+    log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or str(dtype).removeprefix('torch.')}); "
+        f"precision {precision} ({why})")
     if sharded:
         frozen = [p for p in model.parameters() if not p.requires_grad]
         log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.3f} MB of the base's "
@@ -132,8 +136,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.schedule, t.warmup_steps, self.total))
         self.step = 0
         self.pad_id = tokenizer.pad_token_id
-        # bf16 autocast on CUDA; CPU float32 training stays exact
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
         self.tb = None  # opened by fit, once the step it resumes from is known
 
     # ---------------------------------------------------------------- data order
@@ -164,8 +166,7 @@ class Trainer:
         *totals, tokens = self.ranks.sum([sum(c[i] for c in counts) for i in range(obj.n_counts)] + [local_tokens])
         local_loss, bad, stats = 0.0, None, dict.fromkeys(obj.stat_names, 0.0)
         for batch in batches:
-            with self.autocast or contextlib.nullcontext():
-                terms, batch_stats = obj.terms(self.model, batch)
+            terms, batch_stats = obj.terms(self.model, batch)
             loss = sum(t / max(n, 1) for t, n in zip(terms, totals))
             if not torch.isfinite(loss):
                 bad = float(loss.detach())
@@ -248,9 +249,8 @@ class Trainer:
     def run_eval(self) -> dict | None:
         if not self.val_examples:
             return None
-        with self.autocast or contextlib.nullcontext():
-            r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks,
-                         self.objective)
+        r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks,
+                     self.objective)
         record = {"step": self.step, **{f"eval_{k}": v for k, v in r.items() if k not in ("tokens", "pairs")}}
         self.log(record)
         return record

@@ -1,0 +1,43 @@
+"""Which precision a run trains in: `fp32`, or `bf16-mixed` (frozen base weights, activations and products in
+bfloat16 with float32 accumulation; norms, softmax and the loss in float32; LoRA A/B and the optimizer state in
+float32), and what `auto` picks on this machine.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PRECISIONS = ("fp32", "bf16-mixed", "auto")
+
+
+def cpu_bf16_instructions() -> list[str]:
+    """The native bfloat16 instructions this CPU has (AVX512_BF16, AMX-BF16), from /proc/cpuinfo's flags; none
+    known elsewhere. Without them bf16 products are emulated, and slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return sorted({m.upper() for m in re.findall(r"\b(avx512_bf16|amx_bf16)\b", flags)})
+
+
+def resolve_precision(setting: str, device: str) -> tuple[str, str]:
+    """(fp32 | bf16-mixed, why): `auto` is bf16-mixed on a GPU with bf16 and on a CPU with native bf16."""
+    import torch
+
+    if setting != "auto":
+        return setting, "set in the recipe"
+    if device.startswith("cuda"):
+        if torch.cuda.is_bf16_supported():
+            return "bf16-mixed", "auto: this GPU supports bfloat16"
+        return "fp32", "auto: this GPU has no bfloat16"
+    found = cpu_bf16_instructions()
+    if found:
+        return "bf16-mixed", f"auto: this CPU has {' and '.join(found)}"
+    return "fp32", "auto: this CPU has no native bfloat16 (AVX512_BF16 / AMX)"
+
+
+def base_dtype(precision: str, model_dtype):
+    """The frozen base weights' dtype: bfloat16 under bf16-mixed, else the recipe's model.dtype."""
+    import torch
+
+    return torch.bfloat16 if precision == "bf16-mixed" else model_dtype
