@@ -113,7 +113,7 @@ def test_pre_tokenizers_llama_cpp_knows(name, tmp_path):
     from gguf import GGUFReader
     from tokenizers import Regex, normalizers, pre_tokenizers
 
-    from lora_llama.export import LLAMA3_SPLIT, QWEN2_SPLIT
+    from lora_llama.gguf_vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 
     if name == "smollm":
         pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])

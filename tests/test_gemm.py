@@ -44,13 +44,16 @@ def test_values_of_every_layout_the_training_step_uses(calls):
 def test_other_cases_take_f_linear_with_the_same_values(calls):
     g = torch.Generator().manual_seed(1)
     x, w = case((20, 48), 16, g)
-    for xi, wi in [(x.double(), w.double()), (x.bfloat16(), w.bfloat16()), (x.t().contiguous().t(), w)]:
+    for xi, wi in [(x.double(), w.double()), (x.half(), w.half()), (x.t().contiguous().t(), w)]:
         got = gemm.linear(xi, wi)
         assert got.dtype == xi.dtype
-        tol = 5e-2 if xi.dtype == torch.bfloat16 else 1e-5
+        tol = 5e-2 if xi.dtype == torch.half else 1e-5
         assert (got.double() - x.double() @ w.double().t()).abs().max() < tol
     assert torch.equal(gemm.linear(x[:, :0], w[:, :0]), torch.zeros(20, 16))  # an empty sum: zeros
-    assert calls == []  # float64, bfloat16, an x transposed in memory (oneDNN would copy it), in = 0 skip oneDNN
+    assert calls == []  # float64, float16, an x transposed in memory (oneDNN would copy it), in = 0 skip oneDNN
+    got = gemm.linear(x.bfloat16(), w.bfloat16())  # bf16-mixed's products: oneDNN, float32 accumulation
+    assert len(calls) == 1 and got.dtype == torch.bfloat16
+    assert (got.double() - x.bfloat16().double() @ w.bfloat16().double().t()).abs().max() < 5e-2
 
 
 def test_frozen_linear_gives_autograds_values_and_input_gradient_and_keeps_hooks(calls):
