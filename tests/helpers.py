@@ -81,3 +81,26 @@ def status_kb(field):
 def reset_peak():  # Linux: writing 5 to clear_refs resets VmHWM, so only what follows counts
     open("/proc/self/clear_refs", "w").write("5")
 """
+
+
+def sharded_checkpoint(folder: Path, shards: int) -> tuple[Path, list[Path]]:
+    """A checkpoint big enough for memory measurements (~90 MB), in `shards` files."""
+    base = build_checkpoint(folder, shards=shards, vocab_size=4000, hidden_size=384, intermediate_size=1536,
+                            num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2)
+    files = list(base.glob("model-*.safetensors"))
+    assert len(files) >= shards
+    return base, files
+
+
+def peak_growth(setup: str, work: str, *argv) -> int:
+    """Bytes the peak RSS grows by while `work` runs in a fresh Python (after `setup`: imports are not the work's)."""
+    import json
+    import subprocess
+    import sys
+
+    script = PEAK_MEMORY_HELPERS + f"import sys, json\n{setup}\nbase = status_kb('VmRSS')\nreset_peak()\n{work}\n" \
+        + "print(json.dumps({'base_kb': base, 'peak_kb': status_kb('VmHWM')}))\n"
+    r = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    mem = json.loads(r.stdout.strip().splitlines()[-1])
+    return (mem["peak_kb"] - mem["base_kb"]) * 1024

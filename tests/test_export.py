@@ -1,13 +1,11 @@
 """`lora-llama export` (GGUF for llama.cpp / Ollama, and llama.cpp LoRA GGUFs) read back by an independent reader,
 transformers' GGUF loader; `merge --onto dequantized`; refusals."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import PEAK_MEMORY_HELPERS, ROOT, build_checkpoint, hf_model, make_tokenizer
+from helpers import build_checkpoint, hf_model, make_tokenizer, peak_growth, sharded_checkpoint
 from lora_llama import load_model
 from lora_llama.adapters import save_adapter
 from lora_llama.cli import main
@@ -243,29 +241,14 @@ def test_merge_onto_dequantized_reproduces_the_adapter_on_int8(tmp_path, capsys)
     assert "--quantize" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
-MEASURE = PEAK_MEMORY_HELPERS + r"""
-import sys, json
-import torch, safetensors, gguf, numpy, tqdm.auto, transformers, lora_llama.export as e
-# neither are the tokenizer's modules (transformers' tokenization, jinja): a fixed cost, whatever the model's size
-e.end_of_turn_id(e.load_tokenizer(sys.argv[1]))
-base = status_kb("VmRSS")
-reset_peak()
-e.export_gguf(sys.argv[1], sys.argv[3], adapter=sys.argv[2], progress=False)
-print(json.dumps({"base_kb": base, "peak_kb": status_kb("VmHWM")}))
-"""
-
-
 def test_export_peak_memory_is_about_one_shard(tmp_path):
-    base = build_checkpoint(tmp_path / "big", shards=4, vocab_size=4000, hidden_size=384, intermediate_size=1536,
-                            num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2)
-    shards = list(base.glob("model-*.safetensors"))
-    assert len(shards) >= 4
+    base, shards = sharded_checkpoint(tmp_path / "big", 4)
     adapter = make_adapter(base, tmp_path / "a")
-    r = subprocess.run([sys.executable, "-c", MEASURE, str(base), str(adapter), str(tmp_path / "out.gguf")],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    mem = json.loads(r.stdout.strip().splitlines()[-1])
+    # the tokenizer's modules (transformers' tokenization, jinja) load first: a fixed cost, whatever the model's size
+    grown = peak_growth("import torch, safetensors, gguf, numpy, tqdm.auto, transformers, lora_llama.export as e\n"
+                        "e.end_of_turn_id(e.load_tokenizer(sys.argv[1]))",
+                        "e.export_gguf(sys.argv[1], sys.argv[3], adapter=sys.argv[2], progress=False)",
+                        base, adapter, tmp_path / "out.gguf")
     largest = max(f.stat().st_size for f in shards)
-    grown = (mem["peak_kb"] - mem["base_kb"]) * 1024
     print(f"export grew {grown / 1e6:.1f} MB; largest shard {largest / 1e6:.1f} MB")
     assert grown < 2.5 * largest, (grown, largest)

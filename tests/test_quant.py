@@ -1,12 +1,9 @@
 """Frozen int8 base weights through bitsandbytes: accuracy, training, memory, PEFT interchange, nf4 refusal."""
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import PEAK_MEMORY_HELPERS, ROOT, build_checkpoint, hf_model
+from helpers import ROOT, hf_model, peak_growth, sharded_checkpoint
 from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.lora import lora_modules
 from lora_llama.loss import target_loss
@@ -105,24 +102,10 @@ def test_nf4_on_cpu_is_refused_clearly(tiny_ckpt, capsys, tmp_path):
     assert code == 2 and "nf4 needs a CUDA GPU" in err and not (tmp_path / "run").exists()
 
 
-MEASURE = PEAK_MEMORY_HELPERS + r"""
-import json, sys
-import torch, bitsandbytes, safetensors
-from lora_llama import load_model
-before = status_kb("VmRSS")
-reset_peak()
-model = load_model(sys.argv[1], quantize=sys.argv[2] if sys.argv[2] != "none" else None)
-print(json.dumps({"before_kb": before, "peak_kb": status_kb("VmHWM")}))
-"""
-
-
 def test_int8_loading_peak_memory_below_fp32_size(tmp_path):
-    base = build_checkpoint(tmp_path / "big", shards=8, vocab_size=4000, hidden_size=384, intermediate_size=1536,
-                            num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2)
-    fp32_size = sum(f.stat().st_size for f in base.glob("*.safetensors"))
-    r = subprocess.run([sys.executable, "-c", MEASURE, str(base), "int8"], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    mem = json.loads(r.stdout.strip().splitlines()[-1])
-    grown = (mem["peak_kb"] - mem["before_kb"]) * 1024
+    base, shards = sharded_checkpoint(tmp_path / "big", 8)
+    fp32_size = sum(f.stat().st_size for f in shards)
+    grown = peak_growth("import torch, bitsandbytes, safetensors\nfrom lora_llama import load_model",
+                        "model = load_model(sys.argv[1], quantize='int8')", base)
     print(f"int8 load grew {grown / 1e6:.1f} MB, float32 checkpoint {fp32_size / 1e6:.1f} MB")
     assert grown < fp32_size, (grown, fp32_size)
