@@ -316,7 +316,7 @@ class Trainer:
         if not (self.step % t.eval_every == 0 or self.step == self.total):
             return None
         record = self.run_eval()
-        if record:
+        if record and self.ranks.main:  # tqdm.write prints even where the bar is disabled
             bar.write(f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
         return record
 
