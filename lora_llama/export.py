@@ -240,7 +240,8 @@ def write_modelfile(path: Path, gguf_path: Path, folder: Path, args: ModelArgs) 
                                     if (folder / "generation_config.json").is_file() else None)):
         stops.update(eos if isinstance(eos, list) else [eos])
     lines = [f"FROM ./{gguf_path.name}"]
-    lines += [f'PARAMETER stop "{tok.convert_ids_to_tokens(i)}"' for i in sorted(i for i in stops if i is not None)]
+    quoted = lambda t: t.replace("\\", "\\\\").replace('"', '\\"')  # Modelfile strings are double-quoted
+    lines += [f'PARAMETER stop "{quoted(tok.convert_ids_to_tokens(i))}"' for i in sorted(i for i in stops if i is not None)]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
