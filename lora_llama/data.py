@@ -116,7 +116,8 @@ def detect_format(columns: list[str]) -> str:
     raise UserError(f"cannot detect the data format from columns {columns}; set data.format and data.fields")
 
 
-def _rename(record: dict, fields: dict[str, str]) -> dict:
+def rename_fields(record: dict, fields: dict[str, str]) -> dict:
+    """The record with `data.fields`' columns also under their standard names."""
     return {**record, **{std: record[col] for std, col in fields.items() if col in record}}
 
 
@@ -244,7 +245,7 @@ def tokenize_records(records, tokenizer, fmt: str, max_seq_len: int, train_on_pr
     tokenize = Tokenize(tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template)
     examples = []
     for i, rec in enumerate(records):
-        rec = _rename(rec, fields)
+        rec = rename_fields(rec, fields)
         if "conversations" in rec and "messages" not in rec:
             rec["messages"] = rec["conversations"]
         missing = [k for k in need if k not in rec]

@@ -18,9 +18,9 @@ import torch
 
 from .checkpoint import gguf_file, load_tokenizer, resolve_source
 from .config import ModelArgs
-from .data import end_of_turn_id
 from .errors import UserError
-from .files import read_config, read_json
+from .files import read_config
+from .generate import stop_token_ids
 from .gguf_vocab import build_tokenizer, copy_tokenizer
 from .merge import Merger
 
@@ -235,13 +235,10 @@ def write_modelfile(path: Path, gguf_path: Path, folder: Path, args: ModelArgs) 
     """FROM the file, and a stop for every token that ends a turn (Ollama reads the chat template from the
     GGUF's tokenizer.chat_template)."""
     tok = load_tokenizer(folder)
-    stops = {tok.eos_token_id, end_of_turn_id(tok)}
-    for eos in (args.eos_token_id, (read_json(folder / "generation_config.json").get("eos_token_id")
-                                    if (folder / "generation_config.json").is_file() else None)):
-        stops.update(eos if isinstance(eos, list) else [eos])
     lines = [f"FROM ./{gguf_path.name}"]
     quoted = lambda t: t.replace("\\", "\\\\").replace('"', '\\"')  # Modelfile strings are double-quoted
-    lines += [f'PARAMETER stop "{quoted(tok.convert_ids_to_tokens(i))}"' for i in sorted(i for i in stops if i is not None)]
+    lines += [f'PARAMETER stop "{quoted(tok.convert_ids_to_tokens(i))}"'
+              for i in stop_token_ids(tok, args.eos_token_id, folder)]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)

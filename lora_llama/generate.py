@@ -56,12 +56,17 @@ def generate(model, prompt_ids: Iterable[int], max_new_tokens: int = 64, tempera
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a generation: the tokenizer's EOS, the token that ends an assistant turn in its
-    chat template, and the EOS of config.json and generation_config.json (Llama 3 and Qwen list several)."""
+    """Every id that ends a generation (see `stop_token_ids`)."""
+    return stop_token_ids(tokenizer, model.args.eos_token_id, model.folder)
+
+
+def stop_token_ids(tokenizer, config_eos, folder) -> list[int]:
+    """The tokenizer's EOS, the token that ends an assistant turn in its chat template, and the EOS of
+    config.json and of the folder's generation_config.json (Llama 3 and Qwen list several)."""
     ids = {tokenizer.eos_token_id, end_of_turn_id(tokenizer)}
-    listed = [model.args.eos_token_id]
-    if model.folder is not None and (model.folder / "generation_config.json").is_file():
-        listed.append(read_json(model.folder / "generation_config.json").get("eos_token_id"))
+    listed = [config_eos]
+    if folder is not None and (folder / "generation_config.json").is_file():
+        listed.append(read_json(folder / "generation_config.json").get("eos_token_id"))
     for eos in listed:
         ids.update(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if i is not None)

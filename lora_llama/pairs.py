@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .data import EMPTY_EXAMPLE, Tokenize, collate, encode_rendered, load_splits, normalise_messages
+from .data import EMPTY_EXAMPLE, Tokenize, collate, encode_rendered, load_splits, normalise_messages, rename_fields
 from .errors import UserError
 from .loss import IGNORE_INDEX
 
@@ -62,7 +62,7 @@ def tokenize_pairs(records, tokenizer, max_seq_len: int, train_on_prompt: bool =
     tokenize = Tokenize(tokenizer, "chat", max_seq_len, train_on_prompt)
     pairs, skipped = [], Counter()
     for i, rec in enumerate(records):
-        rec = {**rec, **{std: rec[col] for std, col in (fields or {}).items() if col in rec}}
+        rec = rename_fields(rec, fields or {})
         missing = [k for k in PAIR_FIELDS if k not in rec]
         if missing:
             raise UserError(f"preference record {i} has no {missing[0]!r} field (needs {', '.join(PAIR_FIELDS)}; "

@@ -246,7 +246,7 @@ def test_export_peak_memory_is_about_one_shard(tmp_path):
     adapter = make_adapter(base, tmp_path / "a")
     # the tokenizer's modules (transformers' tokenization, jinja) load first: a fixed cost, whatever the model's size
     grown = peak_growth("import torch, safetensors, gguf, numpy, tqdm.auto, transformers, lora_llama.export as e\n"
-                        "e.end_of_turn_id(e.load_tokenizer(sys.argv[1]))",
+                        "from lora_llama.data import end_of_turn_id\nend_of_turn_id(e.load_tokenizer(sys.argv[1]))",
                         "e.export_gguf(sys.argv[1], sys.argv[3], adapter=sys.argv[2], progress=False)",
                         base, adapter, tmp_path / "out.gguf")
     largest = max(f.stat().st_size for f in shards)
