@@ -48,6 +48,7 @@ HF_NAME = {t: path.rsplit(".", 1)[-1] for t, path in TARGET_MODULES.items()}  # 
 DECODER_TARGETS = tuple(t for t in TARGET_MODULES if t != "lm_head")  # the seven linears of a block ("all-linear")
 Target = Literal[tuple(TARGET_MODULES)]
 QUANTIZE_KINDS = ("int8", "nf4")  # frozen base weights through bitsandbytes (nf4: CUDA only)
+PRECISIONS = ("fp32", "bf16-mixed", "auto")  # train.precision; what each means: precision.py
 
 
 def torch_dtype(name: str):
@@ -247,9 +248,8 @@ class TrainSection(Settings):
     # several processes (torchrun): ddp replicates the frozen base, fsdp shards it; auto: ddp
     distributed: Literal["auto", "ddp", "fsdp"] = "auto"
     collective_timeout_s: float = Field(600.0, gt=0)  # a rank that waits longer on the others raises
-    # fp32, or bf16-mixed (bf16 base and products, float32 LoRA, optimizer, norms and loss); auto: bf16-mixed on a
-    # GPU with bf16 and on a CPU with native bf16 (AVX512_BF16, AMX), fp32 otherwise (lora_llama/precision.py)
-    precision: Literal["fp32", "bf16-mixed", "auto"] = "auto"
+    # auto: bf16-mixed on a GPU with bf16 and on a CPU with native bf16 (AVX512_BF16, AMX), else fp32
+    precision: Literal[PRECISIONS] = "auto"
     # sft: next-token loss on the targets; dpo / orpo: preference pairs (data.format preference)
     objective: Literal["sft", "dpo", "orpo"] = "sft"
     dpo: DPOSettings = DPOSettings()

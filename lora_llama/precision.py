@@ -7,8 +7,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-PRECISIONS = ("fp32", "bf16-mixed", "auto")
-
 
 def cpu_bf16_instructions() -> list[str]:
     """The native bfloat16 instructions this CPU has (AVX512_BF16, AMX-BF16), from /proc/cpuinfo's flags; none

@@ -57,6 +57,17 @@ def rows(out):
     return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_runs(one, two, keys):
+    """The same steps logged in both run folders, each key within 1e-5, and adapters within 1e-5."""
+    a_rows, b_rows = rows(one), rows(two)
+    assert [r["step"] for r in a_rows] == [r["step"] for r in b_rows]
+    for a, b in zip(a_rows, b_rows):
+        for key in keys:
+            if key in a:
+                assert abs(a[key] - b[key]) < 1e-5, (key, a, b)
+    assert close_adapters(one / "adapter", two / "adapter")
+
+
 def close_adapters(a, b, tol=1e-5):
     x, y = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
     return x.keys() == y.keys() and max(float((x[k] - y[k]).abs().max()) for k in x) < tol
@@ -68,13 +79,7 @@ def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path
     assert main(args(tiny_ckpt, data, tmp_path / "one", 4, *extra)) == 0
     code, out, err = torchrun(args(tiny_ckpt, data, tmp_path / "two", 2, f"train.distributed={strategy}", *extra))
     assert code == 0, err[-3000:]
-    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
-    assert [r["step"] for r in one] == [r["step"] for r in two]
-    for a, b in zip(one, two):
-        for key in ("loss", "eval_loss"):
-            if key in a:
-                assert abs(a[key] - b[key]) < 1e-5, (a, b)
-    assert close_adapters(tmp_path / "one" / "adapter", tmp_path / "two" / "adapter")
+    assert_same_runs(tmp_path / "one", tmp_path / "two", ("loss", "eval_loss"))
     assert f"2 processes ({strategy})" in out and out.count("eval loss") == 1  # rank 0 alone reports
     if strategy == "fsdp":  # each rank keeps half of the base's frozen weights
         held, whole = map(float, re.search(r"each rank holds ([\d.]+) MB of the base's ([\d.]+) MB", out).groups())
@@ -181,11 +186,6 @@ def test_dpo_on_two_processes_equals_one(tiny_ckpt, tmp_path, strategy):
     assert main(args(tiny_ckpt, pairs, tmp_path / "one", 4, *dpo)) == 0
     code, _, err = torchrun(args(tiny_ckpt, pairs, tmp_path / "two", 2, f"train.distributed={strategy}", *dpo))
     assert code == 0, err[-3000:]
-    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
-    assert [r["step"] for r in one] == [r["step"] for r in two]
-    for a, b in zip(one, two):
-        for key in ("loss", "rewards/margins", "rewards/accuracies", "eval_loss", "eval_rewards/margins"):
-            if key in a:
-                assert abs(a[key] - b[key]) < 1e-5, (key, a, b)
-    assert any(abs(r.get("rewards/margins", 0)) > 1e-3 for r in one)  # the adapter did move
-    assert close_adapters(tmp_path / "one" / "adapter", tmp_path / "two" / "adapter")
+    assert_same_runs(tmp_path / "one", tmp_path / "two",
+                     ("loss", "rewards/margins", "rewards/accuracies", "eval_loss", "eval_rewards/margins"))
+    assert any(abs(r.get("rewards/margins", 0)) > 1e-3 for r in rows(tmp_path / "one"))  # the adapter did move
