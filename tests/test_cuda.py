@@ -1,0 +1,109 @@
+"""The CUDA paths (skipped without a GPU): logits and LoRA gradients against transformers + peft on the GPU,
+bf16-mixed training there (what `auto` picks), int8 and nf4 bases through bitsandbytes' CUDA kernels, generate."""
+import pytest
+import torch
+
+import helpers
+from helpers import hf_model
+from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
+from lora_llama.loss import target_loss
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ALL = ["q", "k", "v", "o", "gate", "up", "down"]
+QA = [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not"), ("the quick", "brown fox"),
+      ("how are you", "i am fine"), ("the lazy", "dog"), ("hello", "world"), ("that is", "the question")]
+
+
+def ids(batch=2, seq=40, seed=1):
+    return torch.randint(3, 300, (batch, seq), generator=torch.Generator().manual_seed(seed)).cuda()
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_logits_match_transformers_on_cuda(tiny_ckpt, dtype, tol):
+    ours = load_model(tiny_ckpt, dtype=dtype, device="cuda")
+    ref = hf_model(tiny_ckpt).to("cuda", dtype)
+    x = ids()
+    with torch.no_grad():
+        assert rel(ours(x), ref(x).logits) < tol
+
+
+def test_lora_gradients_match_peft_on_cuda(tiny_ckpt, tmp_path):
+    from peft import PeftModel
+
+    model = load_model(tiny_ckpt, device="cuda")
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    save_adapter(model, tmp_path / "a")
+    x = ids()
+    model.train()
+    loss, n = target_loss(model, x, x)
+    (loss / n).backward()
+    ref = PeftModel.from_pretrained(hf_model(tiny_ckpt), tmp_path / "a").cuda().train()
+    for name, p in ref.named_parameters():
+        p.requires_grad_("lora_" in name)
+    ref(x, labels=x).loss.backward()
+    ref_grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
+                 for n, p in ref.named_parameters() if p.grad is not None}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == set(ref_grads) and len(grads) == 28
+    for k in grads:
+        assert torch.allclose(grads[k], ref_grads[k], atol=1e-5, rtol=1e-4), k
+
+
+def cuda_recipe(tiny_ckpt, data, out, *extra):
+    from lora_llama.config import load_recipe
+
+    return load_recipe(None, [f"model.source={tiny_ckpt}", f"data.source={data}", f"output.dir={out}", "data.val_size=0",
+                              f"data.val_source={data}", "train.warmup_steps=0", "train.max_steps=50", "model.device=cuda",
+                              "train.batch_size=8", "train.lr=2e-3", "lora.r=16", "lora.alpha=32", "train.schedule=constant",
+                              "train.eval_every=50", "train.save_every=1000", "lora.targets=[q,k,v,o,gate,up,down,lm_head]",
+                              *extra])
+
+
+def test_auto_is_bf16_mixed_on_cuda_and_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
+    from lora_llama.train import train_from_recipe
+
+    data = helpers.chat_file(tmp_path / "d.jsonl", QA)
+    lines = {}
+    results = {p: train_from_recipe(cuda_recipe(tiny_ckpt, data, tmp_path / p, f"train.precision={p}"),
+                                    log=lambda s, p=p: lines.setdefault(p, []).append(s)) for p in ("fp32", "auto")}
+    start, fp32, bf16 = results["fp32"]["eval_loss_start"], results["fp32"]["eval_loss"], results["auto"]["eval_loss"]
+    print(f"cuda eval loss: start {start:.4f}, fp32 {fp32:.4f}, bf16-mixed {bf16:.4f}")
+    assert any("precision bf16-mixed (auto: this GPU supports bfloat16)" in s for s in lines["auto"]), lines["auto"]
+    assert any("on cuda" in s for s in lines["auto"])
+    assert fp32 < 0.4 * start and bf16 < 1.01 * fp32, (start, fp32, bf16)
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_quantized_bases_train_on_cuda(tiny_ckpt, tmp_path, kind):
+    from lora_llama.train import train_from_recipe
+
+    data = helpers.chat_file(tmp_path / "d.jsonl", QA)
+    r = cuda_recipe(tiny_ckpt, data, tmp_path / kind, f"model.quantize={kind}", "train.max_steps=30",
+                    "train.eval_every=30", "lora.targets=[q,k,v,o,gate,up,down]")
+    result = train_from_recipe(r, log=lambda *_: None)
+    print(f"{kind} on cuda: eval loss {result['eval_loss_start']:.4f} -> {result['eval_loss']:.4f}")
+    assert result["eval_loss"] < 0.8 * result["eval_loss_start"]
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / kind / "adapter" / "adapter_model.safetensors")
+    assert len(saved) == 2 * 7 * 2 and all(t.abs().sum() > 0 for t in saved.values())  # every A and B trained
+
+
+def test_generate_on_cuda_matches_transformers_greedy(tiny_ckpt):
+    from lora_llama.generate import generate
+
+    model = load_model(tiny_ckpt, device="cuda")
+    ref = hf_model(tiny_ckpt).cuda()
+    prompt = ids(1, 7)
+    out = generate(model, prompt[0].tolist(), max_new_tokens=12)  # greedy, KV cache on the GPU
+    want = ref.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 7:]
+    assert out == want.tolist()
