@@ -83,8 +83,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.qk_norm = args.qk_norm
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, keep=None):
-        """(B, T, dim), or (N, dim) at the positions where keep (B, T) is True (every position still attends)."""
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, keep=None, segments=None):
+        """(B, T, dim), or (N, dim) at the positions where keep (B, T) is True (every position still attends).
+        segments (B, T): packed rows, attending within their own example (with mask None)."""
         B, T, _ = x.shape
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))  # one autograd node when all three carry LoRA
         q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
@@ -96,7 +97,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, n_kv, pos + T, head_dim)
-        y = attend(q, k, v, mask, causal=mask is None and T > 1)  # mask None with T == 1: one query sees every key
+        # mask None with T == 1: one query sees every key
+        y = attend(q, k, v, mask, causal=mask is None and T > 1, segments=segments if T > 1 else None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return run_linear(self.o_proj, y if keep is None else y[keep])
 
@@ -123,12 +125,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x, cos, sin, mask, cache=None, lean: bool = False, keep=None):
+    def forward(self, x, cos, sin, mask, cache=None, lean: bool = False, keep=None, segments=None):
         """lean: keep the norms' outputs and the SwiGLU product as recipes for backward (training).
         keep (B, T) bool: return only those positions, (N, dim); the others still serve as keys and values."""
         h = self.input_layernorm(x)
         with recompute_when_saved(h, lambda x=x: self.input_layernorm(x), lean):  # x is saved by the norm anyway
-            x = (x if keep is None else x[keep]) + self.self_attn(h, cos, sin, mask, cache, keep)
+            x = (x if keep is None else x[keep]) + self.self_attn(h, cos, sin, mask, cache, keep, segments)
         h = self.post_attention_layernorm(x)
         with recompute_when_saved(h, lambda x=x: self.post_attention_layernorm(x), lean):
             return x + self.mlp(h, lean)
@@ -189,25 +191,28 @@ class Llama(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (B, T, dim)
         cos, sin = self.rope(position_ids, x.dtype)
         mask = self.attention_mask(T, start, x.device, segment_ids)
+        segments = segment_ids if mask is None else None  # packed rows without a window: attend's own test
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             # the last block's output projection and MLP run at the kept positions only (a loss's targets)
             rows = keep if i == last else None
             if self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, mask, keep=rows, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, mask, keep=rows, segments=segments, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled(), keep=rows)
+                x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled(), keep=rows,
+                          segments=segments)
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)
 
     def attention_mask(self, T: int, start: int, device, segment_ids=None):
-        """Which keys each query sees: None for plain causal attention (attend's fast path, or one new
-        token that sees every key), else (1 or B, 1, T, start + T) bool: causal, inside the sliding
-        window (Mistral), inside its own example (packed rows, segment_ids (B, T))."""
+        """Which keys each query sees: None for plain causal attention and for packed rows (segment_ids
+        (B, T), which attend tests itself, without a (T, T) mask), and for one new token that sees every
+        key; else (1 or B, 1, T, start + T) bool: causal, inside the sliding window (Mistral), inside its
+        own example."""
         window = self.args.sliding_window
         windowed = window is not None and start + T > window
-        if segment_ids is None and not windowed and (start == 0 or T == 1):
+        if not windowed and (start == 0 or T == 1):
             return None
         q_pos = torch.arange(start, start + T, device=device)[:, None]
         k_pos = torch.arange(start + T, device=device)[None]

@@ -1,10 +1,11 @@
-"""The CPU training attention (flash forward, blocked backward) against SDPA with k/v repeated per head."""
+"""The CPU training attention (flash or blocked forward, blocked backward; packed rows without a mask) against SDPA
+with k/v repeated per head and a dense mask."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lora_llama import attention
-from lora_llama.attention import _CausalAttention, attend
+from lora_llama.attention import _BlockedAttention, attend, causal_segment_mask
 
 
 def qkv(B, H, H_kv, T, d, dtype=torch.float64):
@@ -20,7 +21,7 @@ def test_values_and_gradients_match_sdpa(heads, T):
     H, H_kv = heads
     q, k, v = qkv(2, H, H_kv, T, 16)
     out = attend(q, k, v, causal=True)
-    assert out.grad_fn.name() == "_CausalAttentionBackward"  # the blocked backward is what runs here
+    assert out.grad_fn.name() == "_BlockedAttentionBackward"  # the blocked backward is what runs here
     grad_out = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
     rep = H // H_kv
@@ -31,9 +32,61 @@ def test_values_and_gradients_match_sdpa(heads, T):
         assert g.shape == e.shape and (g - e).abs().max() < 1e-12
 
 
-def test_gradcheck_across_block_boundaries(monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_gradcheck_across_block_and_key_tile_boundaries(monkeypatch, packed):
     monkeypatch.setattr(attention, "BLOCK", 3)  # T=8: blocks of 3, 3 and 2
-    assert torch.autograd.gradcheck(_CausalAttention.apply, qkv(1, 4, 2, 8, 4))
+    monkeypatch.setattr(attention, "KEYS", 2)  # and tiles of 2 keys: the online softmax rescales
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]]) if packed else None
+    assert torch.autograd.gradcheck(lambda q, k, v: _BlockedAttention.apply(q, k, v, seg), qkv(1, 4, 2, 8, 4))
+
+
+def reference(q, k, v, segments=None):
+    """SDPA with repeated k/v, and with the dense mask for packed rows."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if segments is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_segment_mask(segments)[:, None])
+
+
+def packed_segments(B, T, mean_len, seed=1):
+    """Segment ids of rows packed with examples of random lengths, the last row ending in padding (id -1)."""
+    g = torch.Generator().manual_seed(seed)
+    seg = torch.stack([torch.cumsum((torch.rand(T, generator=g) < 1 / mean_len).long(), 0) for _ in range(B)])
+    seg[-1, -(T // 10):] = -1
+    return seg
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("blocks", [(32, 1024), (16, 24)], ids=["one-tile", "many-tiles"])
+def test_packed_and_long_rows_match_sdpa_with_a_dense_mask(monkeypatch, packed, blocks):
+    monkeypatch.setattr(attention, "BLOCK", blocks[0])
+    monkeypatch.setattr(attention, "KEYS", blocks[1])
+    q, k, v = qkv(2, 6, 2, 150, 16)
+    seg = packed_segments(2, 150, 20) if packed else None
+    out = attend(q, k, v, causal=True, segments=seg)
+    assert out.grad_fn.name() == "_BlockedAttentionBackward"
+    grad_out = torch.randn_like(out)
+    ref = reference(q, k, v, seg)
+    assert (out - ref).abs().max() < 1e-12
+    for g, e in zip(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out)):
+        assert (g - e).abs().max() < 1e-12
+
+
+def test_packed_rows_build_no_square_buffer(monkeypatch):
+    """At T=4096 nothing of T x T elements is allocated in forward or backward (the dense bool mask alone is 16 MB)."""
+    q, k, v = qkv(1, 6, 2, 4096, 16, dtype=torch.float32)
+    seg = packed_segments(1, 4096, 300)
+    biggest = []
+
+    def watch(t):
+        biggest.append(t.numel())
+        return t
+    monkeypatch.setattr(attention, "causal_segment_mask", lambda *a: pytest.fail("a dense mask was built"))
+    with torch.autograd.graph.saved_tensors_hooks(watch, lambda t: t):
+        out = attend(q, k, v, causal=True, segments=seg)
+    out.sum().backward()
+    assert max(biggest) == 4096 * 6 * 16  # q and out (T x heads x d) are the largest saved; nothing of T x T
 
 
 def test_float32_close_to_sdpa_and_backward_twice():
@@ -55,13 +108,14 @@ def test_inference_and_other_devices_keep_sdpa():
     out = attend(q.detach(), k.detach(), v.detach(), causal=True)  # nothing to differentiate
     assert out.grad_fn is None
     fp16 = attend(*(t.detach().half().requires_grad_() for t in (q, k, v)), causal=True)
-    assert fp16.grad_fn.name() != "_CausalAttentionBackward"
+    assert fp16.grad_fn.name() != "_BlockedAttentionBackward"
 
 
-def test_long_sequences_keep_sdpa(monkeypatch):
-    monkeypatch.setattr(attention, "MAX_LEN", 6)
-    q, k, v = qkv(1, 4, 2, 7, 8)
-    assert attend(q, k, v, causal=True).grad_fn.name() != "_CausalAttentionBackward"
+def test_packed_inference_uses_the_blocked_forward():
+    q, k, v = qkv(2, 6, 2, 40, 8)
+    seg = packed_segments(2, 40, 8)
+    with torch.no_grad():
+        assert (attend(q, k, v, causal=True, segments=seg) - reference(q, k, v, seg)).abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("causal", [True, False])
