@@ -243,15 +243,15 @@ class TrainSection(Settings):
     keep_last: int = Field(2, gt=0)
     log_every: int = Field(1, gt=0)
     seed: int = 0
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # keep only each block's input; recompute the block in backward
+    # CUDA: what backward keeps (with checkpointing, the blocks' inputs) waits in pinned host memory; no-op on CPU
+    offload_activations: bool = False
     compile: bool = False
     # several processes (torchrun): ddp replicates the frozen base, fsdp shards it; auto: ddp
     distributed: Literal["auto", "ddp", "fsdp"] = "auto"
     collective_timeout_s: float = Field(600.0, gt=0)  # a rank that waits longer on the others raises
-    # auto: bf16-mixed on a GPU with bf16 and on a CPU with native bf16 (AVX512_BF16, AMX), else fp32
-    precision: Literal[PRECISIONS] = "auto"
-    # sft: next-token loss on the targets; dpo / orpo: preference pairs (data.format preference)
-    objective: Literal["sft", "dpo", "orpo"] = "sft"
+    precision: Literal[PRECISIONS] = "auto"  # auto: bf16-mixed on a GPU with bf16, a CPU with AVX512_BF16 / AMX
+    objective: Literal["sft", "dpo", "orpo"] = "sft"  # dpo / orpo: preference pairs (data.format preference)
     dpo: DPOSettings = DPOSettings()
     orpo: ORPOSettings = ORPOSettings()
 

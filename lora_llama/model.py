@@ -11,6 +11,7 @@ HF's rotate-half RoPE layout (no permutation).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -23,6 +24,14 @@ from .attention import attend
 from .config import ModelArgs
 from .gemm import run_linear
 from .kernels import apply_rope, project, recompute_when_saved, rms_norm, swiglu
+
+
+def offloaded(active: bool, device: torch.device):
+    """While active on a CUDA device, tensors saved for backward wait in pinned host memory (copied back in
+    backward); on the CPU there is nowhere cheaper to put them, so nothing changes."""
+    if active and device.type == "cuda" and torch.is_grad_enabled():
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return contextlib.nullcontext()
 
 
 class RMSNorm(nn.Module):
@@ -151,6 +160,7 @@ class Llama(nn.Module):
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self.offload_activations = False  # CUDA: saved activations in pinned host memory until backward
         self._rope: dict = {}  # device -> inv_freq, built once per device
         # where the weights came from (set by load_model): adapters record `source` as their base,
         # a merge of quantised layers re-reads the original weights from `folder`
@@ -196,11 +206,12 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.model.layers):
             # the last block's output projection and MLP run at the kept positions only (a loss's targets)
             rows = keep if i == last else None
-            if self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, mask, keep=rows, segments=segments, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled(), keep=rows,
-                          segments=segments)
+            with offloaded(self.offload_activations and self.training, x.device):
+                if self.gradient_checkpointing and self.training:
+                    x = checkpoint(layer, x, cos, sin, mask, keep=rows, segments=segments, use_reentrant=False)
+                else:
+                    x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled(), keep=rows,
+                              segments=segments)
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)

@@ -78,6 +78,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
                        int8_threshold=m.int8_threshold)
     summary = apply_lora(model, recipe.lora)
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
+    model.offload_activations = recipe.train.offload_activations
     if recipe.train.compile:
         for layer in model.model.layers:
             layer.compile()

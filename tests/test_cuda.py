@@ -107,3 +107,34 @@ def test_generate_on_cuda_matches_transformers_greedy(tiny_ckpt):
     out = generate(model, prompt[0].tolist(), max_new_tokens=12)  # greedy, KV cache on the GPU
     want = ref.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 7:]
     assert out == want.tolist()
+
+
+def test_offloaded_activations_leave_the_gpu_and_give_the_same_gradients(tiny_ckpt):
+    held, grads = {}, {}
+    x = torch.randint(3, 300, (4, 256), generator=torch.Generator().manual_seed(1)).cuda()
+    for offload in (False, True):
+        model = load_model(tiny_ckpt, device="cuda")
+        torch.manual_seed(0)
+        apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+        model.gradient_checkpointing, model.offload_activations = True, offload
+        model.train()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        h = model(x, hidden_only=True)  # what backward will need stays allocated from here
+        held[offload] = torch.cuda.memory_allocated() - before - h.numel() * h.element_size()
+        h.square().mean().backward()
+        grads[offload] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    print(f"saved for backward on the GPU: {held[False] / 2**20:.2f} MB, offloaded {held[True] / 2**20:.2f} MB")
+    assert held[True] < 0.2 * held[False]
+    assert all(torch.allclose(grads[True][k], grads[False][k], atol=1e-6) for k in grads[False])
+
+
+def test_packed_rows_on_cuda_equal_separate_examples(tiny_ckpt):
+    model = load_model(tiny_ckpt, device="cuda")
+    a, b = ids(1, 9, seed=2), ids(1, 14, seed=3)
+    pos = torch.cat([torch.arange(9), torch.arange(14)]).cuda()[None]
+    seg = torch.cat([torch.zeros(9), torch.ones(14)]).long().cuda()[None]
+    with torch.no_grad():
+        packed = model(torch.cat([a, b], 1), position_ids=pos, segment_ids=seg)
+        alone = torch.cat([model(a), model(b)], 1)
+    assert (packed - alone).abs().max() < 1e-4

@@ -167,16 +167,29 @@ def test_save_refuses_to_overwrite(tiny_ckpt, tmp_path):
     save_adapter(model, tmp_path / "a", force=True)
 
 
-@pytest.mark.parametrize("variant", ["checkpointing", "compile"])
-def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, variant):
-    """train.gradient_checkpointing and train.compile against the plain eager step."""
+@pytest.mark.parametrize("variant", ["checkpointing", "compile", "offload"])
+def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, variant, monkeypatch):
+    """train.gradient_checkpointing, train.compile and train.offload_activations against the plain eager step."""
+    import lora_llama.model
+
+    moved = []
+    if variant == "offload":  # on the CPU offloading is a no-op: run CUDA's hooks (host copies, unpinned) here
+        class HostCopies(torch.autograd.graph.save_on_cpu):
+            def __init__(self, pin_memory):
+                super().__init__(pin_memory=False)
+                pack = self.pack_hook
+                self.pack_hook = lambda t: moved.append(t.shape) or pack(t)
+        monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", HostCopies)
+        monkeypatch.setattr(lora_llama.model, "offloaded", lambda active, device: (
+            HostCopies(True) if active else __import__("contextlib").nullcontext()))
     grads = []
     for on in (False, True):
         model = load_model(tiny_ckpt)
         torch.manual_seed(0)
         apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
         randomise_b(model)
-        model.gradient_checkpointing = on and variant == "checkpointing"
+        model.gradient_checkpointing = on and variant in ("checkpointing", "offload")
+        model.offload_activations = on and variant == "offload"
         if on and variant == "compile":
             for layer in model.model.layers:
                 layer.compile()
@@ -186,6 +199,16 @@ def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, vari
         grads.append({k: p.grad for k, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     assert all((grads[0][k] - grads[1][k]).abs().max() < 1e-6 for k in grads[0])
+    if variant == "offload":  # what checkpointing keeps, each block's input and the RoPE tables, went through the host
+        assert [tuple(m) for m in moved] == [(2, 24, 64), (2, 1, 24, 16), (2, 1, 24, 16)] * 2, moved
+
+
+def test_offloading_is_for_cuda_training_only():
+    from lora_llama.model import offloaded
+
+    assert isinstance(offloaded(True, torch.device("cuda", 0)), torch.autograd.graph.save_on_cpu)
+    for active, device in [(True, "cpu"), (False, "cuda")]:
+        assert not isinstance(offloaded(active, torch.device(device)), torch.autograd.graph.save_on_cpu)
 
 
 @pytest.mark.parametrize("bias", [False, True])
