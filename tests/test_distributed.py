@@ -23,7 +23,7 @@ QA = [("hi", "hello"), ("what is the capital of france", "paris is"), ("to be", 
 COMMON = ["train.max_steps=6", "train.grad_accum=2", "train.warmup_steps=0", "train.lr=1e-3", "train.eval_every=3",
           "train.save_every=2", "data.val_size=0.25", "lora.r=4", "lora.dropout=0.0",
           "lora.targets=[q,k,v,o,gate,up,down]", "train.collective_timeout_s=60",
-          "train.precision=fp32"]  # one process and two must agree to 1e-5: float32 arithmetic
+          "train.precision=fp32", "model.device=cpu"]  # one process and two agree to 1e-5: float32 on gloo
 
 
 @pytest.fixture

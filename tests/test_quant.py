@@ -97,7 +97,8 @@ def test_nf4_on_cpu_is_refused_clearly(tiny_ckpt, capsys, tmp_path):
     from lora_llama.cli import main
 
     code = main(["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={tiny_ckpt}",
-                 f"data.source={chat_file(tmp_path / 'd.jsonl')}", f"output.dir={tmp_path / 'run'}", "model.quantize=nf4"])
+                 f"data.source={chat_file(tmp_path / 'd.jsonl')}", f"output.dir={tmp_path / 'run'}", "model.quantize=nf4",
+                 "model.device=cpu"])  # (on a machine with a GPU, auto would pick it)
     err = capsys.readouterr().err
     assert code == 2 and "nf4 needs a CUDA GPU" in err and not (tmp_path / "run").exists()
 

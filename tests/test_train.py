@@ -22,7 +22,7 @@ def chat_file(path, pairs=QA):
 def recipe(tiny_ckpt, data, out, *overrides):
     return load_recipe(None, [f"model.source={tiny_ckpt}", f"data.source={data}", f"output.dir={out}",
                               "data.val_size=0", "train.warmup_steps=0",
-                              "train.precision=fp32", *overrides])  # exactness tests: float32 arithmetic
+                              "train.precision=fp32", "model.device=cpu", *overrides])  # exactness tests: CPU float32
 
 
 def metrics(out):
