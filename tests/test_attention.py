@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lora_llama import attention
-from lora_llama.attention import _BlockedAttention, attend, causal_segment_mask
+from lora_llama.attention import _CausalAttention, attend, causal_segment_mask
 
 
 def qkv(B, H, H_kv, T, d, dtype=torch.float64):
@@ -21,7 +21,7 @@ def test_values_and_gradients_match_sdpa(heads, T):
     H, H_kv = heads
     q, k, v = qkv(2, H, H_kv, T, 16)
     out = attend(q, k, v, causal=True)
-    assert out.grad_fn.name() == "_BlockedAttentionBackward"  # the blocked backward is what runs here
+    assert out.grad_fn.name() == "_CausalAttentionBackward"  # the blocked backward is what runs here
     grad_out = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
     rep = H // H_kv
@@ -37,7 +37,7 @@ def test_gradcheck_across_block_and_key_tile_boundaries(monkeypatch, packed):
     monkeypatch.setattr(attention, "BLOCK", 3)  # T=8: blocks of 3, 3 and 2
     monkeypatch.setattr(attention, "KEYS", 2)  # and tiles of 2 keys: the online softmax rescales
     seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]]) if packed else None
-    assert torch.autograd.gradcheck(lambda q, k, v: _BlockedAttention.apply(q, k, v, seg), qkv(1, 4, 2, 8, 4))
+    assert torch.autograd.gradcheck(lambda q, k, v: _CausalAttention.apply(q, k, v, seg), qkv(1, 4, 2, 8, 4))
 
 
 def reference(q, k, v, segments=None):
@@ -65,7 +65,7 @@ def test_packed_and_long_rows_match_sdpa_with_a_dense_mask(monkeypatch, packed, 
     q, k, v = qkv(2, 6, 2, 150, 16)
     seg = packed_segments(2, 150, 20) if packed else None
     out = attend(q, k, v, causal=True, segments=seg)
-    assert out.grad_fn.name() == "_BlockedAttentionBackward"
+    assert out.grad_fn.name() == "_CausalAttentionBackward"
     grad_out = torch.randn_like(out)
     ref = reference(q, k, v, seg)
     assert (out - ref).abs().max() < 1e-12
@@ -108,7 +108,7 @@ def test_inference_and_other_devices_keep_sdpa():
     out = attend(q.detach(), k.detach(), v.detach(), causal=True)  # nothing to differentiate
     assert out.grad_fn is None
     fp16 = attend(*(t.detach().half().requires_grad_() for t in (q, k, v)), causal=True)
-    assert fp16.grad_fn.name() != "_BlockedAttentionBackward"
+    assert fp16.grad_fn.name() != "_CausalAttentionBackward"
 
 
 def test_packed_inference_uses_the_blocked_forward():
