@@ -243,9 +243,9 @@ class TrainSection(Settings):
     keep_last: int = Field(2, gt=0)
     log_every: int = Field(1, gt=0)
     seed: int = 0
-    gradient_checkpointing: bool = False  # keep only each block's input; recompute the block in backward
-    # CUDA: what backward keeps (with checkpointing, the blocks' inputs) waits in pinned host memory; no-op on CPU
-    offload_activations: bool = False
+    # true / block: keep only each block's input, recompute the block in backward; selective: also keep attention's output
+    gradient_checkpointing: Literal[False, True, "block", "selective"] = False
+    offload_activations: bool = False  # CUDA: what backward keeps waits in pinned host memory (no-op on CPU)
     compile: bool = False
     # several processes (torchrun): ddp replicates the frozen base, fsdp shards it; auto: ddp
     distributed: Literal["auto", "ddp", "fsdp"] = "auto"

@@ -18,12 +18,27 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .attention import attend
 from .config import ModelArgs
 from .gemm import run_linear
 from .kernels import apply_rope, project, recompute_when_saved, rms_norm, swiglu
+
+
+# attention's forward kernels (CPU flash, CUDA flash / efficient / cuDNN): quadratic in the length to recompute,
+# linear to keep, so selective checkpointing keeps their outputs and recomputes the rest of the block
+_ATTENTION_KERNELS = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name)}
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_keep_attention)
 
 
 def offloaded(active: bool, device: torch.device):
@@ -159,7 +174,7 @@ class Llama(nn.Module):
         self.args = args
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.gradient_checkpointing = False
+        self.gradient_checkpointing = False  # True / "block", or "selective" (attention's outputs kept)
         self.offload_activations = False  # CUDA: saved activations in pinned host memory until backward
         self._rope: dict = {}  # device -> inv_freq, built once per device
         # where the weights came from (set by load_model): adapters record `source` as their base,
@@ -208,7 +223,9 @@ class Llama(nn.Module):
             rows = keep if i == last else None
             with offloaded(self.offload_activations and self.training, x.device):
                 if self.gradient_checkpointing and self.training:
-                    x = checkpoint(layer, x, cos, sin, mask, keep=rows, segments=segments, use_reentrant=False)
+                    selective = {"context_fn": _selective_contexts} if self.gradient_checkpointing == "selective" else {}
+                    x = checkpoint(layer, x, cos, sin, mask, keep=rows, segments=segments, use_reentrant=False,
+                                   **selective)
                 else:
                     x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled(), keep=rows,
                               segments=segments)

@@ -73,10 +73,13 @@ def test_recipe_overrides_are_yaml_values_and_errors_name_the_key(tmp_path):
     r = load_recipe(str(f), ["lora.targets=[q,v]", "train.lr=1e-3", "data.packing=true", "model.dtype=bfloat16"])
     assert (r.lora.r, r.lora.targets, r.train.max_steps, r.train.lr, r.data.packing) == (4, ["q", "v"], 7, 1e-3, True)
     assert r.model.dtype == "bfloat16"
+    assert load_recipe(str(f), ["train.gradient_checkpointing=selective"]).train.gradient_checkpointing == "selective"
     cases = {"lora.alhpa=4": "unknown recipe key 'lora.alhpa' (did you mean 'lora.alpha'?)",
              "lora.r=0": "recipe key 'lora.r'", "model.dtype=fp8": "recipe key 'model.dtype'",
              "lora.targets=[q,x]": "recipe key 'lora.targets.1'", "train=3": "recipe key 'train'",
-             "noequals": "must look like key.path=value", "lora.r.x=1": "'r' is not a section"}
+             "noequals": "must look like key.path=value", "lora.r.x=1": "'r' is not a section",
+             "train.gradient_checkpointing=sometimes": "recipe key 'train.gradient_checkpointing': Input should be "
+                                                      "False, True, 'block' or 'selective'"}
     for override, message in cases.items():
         with pytest.raises(UserError) as e:
             load_recipe(str(f), [override])

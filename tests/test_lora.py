@@ -335,3 +335,34 @@ def test_saved_settings_are_read_off_the_layers(tiny_ckpt, tmp_path, settings):
     assert (back.r, back.alpha, back.dropout, back.rslora, back.layers) == (want.r, want.alpha, want.dropout, want.rslora, want.layers)
     assert sorted(back.targets) == sorted(want.targets)
     assert cfg["base_model_name_or_path"] == str(tiny_ckpt)
+
+
+@pytest.mark.parametrize("mode, reruns", [(True, 2), ("block", 2), ("selective", 0)])
+def test_selective_checkpointing_keeps_attention_and_recomputes_the_rest(tiny_ckpt, mode, reruns):
+    """train.gradient_checkpointing: selective keeps the attention kernel's output (its forward is not rerun in
+    backward, where per-block checkpointing reruns it once per layer); the gradients are the plain step's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    calls = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(func == flash)
+            return func(*args, **(kwargs or {}))
+
+    grads = []
+    for checkpointing in (False, mode):
+        model = load_model(tiny_ckpt)
+        torch.manual_seed(0)
+        apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+        randomise_b(model)
+        model.gradient_checkpointing = checkpointing
+        model.train()
+        loss, n = target_loss(model, ids(), ids())
+        calls.clear()
+        with Count():
+            (loss / n).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters() if p.grad is not None})
+    assert sum(calls) == reruns and len(calls) > 100  # the rest of each block was recomputed (and counted)
+    assert all((grads[0][k] - grads[1][k]).abs().max() < 1e-6 for k in grads[0])
