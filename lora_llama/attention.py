@@ -145,7 +145,7 @@ def _causal_backward(q, k, v, out, lse, grad_out):
     scale = 1 / math.sqrt(L.d)
     qs = L.rows(q, scale)  # the scale folded into q
     g = L.rows(grad_out)
-    kk, vv = k.reshape(L.n, L.T, L.d), v.reshape(L.n, L.T, L.d)
+    kk, vv = (t.contiguous().view(L.n, L.T, L.d) for t in (k, v))  # the model's k/v are strided views
     neg_lse = L.rows(torch.neg(lse).to(q.dtype)).unsqueeze(-1)  # (n, T·rep, 1)
     neg_delta = L.rows(torch.linalg.vecdot(grad_out, out).neg_()).unsqueeze(-1)  # -rowsum(dO ∘ O)
     dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(kk), torch.zeros_like(vv)
