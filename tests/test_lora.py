@@ -23,6 +23,15 @@ def randomise_b(model, seed=0):
             m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
 
 
+def adapted_model(folder):
+    """The tiny model with LoRA on all seven linears, A seeded and B random (so every path carries gradient)."""
+    model = load_model(folder)
+    torch.manual_seed(0)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+    randomise_b(model)
+    return model
+
+
 def peft_model(folder, adapter):
     from peft import PeftModel
 
@@ -185,10 +194,7 @@ def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, vari
             HostCopies(True) if active else __import__("contextlib").nullcontext()))
     grads = []
     for on in (False, True):
-        model = load_model(tiny_ckpt)
-        torch.manual_seed(0)
-        apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
-        randomise_b(model)
+        model = adapted_model(tiny_ckpt)
         model.gradient_checkpointing = on and variant in ("checkpointing", "offload")
         model.offload_activations = on and variant == "offload"
         if on and variant == "compile":
@@ -354,10 +360,7 @@ def test_selective_checkpointing_keeps_attention_and_recomputes_the_rest(tiny_ck
 
     grads = []
     for checkpointing in (False, mode):
-        model = load_model(tiny_ckpt)
-        torch.manual_seed(0)
-        apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
-        randomise_b(model)
+        model = adapted_model(tiny_ckpt)
         model.gradient_checkpointing = checkpointing
         model.train()
         loss, n = target_loss(model, ids(), ids())
