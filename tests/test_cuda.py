@@ -142,3 +142,36 @@ def test_packed_rows_on_cuda_equal_separate_examples(tiny_ckpt):
         packed = model(torch.cat([a, b], 1), position_ids=pos, segment_ids=seg)
         alone = torch.cat([model(a), model(b)], 1)
     assert (packed - alone).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_checkpointing_on_cuda_keeps_attention(tiny_ckpt, dtype):
+    """The CUDA attention kernels (flash in bf16, memory-efficient in float32) are kept, not rerun in backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lora_llama.model import _ATTENTION_KERNELS
+
+    calls = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(func in _ATTENTION_KERNELS)
+            return func(*args, **(kwargs or {}))
+
+    grads, reruns = [], []
+    x = ids(2, 64)
+    for mode in (False, True, "selective"):
+        model = load_model(tiny_ckpt, dtype=dtype, device="cuda")
+        torch.manual_seed(0)
+        apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+        model.gradient_checkpointing = mode
+        model.train()
+        loss, n = target_loss(model, x, x)
+        calls.clear()
+        with Count():
+            (loss / n).backward()
+        reruns.append(sum(calls))
+        grads.append({k: p.grad for k, p in model.named_parameters() if p.grad is not None})
+    assert reruns == [0, 2, 0], reruns  # block checkpointing reruns each layer's attention once
+    for g in grads[1:]:
+        assert all(torch.allclose(g[k], grads[0][k], atol=1e-6, rtol=1e-3) for k in g)
