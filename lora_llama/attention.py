@@ -57,6 +57,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
 
 
+def takes_segments(device: torch.device) -> bool:
+    """Whether attend runs packed rows on this device without a mask (else the caller builds one mask, once)."""
+    return device.type == "cpu" and _FLASH_CPU_GQA
+
+
 def causal_segment_mask(segments: torch.Tensor) -> torch.Tensor:
     """(B, T, T) bool: key j visible to query i when j <= i and both lie in the same segment."""
     T = segments.shape[1]

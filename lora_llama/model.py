@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .attention import attend
+from .attention import attend, takes_segments
 from .config import ModelArgs
 from .gemm import run_linear
 from .kernels import apply_rope, project, recompute_when_saved, rms_norm, swiglu
@@ -234,13 +234,13 @@ class Llama(nn.Module):
         return self.model.norm(x)
 
     def attention_mask(self, T: int, start: int, device, segment_ids=None):
-        """Which keys each query sees: None for plain causal attention and for packed rows (segment_ids
-        (B, T), which attend tests itself, without a (T, T) mask), and for one new token that sees every
-        key; else (1 or B, 1, T, start + T) bool: causal, inside the sliding window (Mistral), inside its
-        own example."""
+        """Which keys each query sees: None for plain causal attention, for packed rows on the CPU
+        (segment_ids (B, T): attend runs each example on its own, without a (T, T) mask), and for one new
+        token that sees every key; else (1 or B, 1, T, start + T) bool, built once for all layers: causal,
+        inside the sliding window (Mistral), inside its own example."""
         window = self.args.sliding_window
         windowed = window is not None and start + T > window
-        if not windowed and (start == 0 or T == 1):
+        if not windowed and (start == 0 or T == 1) and (segment_ids is None or takes_segments(device)):
             return None
         q_pos = torch.arange(start, start + T, device=device)[:, None]
         k_pos = torch.arange(start + T, device=device)[None]

@@ -159,3 +159,11 @@ def test_rms_norm_function_matches_hf_formula():
     ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert (norm(x) - ref).abs().max() < 1e-12
     assert torch.autograd.gradcheck(lambda t, w: rms_norm(t, w, 1e-5), (x, norm.weight))
+
+
+def test_packed_rows_get_a_mask_only_where_attend_cannot_take_segments(tiny_ckpt):
+    model = load_model(tiny_ckpt)
+    seg = torch.tensor([[0, 0, 1, 1, 1]])
+    assert model.attention_mask(5, 0, torch.device("cpu"), seg) is None  # the CPU kernel runs each example alone
+    mask = model.attention_mask(5, 0, torch.device("meta"), seg.to("meta"))  # other devices (CUDA): one mask, all layers
+    assert mask.shape == (1, 1, 5, 5)
