@@ -216,7 +216,7 @@ class Llama(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (B, T, dim)
         cos, sin = self.rope(position_ids, x.dtype)
         mask = self.attention_mask(T, start, x.device, segment_ids)
-        segments = segment_ids if mask is None else None  # packed rows without a window: attend's own test
+        segments = segment_ids if mask is None else None  # packed rows attend runs without a mask
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             # the last block's output projection and MLP run at the kept positions only (a loss's targets)
