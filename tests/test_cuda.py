@@ -59,13 +59,10 @@ def test_lora_gradients_match_peft_on_cuda(tiny_ckpt, tmp_path):
 
 
 def cuda_recipe(tiny_ckpt, data, out, *extra):
-    from lora_llama.config import load_recipe
+    """test_precision's recipe (the overfit model, data and adapter) on the GPU; later overrides win."""
+    from test_precision import recipe
 
-    return load_recipe(None, [f"model.source={tiny_ckpt}", f"data.source={data}", f"output.dir={out}", "data.val_size=0",
-                              f"data.val_source={data}", "train.warmup_steps=0", "train.max_steps=50", "model.device=cuda",
-                              "train.batch_size=8", "train.lr=2e-3", "lora.r=16", "lora.alpha=32", "train.schedule=constant",
-                              "train.eval_every=50", "train.save_every=1000", "lora.targets=[q,k,v,o,gate,up,down,lm_head]",
-                              *extra])
+    return recipe(tiny_ckpt, data, out, "auto", "model.device=cuda", *extra)
 
 
 def test_auto_is_bf16_mixed_on_cuda_and_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
