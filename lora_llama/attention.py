@@ -1,17 +1,19 @@
 """Attention through SDPA, and a kernel for CPU training and packed rows: linear memory, no mask tensor.
 
-`_CausalAttention` runs PyTorch's CPU flash kernel forward (it also returns the log-sum-exp) and
-computes the backward a block of BLOCK query positions at a time, over tiles of at most KEYS keys,
-one (key/value head, batch row) group at a time with all the query heads that share it as the rows
-of one product, through oneDNN (gemm.linear: 2-3x MKL's batched GEMM on these shapes here); keys a
-block cannot see are skipped and probabilities are recomputed as exp(q·kᵀ·scale - lse), so nothing
-of size T x T is ever built. Packed rows (`segments`, one id per example, each example contiguous)
-are independent causal problems: each example of each row runs forward and backward on its own
-slice, so no dense (B, 1, T, T) mask exists and no work is spent on keys of other examples.
-Measured here (fwd+bwd per layer, SmolLM2 shapes, float32, 2 threads; SDPA's / ours): 4x512
-51 / 48 ms, 1x2048 154 / 133 ms, 1x8192 2077 / 1366 ms. In bfloat16 the backward runs in float32
-(bf16 products would round q·kᵀ before the exponential). GPUs, float16, sliding windows, the KV
-cache and inference of unpacked rows keep SDPA and its kernels (packed rows there with a mask).
+`_CausalAttention` computes forward and backward a block of BLOCK query positions at a time, over
+tiles of at most KEYS keys, one (key/value head, batch row) group at a time with all the query heads
+that share it as the rows of one product, through oneDNN (gemm.linear: 2-3x MKL's batched GEMM on
+these shapes here). Keys a block cannot see are skipped; forward keeps a running max and sum per row
+(the online softmax) and returns the log-sum-exp, from which backward recomputes the probabilities,
+so nothing of size T x T is ever built. Scores are in base 2 (exp2 runs ~4x faster than exp here), and
+backward works on keys-first tiles so that the subtractions of lse and delta ride on the products as
+their bias. Packed rows (`segments`, one id per example, each example contiguous) are independent
+causal problems: each example of each row runs on its own slice, so no dense (B, 1, T, T) mask exists
+and no work is spent on keys of other examples. Measured here (forward+backward per layer, SmolLM2
+shapes, float32, 2 threads; SDPA's / ours): 4x512 54 / 36 ms, 1x2048 161 / 75 ms, 1x4096 563 / 267 ms,
+1x8192 2102 / 915 ms (bfloat16: 47 / 38, 113 / 80, 389 / 244, 1461 / 931). bfloat16 runs in float32
+(bf16 products would round q·kᵀ before the exponential). GPUs, float16, sliding windows, the KV cache
+and inference of unpacked rows keep SDPA and its kernels (packed rows there with a mask).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from .gemm import linear
 BLOCK = 128  # query positions per block, KEYS keys per tile: the fastest here at 4x512 and 1x4096 (of 64-256 x 512-2048)
 KEYS = 2048
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16)
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+LOG2E = 1.4426950408889634  # scores in base 2: exp2(x·log2(e)) = exp(x)
 # enable_gqa lets SDPA read k/v with fewer heads without a repeated copy (torch >= 2.5)
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -39,7 +41,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
     on the CPU, run `_CausalAttention`; anything else SDPA (packed rows with a mask built here).
     """
     if (causal and mask is None and q.device.type == "cpu" and q.dtype in _FLOATS and q.dtype == k.dtype == v.dtype
-            and q.shape[2] == k.shape[2] and _FLASH_CPU_GQA):
+            and q.shape[2] == k.shape[2]):
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if segments is not None or training:
             return _CausalAttention.apply(q, k, v, segments)
@@ -59,7 +61,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
 
 def takes_segments(device: torch.device) -> bool:
     """Whether attend runs packed rows on this device without a mask (else the caller builds one mask, once)."""
-    return device.type == "cpu" and _FLASH_CPU_GQA
+    return device.type == "cpu"
 
 
 def causal_segment_mask(segments: torch.Tensor) -> torch.Tensor:
@@ -67,24 +69,6 @@ def causal_segment_mask(segments: torch.Tensor) -> torch.Tensor:
     T = segments.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
     return causal & (segments[:, :, None] == segments[:, None, :])
-
-
-def _flash_cpu_takes_gqa() -> bool:
-    """Whether this torch's CPU flash kernel exists and reads k/v with fewer heads than q."""
-    if _FLASH_CPU is None:
-        return False
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 3, 4, generator=g) for h in (2, 1, 1))
-    try:
-        out = _FLASH_CPU(q, k, v, is_causal=True)[0]
-    except RuntimeError:
-        return False
-    causal = torch.ones(3, 3, dtype=torch.bool).tril()
-    probs = (q @ k.transpose(-1, -2) / 2).masked_fill(~causal, float("-inf")).softmax(-1)
-    return bool(torch.allclose(out, probs @ v, atol=1e-5))
-
-
-_FLASH_CPU_GQA = _flash_cpu_takes_gqa()  # checked once at import (a few ms), not inside compiled code
 
 
 class _Layout:
@@ -97,36 +81,51 @@ class _Layout:
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
 
     def rows(self, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), copied unless already laid out so; with scale, always a new tensor."""
+        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in the work dtype; with scale, multiplied by it."""
         g = t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3)  # (B, H_kv, T, rep, ...)
         # an explicit copy to the target layout rather than reshape: a compiled backward may see other strides
         # than it traced, and out= buffers confuse its functionalisation
-        g = g.clone(memory_format=torch.contiguous_format).mul_(scale) if scale is not None else g.contiguous()
-        return g.view(self.n, self.T * self.rep, *t.shape[3:])
+        g = g.to(_work_dtype(t), memory_format=torch.contiguous_format, copy=True)
+        return (g.mul_(scale) if scale is not None else g).view(self.n, self.T * self.rep, *t.shape[3:])
 
-    def heads(self, t: torch.Tensor) -> torch.Tensor:
-        """The inverse of rows: (B·H_kv, T·rep, d) -> (B, H, T, d)."""
-        g = t.view(self.B, self.Hkv, self.T, self.rep, self.d).transpose(2, 3)
-        return g.reshape(self.B, self.H, self.T, self.d)
+    def keys(self, t: torch.Tensor) -> torch.Tensor:
+        """k or v (B, H_kv, T, d) -> (B·H_kv, T, d), contiguous (the model's k/v are strided views, on which
+        oneDNN is ~100x slower), in the work dtype."""
+        return t.to(_work_dtype(t)).contiguous().view(self.n, self.T, self.d)
+
+    def heads(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...), in dtype."""
+        g = t.view(self.B, self.Hkv, self.T, self.rep, *t.shape[2:]).transpose(2, 3)
+        return g.reshape(self.B, self.H, self.T, *t.shape[2:]).to(dtype)
 
     def tiles(self):
-        """(rows, s, e, k0, k1) per block of queries s..e-1 and tile of keys k0..k1-1 it can see."""
+        """(rows, s, e, k0, k1) per block of queries s..e-1 and tile of keys k0..k1-1 it can see, tiles in order."""
         for s in range(0, self.T, BLOCK):
             e = min(s + BLOCK, self.T)
             for k0 in range(0, e, KEYS):
                 yield slice(s * self.rep, e * self.rep), s, e, k0, min(k0 + KEYS, e)
 
-    def hide(self, scores: torch.Tensor, s: int, e: int, k0: int, k1: int) -> torch.Tensor:
-        """scores (b·rep, K) of queries s..e and keys k0..k1, with -inf where a key lies after the query."""
-        if k1 > s:  # the tile reaches the diagonal
-            later = torch.arange(k0, k1, device=scores.device)[None] > torch.arange(s, e, device=scores.device)[:, None]
-            scores.view(e - s, self.rep, k1 - k0).masked_fill_(later[:, None], float("-inf"))
+    def hide(self, scores: torch.Tensor, s: int, e: int, k0: int, k1: int, keys_first: bool = False) -> torch.Tensor:
+        """-inf where a key lies after its query, in the scores of queries s..e and keys k0..k1: (e-s)·rep rows
+        by k1-k0 keys, or keys by rows (keys_first). Only keys s..k1 (the diagonal's) can lie after a query."""
+        c0 = max(s, k0)
+        if k1 > c0:
+            later = torch.arange(c0, k1)[None] > torch.arange(s, e)[:, None]  # (queries, keys)
+            if keys_first:
+                scores[c0 - k0:].view(k1 - c0, e - s, self.rep).masked_fill_(later.t()[:, :, None], float("-inf"))
+            else:
+                scores[:, c0 - k0:].view(e - s, self.rep, k1 - c0).masked_fill_(later[:, None], float("-inf"))
         return scores
 
 
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    """bfloat16 products would round q·kᵀ before the exponential: bf16 attention runs in float32 (float64 stays)."""
+    return torch.float32 if t.dtype == torch.bfloat16 else t.dtype
+
+
 # a tile's products, per group (2-D), through oneDNN where gemm.linear covers the dtype, F.linear elsewhere
-def _nt(a, b):  # a·bᵀ
-    return linear(a, b)
+def _nt(a, b, bias=None):  # a·bᵀ (+ bias per column, fused into the product)
+    return linear(a, b, bias)
 
 
 def _nn(a, b):  # a·b
@@ -137,32 +136,56 @@ def _tn(a, b):  # aᵀ·b, as (bᵀ·a)ᵀ: oneDNN reads the small bᵀ contiguo
     return linear(b.t().contiguous(), a.t()).t()
 
 
-def _in_float32(t: torch.Tensor) -> torch.Tensor:
-    """bfloat16 products would round q·kᵀ before the exponential: bf16 blocks run in float32 (float64 stays)."""
-    return t.float() if t.dtype == torch.bfloat16 else t
+def _forward(q, k, v):
+    """out (B, H, T, d) in q's dtype and the base-2 log-sum-exp (B, H, T) of plain causal attention.
+
+    Per block of queries, over tiles of keys: scores in base 2 (the scale·log2(e) folded into q: exp2 runs ~4x
+    faster than exp here), the online softmax rescaling the running sum and output when a row spans tiles."""
+    L = _Layout(q, k)
+    qs = L.rows(q, LOG2E / math.sqrt(L.d))
+    kk, vv = L.keys(k), L.keys(v)
+    out, lse = torch.empty_like(qs), qs.new_empty(qs.shape[:2])
+    for i in range(L.n):
+        for rows, s, e, k0, k1 in L.tiles():
+            p = L.hide(_nt(qs[i, rows], kk[i, k0:k1]), s, e, k0, k1)  # (b·rep, K)
+            tile_max = p.amax(-1, keepdim=True)  # -inf for a row that sees no key of a later tile
+            m_new = tile_max if k0 == 0 else torch.maximum(m, tile_max)  # key 0 is seen by all: finite from tile 0
+            p.sub_(m_new).exp2_()
+            pv, p_sum = _nn(p, vv[i, k0:k1]), p.sum(-1, keepdim=True)
+            if k0 == 0:
+                m, total, acc = m_new, p_sum, pv
+            else:
+                c = (m - m_new).exp2_()
+                m, total, acc = m_new, total.mul_(c).add_(p_sum), acc.mul_(c).add_(pv)
+            if k1 == e:  # the block's last tile
+                out[i, rows] = acc.div_(total)
+                lse[i, rows] = total.log2_().add_(m).squeeze(-1)
+    return L.heads(out, q.dtype), L.heads(lse, lse.dtype)
 
 
-def _causal_backward(q, k, v, out, lse, grad_out):
-    """dq, dk, dv of plain causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse (B, H, T)), in q's dtype."""
-    dtype = q.dtype
-    q, k, v, out, grad_out = (_in_float32(t) for t in (q, k, v, out, grad_out))
+def _backward(q, k, v, out, lse, grad_out):
+    """dq, dk, dv of plain causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse (B, H, T) from _forward).
+
+    Keys-first tiles: Pᵀ = exp2(k·qᵀ - lse) and dPᵀ - delta = v·dOᵀ - delta come out of one product each, the
+    subtraction fused into it as the product's bias (one per query row)."""
     L = _Layout(q, k)
     scale = 1 / math.sqrt(L.d)
-    qs = L.rows(q, scale)  # the scale folded into q
-    g = L.rows(grad_out)
-    kk, vv = (t.contiguous().view(L.n, L.T, L.d) for t in (k, v))  # the model's k/v are strided views
-    neg_lse = L.rows(torch.neg(lse).to(q.dtype)).unsqueeze(-1)  # (n, T·rep, 1)
-    neg_delta = L.rows(torch.linalg.vecdot(grad_out, out).neg_()).unsqueeze(-1)  # -rowsum(dO ∘ O)
+    qs, g = L.rows(q, scale * LOG2E), L.rows(grad_out)
+    kk, vv = L.keys(k), L.keys(v)
+    neg_lse = L.rows(lse).neg_()  # (n, T·rep)
+    work = qs.dtype
+    neg_delta = L.rows(torch.linalg.vecdot(grad_out.to(work), out.to(work))).neg_()  # -rowsum(dO ∘ O)
     dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(kk), torch.zeros_like(vv)
     for i in range(L.n):
         for rows, s, e, k0, k1 in L.tiles():
             q_blk, g_blk, k_t, v_t = qs[i, rows], g[i, rows], kk[i, k0:k1], vv[i, k0:k1]  # (b·rep, d), (K, d)
-            p = L.hide(_nt(q_blk, k_t).add_(neg_lse[i, rows]), s, e, k0, k1).exp_()  # exp(q·kᵀ - lse)
-            dv[i, k0:k1] += _tn(p, g_blk)
-            ds = _nt(g_blk, v_t).add_(neg_delta[i, rows]).mul_(p)  # dS = P ∘ (dP - delta) with dP = dO·vᵀ
-            dq[i, rows] += _nn(ds, k_t)
-            dk[i, k0:k1] += _tn(ds, q_blk)
-    return L.heads(dq.mul_(scale)).to(dtype), dk.view_as(k).to(dtype), dv.view_as(v).to(dtype)
+            pt = L.hide(_nt(k_t, q_blk, neg_lse[i, rows]), s, e, k0, k1, keys_first=True).exp2_()  # Pᵀ (K, b·rep)
+            dv[i, k0:k1] += _nn(pt, g_blk)
+            dst = _nt(v_t, g_blk, neg_delta[i, rows]).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+            dk[i, k0:k1] += _nn(dst, q_blk)
+            dq[i, rows] += _tn(dst, k_t)
+    # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs / log2(e)
+    return L.heads(dq.mul_(scale), q.dtype), dk.mul_(1 / LOG2E).view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
 def _pieces(segments: torch.Tensor | None, B: int, T: int) -> list[tuple[slice, slice]]:
@@ -179,26 +202,51 @@ def _pieces(segments: torch.Tensor | None, B: int, T: int) -> list[tuple[slice, 
     return pieces
 
 
+# custom ops: opaque to torch.compile (no loop to unroll) and one op that selective checkpointing can keep
+@torch.library.custom_op("lora_llama::causal_attention", mutates_args=())
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     segments: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, base-2 log-sum-exp) of causal attention, each packed example (segments) on its own."""
+    pieces = _pieces(segments, q.shape[0], q.shape[2])
+    if len(pieces) == 1:
+        return _forward(q, k, v)
+    out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_work_dtype(q))
+    for r, t in pieces:
+        out[r, :, t], lse[r, :, t] = _forward(q[r, :, t], k[r, :, t], v[r, :, t])
+    return out, lse
+
+
+@causal_attention.register_fake
+def _(q, k, v, segments):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_work_dtype(q))  # contiguous, as the kernel's
+
+
+@torch.library.custom_op("lora_llama::causal_attention_backward", mutates_args=())
+def causal_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                              grad_out: torch.Tensor, segments: torch.Tensor | None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pieces = _pieces(segments, q.shape[0], q.shape[2])
+    if len(pieces) == 1:
+        return _backward(q, k, v, out, lse, grad_out)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    for r, t in pieces:
+        dq[r, :, t], dk[r, :, t], dv[r, :, t] = _backward(*(x[r, :, t] for x in (q, k, v, out, lse, grad_out)))
+    return dq, dk, dv
+
+
+@causal_attention_backward.register_fake
+def _(q, k, v, out, lse, grad_out, segments):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 class _CausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, segments):
-        B, H, T, d = q.shape
-        ctx.pieces = _pieces(segments, B, T)
-        if segments is None:
-            out, lse = _FLASH_CPU(q, k, v, is_causal=True)  # out (B, H, T, d), lse (B, H, T) in float32
-        else:
-            out, lse = q.new_empty(B, H, T, d), q.new_empty(B, H, T, dtype=torch.promote_types(q.dtype, torch.float32))
-            for r, t in ctx.pieces:
-                out[r, :, t], lse[r, :, t] = _FLASH_CPU(q[r, :, t], k[r, :, t], v[r, :, t], is_causal=True)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = causal_attention(q, k, v, segments)
+        ctx.save_for_backward(q, k, v, out, lse, segments)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        if len(ctx.pieces) == 1:
-            return (*_causal_backward(q, k, v, out, lse, grad_out), None)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for r, t in ctx.pieces:
-            dq[r, :, t], dk[r, :, t], dv[r, :, t] = _causal_backward(*(x[r, :, t] for x in (q, k, v, out, lse, grad_out)))
-        return dq, dk, dv, None
+        q, k, v, out, lse, segments = ctx.saved_tensors  # read once: checkpointing unpacks each saved tensor once
+        return (*causal_attention_backward(q, k, v, out, lse, grad_out, segments), None)

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .attention import LOG2E
 from .gemm import linear
 
 IGNORE_INDEX = -100
@@ -33,15 +34,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None  # (N, dim)
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, dim)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
+        rows = -(-h.shape[0] // -(-h.shape[0] // rows))  # chunks of equal size, none of a few rows
         # a (rows, V) buffer reused by every chunk: a fresh one would be page-faulted in each time
         logp_buf = h.new_empty((min(rows, h.shape[0]), weight.shape[0]), dtype=torch.float32)
         for i in range(0, h.shape[0], rows):
             hc, tc = h[i:i + rows], targets[i:i + rows]
             logits = linear(hc, weight)  # (rows, V)
-            logp = torch.log_softmax(logits.float(), -1, out=logp_buf[:len(tc)])
+            logp = logp_buf[:len(tc)].copy_(logits)
+            torch.log_softmax(logp, -1, out=logp)  # in place
             total -= logp.gather(1, tc[:, None]).sum()
             if need_h or need_w:
-                dlogits = logp.exp_()  # softmax, in place
+                dlogits = logp.mul_(LOG2E).exp2_()  # softmax, in place (exp2 runs several times faster than exp)
                 dlogits[torch.arange(len(tc), device=tc.device), tc] -= 1  # minus the one-hot target
                 if dlogits.dtype != h.dtype:
                     dlogits = logits.copy_(dlogits)

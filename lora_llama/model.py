@@ -26,9 +26,9 @@ from .gemm import run_linear
 from .kernels import apply_rope, project, recompute_when_saved, rms_norm, swiglu
 
 
-# attention's forward kernels (CPU flash, CUDA flash / efficient / cuDNN): quadratic in the length to recompute,
-# linear to keep, so selective checkpointing keeps their outputs and recomputes the rest of the block
-_ATTENTION_KERNELS = {getattr(torch.ops.aten, name).default for name in (
+# attention's forward kernels (ours on the CPU, SDPA's flash / efficient / cuDNN): quadratic in the length to
+# recompute, linear to keep, so selective checkpointing keeps their outputs and recomputes the rest of the block
+_ATTENTION_KERNELS = {torch.ops.lora_llama.causal_attention.default} | {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name)}
 

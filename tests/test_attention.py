@@ -162,3 +162,14 @@ def test_long_packed_rows_in_float64():
     assert (out - ref).abs().max() < 1e-12
     for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out)):
         assert (got - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kernels_are_well_formed_custom_ops(packed):
+    """torch.library.opcheck: schema, fake (meta) outputs equal the real ones' shapes and strides (what
+    torch.compile traces with), no aliasing of inputs."""
+    q, k, v = (t.detach().float() for t in qkv(2, 6, 2, 20, 8))
+    seg = packed_segments(2, 20, 5) if packed else None
+    out, lse = attention.causal_attention(q, k, v, seg)
+    torch.library.opcheck(attention.causal_attention, (q, k, v, seg))
+    torch.library.opcheck(attention.causal_attention_backward, (q, k, v, out, lse, torch.randn_like(out), seg))

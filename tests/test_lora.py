@@ -350,12 +350,12 @@ def test_selective_checkpointing_keeps_attention_and_recomputes_the_rest(tiny_ck
     backward, where per-block checkpointing reruns it once per layer); the gradients are the plain step's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    kernel = torch.ops.lora_llama.causal_attention.default  # the CPU training attention's forward
     calls = []
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            calls.append(func == flash)
+            calls.append(func == kernel)
             return func(*args, **(kwargs or {}))
 
     grads = []
