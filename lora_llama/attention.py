@@ -145,6 +145,7 @@ def _forward(q, k, v):
     qs = L.rows(q, LOG2E / math.sqrt(L.d))
     kk, vv = L.keys(k), L.keys(v)
     out, lse = torch.empty_like(qs), qs.new_empty(qs.shape[:2])
+    m = total = acc = None  # a block's running max, sum and output: set by its first tile (k0 = 0)
     for i in range(L.n):
         for rows, s, e, k0, k1 in L.tiles():
             p = L.hide(_nt(qs[i, rows], kk[i, k0:k1]), s, e, k0, k1)  # (b·rep, K)
