@@ -17,7 +17,7 @@ from .attention import LOG2E
 from .gemm import linear
 
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = 1 << 24  # logits per chunk: 64 MB in float32, whatever the vocabulary size
+CHUNK_ELEMENTS = 1 << 24
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
