@@ -17,6 +17,7 @@ and inference of unpacked rows keep SDPA and its kernels (packed rows there with
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -80,18 +81,20 @@ class _Layout:
         self.Hkv = k.shape[1]
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
 
-    def rows(self, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in the work dtype; with scale, multiplied by it."""
+    def rows(self, t: torch.Tensor, scale: float | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in dtype (default: the work dtype); with scale,
+        multiplied by it in the work dtype."""
         g = t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3)  # (B, H_kv, T, rep, ...)
         # an explicit copy to the target layout rather than reshape: a compiled backward may see other strides
         # than it traced, and out= buffers confuse its functionalisation
         g = g.to(_work_dtype(t), memory_format=torch.contiguous_format, copy=True)
-        return (g.mul_(scale) if scale is not None else g).view(self.n, self.T * self.rep, *t.shape[3:])
+        g = g.mul_(scale) if scale is not None else g
+        return g.to(dtype or g.dtype).view(self.n, self.T * self.rep, *t.shape[3:])
 
-    def keys(self, t: torch.Tensor) -> torch.Tensor:
+    def keys(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """k or v (B, H_kv, T, d) -> (B·H_kv, T, d), contiguous (the model's k/v are strided views, on which
-        oneDNN is ~100x slower), in the work dtype."""
-        return t.to(_work_dtype(t)).contiguous().view(self.n, self.T, self.d)
+        oneDNN is ~100x slower), in dtype (default: the work dtype)."""
+        return t.to(dtype or _work_dtype(t)).contiguous().view(self.n, self.T, self.d)
 
     def heads(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...), in dtype."""
@@ -110,7 +113,7 @@ class _Layout:
         by k1-k0 keys, or keys by rows (keys_first). Only keys s..k1 (the diagonal's) can lie after a query."""
         c0 = max(s, k0)
         if k1 > c0:
-            later = torch.arange(c0, k1)[None] > torch.arange(s, e)[:, None]  # (queries, keys)
+            later = _later(s - c0, e - s, k1 - c0)  # (queries, keys)
             if keys_first:
                 scores[c0 - k0:].view(k1 - c0, e - s, self.rep).masked_fill_(later.t()[:, :, None], float("-inf"))
             else:
@@ -118,9 +121,20 @@ class _Layout:
         return scores
 
 
+@functools.lru_cache(maxsize=64)
+def _later(offset: int, queries: int, keys: int) -> torch.Tensor:
+    """(queries, keys) bool: key j lies after query i, the queries starting `offset` positions after the keys."""
+    return torch.arange(keys)[None] > torch.arange(offset, offset + queries)[:, None]
+
+
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
-    """bfloat16 products would round q·kᵀ before the exponential: bf16 attention runs in float32 (float64 stays)."""
+    """Scores, softmax and sums of bf16 attention are float32 (float64 stays)."""
     return torch.float32 if t.dtype == torch.bfloat16 else t.dtype
+
+
+def _low(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the products that may round their output: bfloat16 for bf16 attention, else the work dtype."""
+    return torch.bfloat16 if t.dtype == torch.bfloat16 else None
 
 
 # a tile's products, per group (2-D), through oneDNN where gemm.linear covers the dtype, F.linear elsewhere
@@ -143,7 +157,7 @@ def _forward(q, k, v):
     faster than exp here), the online softmax rescaling the running sum and output when a row spans tiles."""
     L = _Layout(q, k)
     qs = L.rows(q, LOG2E / math.sqrt(L.d))
-    kk, vv = L.keys(k), L.keys(v)
+    kk, vv = L.keys(k), L.keys(v, _low(v))  # q·kᵀ in float32 (it is rounded before nothing); p·v in bf16 for bf16
     out, lse = torch.empty_like(qs), qs.new_empty(qs.shape[:2])
     m = total = acc = None  # a block's running max, sum and output: set by its first tile (k0 = 0)
     for i in range(L.n):
@@ -152,7 +166,7 @@ def _forward(q, k, v):
             tile_max = p.amax(-1, keepdim=True)  # -inf for a row that sees no key of a later tile
             m_new = tile_max if k0 == 0 else torch.maximum(m, tile_max)  # key 0 is seen by all: finite from tile 0
             p.sub_(m_new).exp2_()
-            pv, p_sum = _nn(p, vv[i, k0:k1]), p.sum(-1, keepdim=True)
+            pv, p_sum = _nn(p.to(vv.dtype), vv[i, k0:k1]).to(p.dtype), p.sum(-1, keepdim=True)
             if k0 == 0:
                 m, total, acc = m_new, p_sum, pv
             else:
@@ -168,25 +182,33 @@ def _backward(q, k, v, out, lse, grad_out):
     """dq, dk, dv of plain causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse (B, H, T) from _forward).
 
     Keys-first tiles: Pᵀ = exp2(k·qᵀ - lse) and dPᵀ - delta = v·dOᵀ - delta come out of one product each, the
-    subtraction fused into it as the product's bias (one per query row)."""
+    subtraction fused into it as the product's bias (one per query row). In bf16 all five products take bf16
+    and sum in float32; the lse and delta are subtracted (in float32) before the rounding, so what is rounded
+    is the small difference, and each tile's share is rounded once before float32 accumulators take it."""
     L = _Layout(q, k)
-    scale = 1 / math.sqrt(L.d)
-    qs, g = L.rows(q, scale * LOG2E), L.rows(grad_out)
-    kk, vv = L.keys(k), L.keys(v)
-    neg_lse = L.rows(lse).neg_()  # (n, T·rep)
-    work = qs.dtype
+    scale, low = 1 / math.sqrt(L.d), _low(q)
+    # the base-2 scale c folded into q, except in bf16, where c·q would round q to 8 bits again (errors of
+    # ~|score|/256): there q stays exact and the rounded difference k·qᵀ - lse/c is scaled by c instead
+    c = scale * LOG2E
+    c_q, c_p = (1.0, c) if low else (c, None)
+    qs, g = L.rows(q, c_q, low), L.rows(grad_out, dtype=low)
+    kk, vv = L.keys(k, low), L.keys(v, low)
+    neg_lse = L.rows(lse).mul_(-c_q / c)  # (n, T·rep), in the work dtype: -lse/c, or -lse when c is in q
+    work = neg_lse.dtype
     neg_delta = L.rows(torch.linalg.vecdot(grad_out.to(work), out.to(work))).neg_()  # -rowsum(dO ∘ O)
-    dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(kk), torch.zeros_like(vv)
+    dq, dk, dv = (t.new_zeros(t.shape, dtype=work) for t in (qs, kk, vv))
     for i in range(L.n):
         for rows, s, e, k0, k1 in L.tiles():
             q_blk, g_blk, k_t, v_t = qs[i, rows], g[i, rows], kk[i, k0:k1], vv[i, k0:k1]  # (b·rep, d), (K, d)
-            pt = L.hide(_nt(k_t, q_blk, neg_lse[i, rows]), s, e, k0, k1, keys_first=True).exp2_()  # Pᵀ (K, b·rep)
+            pt = L.hide(_nt(k_t, q_blk, neg_lse[i, rows]), s, e, k0, k1, keys_first=True)  # Pᵀ (K, b·rep)...
+            pt = (pt.mul_(c_p) if c_p else pt).exp2_()  # ... once exponentiated
             dv[i, k0:k1] += _nn(pt, g_blk)
             dst = _nt(v_t, g_blk, neg_delta[i, rows]).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
             dk[i, k0:k1] += _nn(dst, q_blk)
             dq[i, rows] += _tn(dst, k_t)
-    # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs / log2(e)
-    return L.heads(dq.mul_(scale), q.dtype), dk.mul_(1 / LOG2E).view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+    # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs·scale/c_q
+    return (L.heads(dq.mul_(scale), q.dtype), dk.mul_(scale / c_q).view(k.shape).to(k.dtype),
+            dv.view(v.shape).to(v.dtype))
 
 
 def _pieces(segments: torch.Tensor | None, B: int, T: int) -> list[tuple[slice, slice]]:

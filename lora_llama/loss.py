@@ -17,7 +17,9 @@ from .attention import LOG2E
 from .gemm import linear
 
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = 1 << 24
+# logits per chunk, whatever the vocabulary size: 24 MB in float32, under glibc's 32 MB mmap limit, so a chunk's
+# buffers are reused from the heap instead of being page-faulted in afresh (64 MB chunks: ~15% slower here)
+CHUNK_ELEMENTS = 6 << 20
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

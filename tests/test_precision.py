@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import helpers
 from lora_llama import load_model
+from lora_llama import attention
 from lora_llama.attention import attend
 from lora_llama.cli import main
 from lora_llama.config import DECODER_TARGETS, load_recipe, lora_settings
@@ -56,9 +57,15 @@ def test_rms_norm_rope_swiglu_in_bf16():
     check(swiglu, (g, u), (g64, u64))
 
 
-def test_training_attention_in_bf16():
+@pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])  # scores of ~1, or of tens
+@pytest.mark.parametrize("blocks", [(128, 2048), (16, 24)], ids=["one-tile", "many-tiles"])
+def test_training_attention_in_bf16(monkeypatch, scale, blocks):
+    """float32 scores and softmax, bf16 products (the lse and delta subtracted before rounding in backward)."""
+    monkeypatch.setattr(attention, "BLOCK", blocks[0])
+    monkeypatch.setattr(attention, "KEYS", blocks[1])
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 70, 16, generator=g).bfloat16().requires_grad_() for h in (6, 2, 2))
+    q, k, v = (torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
+               for h, s in ((6, scale), (2, 1.0), (2, 1.0)))
     out = attend(q, k, v, causal=True)
     assert out.grad_fn.name() == "_CausalAttentionBackward" and out.dtype == torch.bfloat16
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
