@@ -158,7 +158,7 @@ def _forward(q, k, v):
     faster than exp here), the online softmax rescaling the running sum and output when a row spans tiles."""
     L = _Layout(q, k)
     qs = L.rows(q, LOG2E / math.sqrt(L.d))
-    kk, vv = L.keys(k), L.keys(v, _low(v))  # q·kᵀ in float32 (it is rounded before nothing); p·v in bf16 for bf16
+    kk, vv = L.keys(k), L.keys(v, _low(v))  # q·kᵀ in float32 (not rounded before the exponential); p·v in bf16 for bf16
     out, lse = torch.empty_like(qs), qs.new_empty(qs.shape[:2])
     m = total = acc = None  # a block's running max, sum and output: set by its first tile (k0 = 0)
     for i in range(L.n):
