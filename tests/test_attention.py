@@ -1,4 +1,4 @@
-"""The CPU training attention (flash or blocked forward, blocked backward; packed rows without a mask) against SDPA
+"""The CPU training attention (blocked forward and backward; packed rows without a mask) against SDPA
 with k/v repeated per head and a dense mask."""
 import pytest
 import torch
