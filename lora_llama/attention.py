@@ -83,14 +83,15 @@ class _Layout:
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
 
     def rows(self, t: torch.Tensor, scale: float | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in dtype (default: the work dtype); with scale,
-        multiplied by it in the work dtype."""
+        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor (callers scale it in place) in dtype (default: the
+        work dtype); with scale, multiplied by it in the work dtype first."""
         g = t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3)  # (B, H_kv, T, rep, ...)
-        # an explicit copy to the target layout rather than reshape: a compiled backward may see other strides
-        # than it traced, and out= buffers confuse its functionalisation
-        g = g.to(_work_dtype(t), memory_format=torch.contiguous_format, copy=True)
-        g = g.mul_(scale) if scale is not None else g
-        return g.to(dtype or g.dtype).view(self.n, self.T * self.rep, *t.shape[3:])
+        work = _work_dtype(t)
+        if scale is None:
+            g = g.to(dtype or work, memory_format=torch.contiguous_format, copy=True)
+        else:
+            g = g.to(work, memory_format=torch.contiguous_format, copy=True).mul_(scale).to(dtype or work)
+        return g.view(self.n, self.T * self.rep, *t.shape[3:])
 
     def keys(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """k or v (B, H_kv, T, d) -> (B·H_kv, T, d), contiguous (the model's k/v are strided views, on which
@@ -134,7 +135,8 @@ def _work_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _low(t: torch.Tensor) -> torch.dtype | None:
-    """The dtype of the products that may round their output: bfloat16 for bf16 attention, else the work dtype."""
+    """The dtype of the products that may round their output: bfloat16 for bf16 attention, else None (the work
+    dtype's products, which round nothing that matters)."""
     return torch.bfloat16 if t.dtype == torch.bfloat16 else None
 
 
@@ -192,7 +194,7 @@ def _backward(q, k, v, out, lse, grad_out):
     # ~|score|/256): there q stays exact and the rounded difference k·qᵀ - lse/c is scaled by c instead
     c = scale * LOG2E
     c_q, c_p = (1.0, c) if low else (c, None)
-    qs, g = L.rows(q, c_q, low), L.rows(grad_out, dtype=low)
+    qs, g = L.rows(q, None if low else c_q, low), L.rows(grad_out, dtype=low)  # bf16: copied as they are
     kk, vv = L.keys(k, low), L.keys(v, low)
     neg_lse = L.rows(lse).mul_(-c_q / c)  # (n, T·rep), in the work dtype: -lse/c, or -lse when c is in q
     work = neg_lse.dtype

@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import helpers
-from lora_llama import load_model
-from lora_llama import attention
+from lora_llama import attention, load_model
 from lora_llama.attention import attend
 from lora_llama.cli import main
 from lora_llama.config import DECODER_TARGETS, load_recipe, lora_settings
