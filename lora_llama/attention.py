@@ -28,6 +28,7 @@ from .gemm import linear
 
 BLOCK = 128  # query positions per block, KEYS keys per tile: the fastest here at 4x512 and 1x4096 (of 64-256 x 512-2048)
 KEYS = 2048
+GROUP_TILE = 4 << 20  # bf16 backward: elements of one tile's Pᵀ over the groups it batches (8 MB)
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16)
 LOG2E = 1.4426950408889634  # scores in base 2: exp2(x·log2(e)) = exp(x)
 # enable_gqa lets SDPA read k/v with fewer heads without a repeated copy (torch >= 2.5)
@@ -99,9 +100,26 @@ class _Layout:
         return t.to(dtype or _work_dtype(t)).contiguous().view(self.n, self.T, self.d)
 
     def heads(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...), in dtype."""
-        g = t.view(self.B, self.Hkv, self.T, self.rep, *t.shape[2:]).transpose(2, 3)
-        return g.reshape(self.B, self.H, self.T, *t.shape[2:]).to(dtype)
+        """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...), in dtype (one copy, the cast included)."""
+        out = t.new_empty((self.B, self.H, self.T, *t.shape[2:]), dtype=dtype)
+        out.view(self.B, self.Hkv, self.rep, self.T, *t.shape[2:]).copy_(
+            t.view(self.B, self.Hkv, self.T, self.rep, *t.shape[2:]).transpose(2, 3))
+        return out
+
+    def augmented(self, t: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 rows (q, dO: (B, H, T, d) -> (B·H_kv, T·rep, d + 2)) followed by extra (B·H_kv, T·rep) float32 split
+        into two bf16 parts (hi + lo, ~16 bits); or, extra None, keys (k, v: (B, H_kv, T, d) -> (B·H_kv, T, d + 2))
+        followed by two ones. A product of the two then subtracts extra in its float32 sums."""
+        if extra is None:
+            out = t.new_ones((self.n, self.T, self.d + 2), dtype=torch.bfloat16)
+            out[..., :self.d] = t.reshape(self.n, self.T, self.d)
+            return out
+        out = t.new_empty((self.n, self.T * self.rep, self.d + 2), dtype=torch.bfloat16)
+        out[..., :self.d].view(self.B, self.Hkv, self.T, self.rep, self.d).copy_(
+            t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3))
+        hi = out[..., self.d].copy_(extra)
+        out[..., self.d + 1] = extra - hi.float()
+        return out
 
     def tiles(self):
         """(rows, s, e, k0, k1) per block of queries s..e-1 and tile of keys k0..k1-1 it can see, tiles in order."""
@@ -114,12 +132,12 @@ class _Layout:
         """-inf where a key lies after its query, in the scores of queries s..e and keys k0..k1: (e-s)·rep rows
         by k1-k0 keys, or keys by rows (keys_first). Only keys s..k1 (the diagonal's) can lie after a query."""
         c0 = max(s, k0)
-        if k1 > c0:
+        if k1 > c0:  # (leading dims: groups)
             later = _later(s - c0, e - s, k1 - c0)  # (queries, keys)
             if keys_first:
-                scores[c0 - k0:].view(k1 - c0, e - s, self.rep).masked_fill_(later.t()[:, :, None], float("-inf"))
+                scores[..., c0 - k0:, :].unflatten(-1, (e - s, self.rep)).masked_fill_(later.t()[:, :, None], float("-inf"))
             else:
-                scores[:, c0 - k0:].view(e - s, self.rep, k1 - c0).masked_fill_(later[:, None], float("-inf"))
+                scores[..., c0 - k0:].unflatten(-2, (e - s, self.rep)).masked_fill_(later[:, None], float("-inf"))
         return scores
 
 
@@ -185,32 +203,65 @@ def _backward(q, k, v, out, lse, grad_out):
     """dq, dk, dv of plain causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse (B, H, T) from _forward).
 
     Keys-first tiles: Pᵀ = exp2(k·qᵀ - lse) and dPᵀ - delta = v·dOᵀ - delta come out of one product each, the
-    subtraction fused into it as the product's bias (one per query row). In bf16 all five products take bf16
-    and sum in float32; the lse and delta are subtracted (in float32) before the rounding, so what is rounded
-    is the small difference, and each tile's share is rounded once before float32 accumulators take it."""
+    subtraction fused into it as the product's bias (one per query row)."""
+    if q.dtype == torch.bfloat16:
+        return _backward_bf16(q, k, v, out, lse, grad_out)
     L = _Layout(q, k)
-    scale, low = 1 / math.sqrt(L.d), _low(q)
-    # the base-2 scale c folded into q, except in bf16, where c·q would round q to 8 bits again (errors of
-    # ~|score|/256): there q stays exact and the rounded difference k·qᵀ - lse/c is scaled by c instead
-    c = scale * LOG2E
-    c_q, c_p = (1.0, c) if low else (c, None)
-    qs, g = L.rows(q, None if low else c_q, low), L.rows(grad_out, dtype=low)  # bf16: copied as they are
-    kk, vv = L.keys(k, low), L.keys(v, low)
-    neg_lse = L.rows(lse).mul_(-c_q / c)  # (n, T·rep), in the work dtype: -lse/c, or -lse when c is in q
-    work = neg_lse.dtype
-    neg_delta = L.rows(torch.linalg.vecdot(grad_out.to(work), out.to(work))).neg_()  # -rowsum(dO ∘ O)
-    dq, dk, dv = (t.new_zeros(t.shape, dtype=work) for t in (qs, kk, vv))
+    scale = 1 / math.sqrt(L.d)
+    c = scale * LOG2E  # the base-2 scale, folded into q
+    qs, g, kk, vv = L.rows(q, c), L.rows(grad_out), L.keys(k), L.keys(v)
+    neg_lse = L.rows(lse).neg_()  # (n, T·rep)
+    neg_delta = L.rows(torch.linalg.vecdot(grad_out, out)).neg_()  # -rowsum(dO ∘ O)
+    dq, dk, dv = (torch.zeros_like(t) for t in (qs, kk, vv))
     for i in range(L.n):
         for rows, s, e, k0, k1 in L.tiles():
             q_blk, g_blk, k_t, v_t = qs[i, rows], g[i, rows], kk[i, k0:k1], vv[i, k0:k1]  # (b·rep, d), (K, d)
-            pt = L.hide(_nt(k_t, q_blk, neg_lse[i, rows]), s, e, k0, k1, keys_first=True)  # Pᵀ (K, b·rep)...
-            pt = (pt.mul_(c_p) if c_p else pt).exp2_()  # ... once exponentiated
+            pt = L.hide(_nt(k_t, q_blk, neg_lse[i, rows]), s, e, k0, k1, keys_first=True).exp2_()  # Pᵀ (K, b·rep)
             dv[i, k0:k1] += _nn(pt, g_blk)
             dst = _nt(v_t, g_blk, neg_delta[i, rows]).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
             dk[i, k0:k1] += _nn(dst, q_blk)
             dq[i, rows] += _tn(dst, k_t)
-    # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs·scale/c_q
-    return (L.heads(dq.mul_(scale), q.dtype), dk.mul_(scale / c_q).view(k.shape).to(k.dtype),
+    # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs/log2(e)
+    return (L.heads(dq.mul_(scale), q.dtype), dk.mul_(1 / LOG2E).view(k.shape).to(k.dtype),
+            dv.view(v.shape).to(v.dtype))
+
+
+def _backward_bf16(q, k, v, out, lse, grad_out):
+    """_backward for bfloat16: the same keys-first tiles, each product one bf16 batched product over several
+    (batch row, key/value head) groups (torch.bmm, which PyTorch sends to oneDNN for bf16: ~750 GFLOP/s here,
+    where float32's bmm goes to MKL at ~180 and the per-group products stay faster), sums in float32.
+
+    The subtractions of lse and delta happen in the float32 sums before the output is rounded: q and dO carry
+    -lse/c and -delta as two more columns (each split into two bf16 parts, ~16 bits) and k and v two columns of
+    ones (`_Layout.augmented`), so what is rounded to bf16 is the small difference. q is not scaled (c·q would
+    round it again): the rounded difference is scaled by c. Each tile's share is rounded once to bf16 before the
+    float32 accumulators take it."""
+    L = _Layout(q, k)
+    d, scale = L.d, 1 / math.sqrt(L.d)
+    c = scale * LOG2E
+    qa = L.augmented(q, L.rows(lse).mul_(-1 / c))  # (n, T·rep, d + 2): q, -lse/c
+    ga = L.augmented(grad_out, L.rows(torch.linalg.vecdot(grad_out.float(), out.float())).neg_())  # dO, -delta
+    ka, va = L.augmented(k), L.augmented(v)  # (n, T, d + 2): k, 1, 1
+    kt = L.keys(k, torch.bfloat16).transpose(1, 2).contiguous()  # kᵀ (n, d, T): dqᵀ = kᵀ·dSᵀ, a plain product
+    dqt = q.new_empty((L.n, d, L.T * L.rep), dtype=torch.float32)  # every column is written by its block's key tile 0
+    dk, dv = (q.new_zeros((L.n, L.T, d), dtype=torch.float32) for _ in range(2))
+    groups = max(1, GROUP_TILE // (min(KEYS, L.T) * BLOCK * L.rep))  # a tile's Pᵀ of all its groups stays ~8 MB
+    for g0 in range(0, L.n, groups):
+        grp = slice(g0, g0 + groups)
+        for rows, s, e, k0, k1 in L.tiles():
+            q_blk, g_blk = qa[grp, rows].contiguous(), ga[grp, rows].contiguous()  # (G, b·rep, d + 2)
+            pt = L.hide(torch.bmm(ka[grp, k0:k1], q_blk.transpose(1, 2)), s, e, k0, k1, keys_first=True)
+            pt = pt.mul_(c).exp2_()  # Pᵀ (G, K, b·rep)
+            dv[grp, k0:k1] += torch.bmm(pt, g_blk)[..., :d]  # (the two extra columns' products are dropped)
+            dst = torch.bmm(va[grp, k0:k1], g_blk.transpose(1, 2)).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+            dk[grp, k0:k1] += torch.bmm(dst, q_blk)[..., :d]
+            part = torch.bmm(kt[grp, :, k0:k1], dst)  # (G, d, b·rep)
+            if k0 == 0:
+                dqt[grp, :, rows] = part
+            else:
+                dqt[grp, :, rows] += part
+    # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q
+    return (L.heads(dqt.mul_(scale).transpose(1, 2), q.dtype), dk.mul_(scale).view(k.shape).to(k.dtype),
             dv.view(v.shape).to(v.dtype))
 
 

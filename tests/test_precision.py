@@ -57,18 +57,21 @@ def test_rms_norm_rope_swiglu_in_bf16():
 
 
 @pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])  # scores of ~1, or of tens
-@pytest.mark.parametrize("blocks", [(128, 2048), (16, 24)], ids=["one-tile", "many-tiles"])
-def test_training_attention_in_bf16(monkeypatch, scale, blocks):
+# (BLOCK, KEYS, GROUP_TILE): one tile per block, all groups in one product; many tiles, one group at a time
+@pytest.mark.parametrize("blocks", [(128, 2048, 4 << 20), (16, 24, 1)], ids=["one-tile", "many-tiles"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed):
     """float32 scores and softmax, bf16 products (the lse and delta subtracted before rounding in backward)."""
-    monkeypatch.setattr(attention, "BLOCK", blocks[0])
-    monkeypatch.setattr(attention, "KEYS", blocks[1])
+    for name, value in zip(("BLOCK", "KEYS", "GROUP_TILE"), blocks):
+        monkeypatch.setattr(attention, name, value)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
                for h, s in ((6, scale), (2, 1.0), (2, 1.0)))
-    out = attend(q, k, v, causal=True)
+    segments = torch.tensor([[0] * 30 + [1] * 40, [0] * 70]) if packed else None
+    out = attend(q, k, v, causal=True, segments=segments)
     assert out.grad_fn.name() == "_CausalAttentionBackward" and out.dtype == torch.bfloat16
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    check(lambda a, b, c: attend(a, b, c, causal=True), (q, k, v), (q64, k64, v64))
+    check(lambda a, b, c: attend(a, b, c, causal=True, segments=segments), (q, k, v), (q64, k64, v64))
 
 
 def test_products_and_chunked_loss_in_bf16():
