@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from .gemm import linear, run_linear
 
 
-def _at_least_float32(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -24,35 +24,28 @@ class _RMSNorm(torch.autograd.Function):
 
     Saves x and the per-row 1/rms only. With x̂ = x/rms and gw = grad·weight, the input gradient is
         dx = (gw - x̂ · mean(gw · x̂)) / rms
-    written into two buffers, where autograd's version makes about six. A bf16 x is never copied to float32
-    whole: the products with float32 factors compute in float32 and write bf16 where the result is bf16.
+    written into two buffers, where autograd's version makes about six.
     """
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        work = _at_least_float32(x)
-        if x.dtype == work:
-            ms = x.pow(2).mean(-1, keepdim=True)
-        else:  # mean(x²) in float32 without a float32 copy of x
-            ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=work).square_().div_(x.shape[-1])
-        rstd = torch.rsqrt(ms.add_(eps))  # (..., 1)
+        xf = _at_least_float32(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, weight, rstd)
-        y = torch.mul(x, rstd, out=torch.empty_like(x))  # (x·rstd in float32).to(x.dtype), one pass
+        y = (xf * rstd).to(x.dtype)
         return y.mul_(weight) if torch.promote_types(y.dtype, weight.dtype) == y.dtype else weight * y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        work = _at_least_float32(x)
-        x_hat, gw = x * rstd, grad * weight.to(torch.promote_types(weight.dtype, work))  # both in float32 (or wider)
+        x_hat, grad_f = _at_least_float32(x) * rstd, _at_least_float32(grad)
+        gw = grad_f * weight
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = (grad * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
-        if not ctx.needs_input_grad[0]:
-            return None, grad_w, None
-        c = torch.linalg.vecdot(gw, x_hat).unsqueeze_(-1).div_(x.shape[-1])  # mean(gw · x̂) per row
-        gw.sub_(x_hat.mul_(c))
-        return (gw.mul_(rstd) if x.dtype == work else torch.mul(gw, rstd, out=torch.empty_like(x))), grad_w, None
+            grad_w = (grad_f * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+        c = torch.linalg.vecdot(gw, x_hat).unsqueeze(-1) / x.shape[-1]  # mean(gw · x̂) per row
+        grad_x = gw.sub_(x_hat.mul_(c)).mul_(rstd) if ctx.needs_input_grad[0] else None
+        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -46,13 +46,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             torch.log_softmax(logp, -1, out=logp)  # in place
             total -= logp.gather(1, tc[:, None]).sum()
             if need_h or need_w:
-                at_targets = (torch.arange(len(tc), device=tc.device), tc)
-                logp.mul_(LOG2E)
-                dp_targets = logp[at_targets].exp2_().sub_(1)  # softmax minus the one-hot target, in float32
-                # the softmax (exp2 runs several times faster than exp), written in the products' dtype: for bf16
-                # logits straight into their buffer, one pass less than exponentiating in place and copying
-                dlogits = torch.exp2(logp, out=logits if logits.dtype != logp.dtype else logp)
-                dlogits[at_targets] = dp_targets.to(dlogits.dtype)  # p - 1 rounded once, not p rounded then - 1
+                dlogits = logp.mul_(LOG2E).exp2_()  # softmax, in place (exp2 runs several times faster than exp)
+                dlogits[torch.arange(len(tc), device=tc.device), tc] -= 1  # minus the one-hot target
+                if dlogits.dtype != h.dtype:
+                    dlogits = logits.copy_(dlogits)
                 if need_h:
                     grad_h[i:i + rows] = linear(dlogits, weight.T)
                 if need_w:
