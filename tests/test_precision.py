@@ -150,12 +150,16 @@ def test_bf16_mixed_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
                                                      ("the quick", "brown fox"), ("how are you", "i am fine"),
                                                      ("the lazy", "dog"), ("hello", "world"), ("that is", "the question")])
     lines = {}
-    results = {p: train_from_recipe(recipe(tiny_ckpt, data, tmp_path / p, p), log=lambda s, p=p: lines.setdefault(p, []).append(s))
+    # 30 steps: about two thirds of the way down. Past ~35 steps these 8 examples' runs turn chaotic: at 50 steps
+    # bf16-mixed / fp32 over seeds 0-3 spread 0.99-1.06 (either attention backward), at 30 steps 0.994-1.004
+    steps = ("train.max_steps=30", "train.eval_every=30")
+    results = {p: train_from_recipe(recipe(tiny_ckpt, data, tmp_path / p, p, *steps),
+                                    log=lambda s, p=p: lines.setdefault(p, []).append(s))
                for p in ("fp32", "bf16-mixed")}
     start, fp32, bf16 = results["fp32"]["eval_loss_start"], results["fp32"]["eval_loss"], results["bf16-mixed"]["eval_loss"]
     print(f"eval loss: start {start:.4f}, fp32 {fp32:.4f}, bf16-mixed {bf16:.4f}")
     # the overfit test's model, data and adapter (lm_head too) at a learning rate whose curve is smooth, stopped
-    # half way down (near zero, 1% of the loss is below the run-to-run noise of either precision)
+    # before the end (near zero, 1% of the loss is below the run-to-run noise of either precision)
     assert fp32 < 0.4 * start
     assert bf16 < 1.01 * fp32 and abs(bf16 / fp32 - 1) < 0.05, (fp32, bf16)  # reaches it: at most 1% worse
     assert any("precision bf16-mixed (set in the recipe)" in s and "(bfloat16)" in s for s in lines["bf16-mixed"])
