@@ -179,23 +179,29 @@ def _forward(q, k, v):
     L = _Layout(q, k)
     qs = L.rows(q, LOG2E / math.sqrt(L.d))
     kk, vv = L.keys(k), L.keys(v, _low(v))  # q·kᵀ in float32 (not rounded before the exponential); p·v in bf16 for bf16
-    out, lse = torch.empty_like(qs), qs.new_empty(qs.shape[:2])
-    m = total = acc = None  # a block's running max, sum and output: set by its first tile (k0 = 0)
+    # per row, kept in place: the running output (out), its sum of exponentials (sums) and the running max (lse,
+    # until the end); the division and the log-sum-exp are then one operation each over all rows
+    out, lse, sums = torch.empty_like(qs), qs.new_empty(qs.shape[:2]), qs.new_empty(qs.shape[:2])
     for i in range(L.n):
         for rows, s, e, k0, k1 in L.tiles():
             p = L.hide(_nt(qs[i, rows], kk[i, k0:k1]), s, e, k0, k1)  # (b·rep, K)
-            tile_max = p.amax(-1, keepdim=True)  # -inf for a row that sees no key of a later tile
-            m_new = tile_max if k0 == 0 else torch.maximum(m, tile_max)  # key 0 is seen by all: finite from tile 0
-            p.sub_(m_new).exp2_()
-            pv, p_sum = _nn(p.to(vv.dtype), vv[i, k0:k1]).to(p.dtype), p.sum(-1, keepdim=True)
-            if k0 == 0:
-                m, total, acc = m_new, p_sum, pv
-            else:
+            acc, total, m = out[i, rows], sums[i, rows], lse[i, rows]
+            if k0 == 0:  # key 0 is seen by all: the max is finite from tile 0
+                torch.amax(p, -1, out=m)
+            else:  # a row that sees no key of this tile has -inf here
+                m_new = torch.maximum(m, p.amax(-1))
                 c = (m - m_new).exp2_()
-                m, total, acc = m_new, total.mul_(c).add_(p_sum), acc.mul_(c).add_(pv)
-            if k1 == e:  # the block's last tile
-                out[i, rows] = acc.div_(total)
-                lse[i, rows] = total.log2_().add_(m).squeeze(-1)
+                m.copy_(m_new)
+            p.sub_(m[:, None]).exp2_()
+            pv = _nn(p.to(vv.dtype), vv[i, k0:k1])
+            if k0 == 0:
+                acc.copy_(pv)
+                torch.sum(p, -1, out=total)
+            else:
+                acc.mul_(c[:, None]).add_(pv.to(acc.dtype))
+                total.mul_(c).add_(p.sum(-1))
+    out.div_(sums[..., None])
+    lse.add_(sums.log2_())
     return L.heads(out, q.dtype), L.heads(lse, lse.dtype)
 
 
