@@ -11,9 +11,11 @@ their bias. Packed rows (`segments`, one id per example, each example contiguous
 causal problems: each example of each row runs on its own slice, so no dense (B, 1, T, T) mask exists
 and no work is spent on keys of other examples. Measured here (forward+backward per layer, SmolLM2
 shapes, float32, 2 threads; SDPA's / ours): 4x512 53 / 34 ms, 1x2048 151 / 69 ms, 1x4096 563 / 267 ms,
-1x8192 2102 / 915 ms (bfloat16: 4x512 45 / 29, 1x2048 107 / 57). In bfloat16 the scores and softmax are
+1x8192 2102 / 915 ms (bfloat16, a later run on a slower day, float32 there 59 / 37 and 158 / 79: 4x512
+49 / 26, 1x2048 113 / 67). In bfloat16 the scores and softmax are
 float32 (forward's q·kᵀ is never rounded before the exponential) and the other products take bf16 with float32
-sums (backward's with lse and delta subtracted before their output is rounded). GPUs, float16, sliding windows,
+sums (backward's with lse and delta subtracted before their output is rounded); bf16 backward batches its
+products over groups (`_backward_bf16`: 4x512 15.5 vs 22.2 ms per-group). GPUs, float16, sliding windows,
 the KV cache and inference of unpacked rows keep SDPA and its kernels (packed rows there with a mask).
 """
 from __future__ import annotations
