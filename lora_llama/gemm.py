@@ -51,21 +51,16 @@ def _(x, weight, bias):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x·weightᵀ + bias, x (..., in), weight (out, in), which may be a transposed view (W.t() for gy·W).
-
-    A bfloat16 x may take a float32 bias: it is added to the float32 sums before they are rounded to bfloat16
-    (attention's backward subtracts the log-sum-exp so, and rounds only the small difference)."""
+    """x·weightᵀ + bias, x (..., in), weight (out, in), which may be a transposed view (W.t() for gy·W)."""
     # oneDNN slows down ~100x on a weight whose rows are strided (a view of a wider tensor): those go to F.linear
     if (_ONEDNN is not None and x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in ONEDNN_DTYPES
             and x.dim() >= 2 and x.stride(-1) == 1
-            and (bias is None or bias.dtype == x.dtype or (x.dtype == torch.bfloat16 and bias.dtype == torch.float32))
+            and (bias is None or bias.dtype == x.dtype)
             and (weight.is_contiguous() or weight.t().is_contiguous())
             and x.shape[-1] > 0):  # oneDNN has no primitive for an empty sum (in = 0)
         if torch.compiler.is_compiling():
             return _onednn_linear(x, weight, bias)
         return _ONEDNN(x, weight, bias, "none", [], "")  # eager: the custom op's dispatch costs 10-40 µs a call
-    if bias is not None and bias.dtype != x.dtype:  # the float32 bias of a bf16 product, as oneDNN adds it
-        return F.linear(x.float(), weight.float(), bias).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
