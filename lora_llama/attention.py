@@ -7,9 +7,9 @@ these shapes here). Keys a block cannot see are skipped; forward keeps a running
 (the online softmax) and returns the log-sum-exp, from which backward recomputes the probabilities,
 so nothing of size T x T is ever built. Scores are in base 2 (exp2 runs ~4x faster than exp here), and
 backward works on keys-first tiles so that the subtractions of lse and delta ride on the products as
-their bias (in bf16 as two extra operand columns). Packed rows (`segments`, one id per example, each example contiguous) are independent
-causal problems: each example of each row runs on its own slice, so no dense (B, 1, T, T) mask exists
-and no work is spent on keys of other examples. Measured here (forward+backward per layer, SmolLM2
+their bias (in bf16 as two extra operand columns). Packed rows (`segments`, one id per example, each
+example contiguous) are independent causal problems: each example of each row runs on its own slice, so
+no dense (B, 1, T, T) mask exists and no work is spent on keys of other examples. Measured here (forward+backward per layer, SmolLM2
 shapes, float32, 2 threads; SDPA's / ours): 4x512 53 / 34 ms, 1x2048 151 / 69 ms, 1x4096 563 / 267 ms,
 1x8192 2102 / 915 ms (bfloat16, a later run on a slower day, float32 there 59 / 37 and 158 / 79: 4x512
 49 / 26, 1x2048 113 / 67). In bfloat16 the scores and softmax are
@@ -248,7 +248,7 @@ def _backward_bf16(q, k, v, out, lse, grad_out):
     qa = L.augmented(q, L.rows(lse).mul_(-1 / c))  # (n, T·rep, d + 2): q, -lse/c
     ga = L.augmented(grad_out, L.rows(torch.linalg.vecdot(grad_out.float(), out.float())).neg_())  # dO, -delta
     ka, va = L.augmented(k), L.augmented(v)  # (n, T, d + 2): k, 1, 1
-    kt = L.keys(k, torch.bfloat16).transpose(1, 2).contiguous()  # kᵀ (n, d, T): dqᵀ = kᵀ·dSᵀ, a plain product
+    kt = ka[..., :d].transpose(1, 2).contiguous()  # kᵀ (n, d, T): dqᵀ = kᵀ·dSᵀ, a plain product
     dqt = q.new_empty((L.n, d, L.T * L.rep), dtype=torch.float32)  # every column is written by its block's key tile 0
     dk, dv = (q.new_zeros((L.n, L.T, d), dtype=torch.float32) for _ in range(2))
     groups = max(1, GROUP_TILE // (min(KEYS, L.T) * BLOCK * L.rep))  # a tile's Pᵀ of all its groups stays ~8 MB

@@ -54,8 +54,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x·weightᵀ + bias, x (..., in), weight (out, in), which may be a transposed view (W.t() for gy·W)."""
     # oneDNN slows down ~100x on a weight whose rows are strided (a view of a wider tensor): those go to F.linear
     if (_ONEDNN is not None and x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in ONEDNN_DTYPES
-            and x.dim() >= 2 and x.stride(-1) == 1
-            and (bias is None or bias.dtype == x.dtype)
+            and x.dim() >= 2 and x.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)
             and (weight.is_contiguous() or weight.t().is_contiguous())
             and x.shape[-1] > 0):  # oneDNN has no primitive for an empty sum (in = 0)
         if torch.compiler.is_compiling():
