@@ -20,6 +20,7 @@ the KV cache and inference of unpacked rows keep SDPA and its kernels (packed ro
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -121,6 +122,10 @@ class _Layout:
         out[..., self.d + 1] = extra - hi.float()
         return out
 
+    def groups(self) -> int:
+        """How many groups a batched tile takes: its scores stay ~GROUP_TILE elements, whatever the batch size."""
+        return max(1, GROUP_TILE // (min(KEYS, self.T) * BLOCK * self.rep))
+
     def tiles(self):
         """(rows, s, e, k0, k1) per block of queries s..e-1 and tile of keys k0..k1-1 it can see, tiles in order."""
         for s in range(0, self.T, BLOCK):
@@ -133,18 +138,20 @@ class _Layout:
         by k1-k0 keys, or keys by rows (keys_first). Only keys s..k1 (the diagonal's) can lie after a query."""
         c0 = max(s, k0)
         if k1 > c0:  # (leading dims: groups)
-            later = _later(s - c0, e - s, k1 - c0)  # (queries, keys)
-            if keys_first:
-                scores[..., c0 - k0:, :].unflatten(-1, (e - s, self.rep)).masked_fill_(later.t()[:, :, None], float("-inf"))
-            else:
-                scores[..., c0 - k0:].unflatten(-2, (e - s, self.rep)).masked_fill_(later[:, None], float("-inf"))
+            part = scores[..., c0 - k0:, :] if keys_first else scores[..., c0 - k0:]
+            part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
         return scores
 
 
 @functools.lru_cache(maxsize=64)
-def _later(offset: int, queries: int, keys: int) -> torch.Tensor:
-    """(queries, keys) bool: key j lies after query i, the queries starting `offset` positions after the keys."""
-    return torch.arange(keys)[None] > torch.arange(offset, offset + queries)[:, None]
+def _hidden(offset: int, queries: int, keys: int, rep: int, keys_first: bool, dtype: torch.dtype) -> torch.Tensor:
+    """(queries·rep, keys), or its transpose (keys_first): -inf where key j lies after query i (the queries
+    starting `offset` positions after the keys, each row repeated for the rep heads), else 0. Added to the
+    scores, contiguous: a broadcast masked_fill over the heads ran ~13x slower here."""
+    later = torch.arange(keys)[None] > torch.arange(offset, offset + queries)[:, None]  # (queries, keys)
+    bias = torch.zeros(later.shape, dtype=dtype).masked_fill_(later, float("-inf"))
+    bias = bias[:, None].expand(queries, rep, keys).reshape(queries * rep, keys)
+    return bias.t().contiguous() if keys_first else bias
 
 
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
@@ -174,35 +181,64 @@ def _tn(a, b):  # aᵀ·b, as (bᵀ·a)ᵀ: oneDNN reads the small bᵀ contiguo
 def _forward(q, k, v):
     """out (B, H, T, d) in q's dtype and the base-2 log-sum-exp (B, H, T) of plain causal attention.
 
-    Per block of queries, over tiles of keys: scores in base 2 (the scale·log2(e) folded into q: exp2 runs ~4x
-    faster than exp here), the online softmax rescaling the running sum and output when a row spans tiles."""
+    Per block of queries, over tiles of keys: scores in base 2 (exp2 runs ~4x faster than exp here), the online
+    softmax rescaling the running sum and output when a row spans tiles. Float: one group at a time, the
+    scale·log2(e) folded into q. bf16: q·kᵀ in float32 from bf16 values, so it runs exactly as a bf16 product
+    with float32 sums and output (`_bf16_sums`), batched over groups like the backward; the scale is applied
+    in the exponent, q staying a bf16 value."""
     L = _Layout(q, k)
-    qs = L.rows(q, LOG2E / math.sqrt(L.d))
+    c = LOG2E / math.sqrt(L.d)
+    batched = q.dtype == torch.bfloat16 and _BF16_SUMS
+    qs = L.rows(q, None if batched else c)
     kk, vv = L.keys(k), L.keys(v, _low(v))  # q·kᵀ in float32 (not rounded before the exponential); p·v in bf16 for bf16
     # per row, kept in place: the running output (out), its sum of exponentials (sums) and the running max (lse,
     # until the end); the division and the log-sum-exp are then one operation each over all rows
     out, lse, sums = torch.empty_like(qs), qs.new_empty(qs.shape[:2]), qs.new_empty(qs.shape[:2])
-    for i in range(L.n):
-        for rows, s, e, k0, k1 in L.tiles():
-            p = L.hide(_nt(qs[i, rows], kk[i, k0:k1]), s, e, k0, k1)  # (b·rep, K)
-            acc, total, m = out[i, rows], sums[i, rows], lse[i, rows]
-            if k0 == 0:  # key 0 is seen by all: the max is finite from tile 0
-                torch.amax(p, -1, out=m)
-            else:  # a row that sees no key of this tile has -inf here
-                m_new = torch.maximum(m, p.amax(-1))
-                c = (m - m_new).exp2_()
-                m.copy_(m_new)
-            p.sub_(m[:, None]).exp2_()
-            pv = _nn(p.to(vv.dtype), vv[i, k0:k1])
-            if k0 == 0:
-                acc.copy_(pv)
-                torch.sum(p, -1, out=total)
-            else:
-                acc.mul_(c[:, None]).add_(pv.to(acc.dtype))
-                total.mul_(c).add_(p.sum(-1))
+    groups, scale = (L.groups(), c) if batched else (1, 1.0)
+    with _bf16_sums(batched):
+        for g0 in range(0, L.n, groups):
+            grp = slice(g0, g0 + groups)
+            for rows, s, e, k0, k1 in L.tiles():
+                qg, kg, vg = qs[grp, rows], kk[grp, k0:k1], vv[grp, k0:k1]
+                p = torch.bmm(qg, kg.transpose(1, 2)) if batched else _nt(qg[0], kg[0])[None]  # (G, b·rep, K)
+                p = L.hide(p, s, e, k0, k1)
+                acc, total, m = out[grp, rows], sums[grp, rows], lse[grp, rows]
+                if k0 == 0:  # key 0 is seen by all: the max is finite from tile 0
+                    torch.amax(p, -1, out=m)
+                else:  # a row that sees no key of this tile has -inf here
+                    m_new = torch.maximum(m, p.amax(-1))
+                    r = (m - m_new).mul_(scale).exp2_()
+                    m.copy_(m_new)
+                p = p.sub_(m[..., None]).mul_(scale).exp2_() if batched else p.sub_(m[..., None]).exp2_()
+                pv = torch.bmm(p.to(vv.dtype), vg) if batched else _nn(p[0].to(vv.dtype), vg[0])[None]
+                if k0 == 0:
+                    acc.copy_(pv)
+                    torch.sum(p, -1, out=total)
+                else:
+                    acc.mul_(r[..., None]).add_(pv.to(acc.dtype))
+                    total.mul_(r).add_(p.sum(-1))
     out.div_(sums[..., None])
-    lse.add_(sums.log2_())
+    lse.mul_(scale).add_(sums.log2_())
     return L.heads(out, q.dtype), L.heads(lse, lse.dtype)
+
+
+# torch >= 2.9: oneDNN may run float32 products as bf16 products (float32 sums and output), exact when the
+# inputs hold bf16 values; a process-wide setting, so `_bf16_sums` sets it only around such products
+_BF16_SUMS = hasattr(getattr(torch.backends, "mkldnn", None), "matmul") and hasattr(
+    torch.backends.mkldnn.matmul, "fp32_precision")
+
+
+@contextlib.contextmanager
+def _bf16_sums(active: bool):
+    if not active:
+        yield
+        return
+    setting = torch.backends.mkldnn.matmul
+    before, setting.fp32_precision = setting.fp32_precision, "bf16"
+    try:
+        yield
+    finally:
+        setting.fp32_precision = before
 
 
 def _backward(q, k, v, out, lse, grad_out):
@@ -251,7 +287,7 @@ def _backward_bf16(q, k, v, out, lse, grad_out):
     kt = ka[..., :d].transpose(1, 2).contiguous()  # kᵀ (n, d, T): dqᵀ = kᵀ·dSᵀ, a plain product
     dqt = q.new_empty((L.n, d, L.T * L.rep), dtype=torch.float32)  # every column is written by its block's key tile 0
     dk, dv = (q.new_zeros((L.n, L.T, d), dtype=torch.float32) for _ in range(2))
-    groups = max(1, GROUP_TILE // (min(KEYS, L.T) * BLOCK * L.rep))  # a tile's Pᵀ of all its groups stays ~8 MB
+    groups = L.groups()
     for g0 in range(0, L.n, groups):
         grp = slice(g0, g0 + groups)
         for rows, s, e, k0, k1 in L.tiles():

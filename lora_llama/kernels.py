@@ -19,30 +19,36 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _float_mul(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x·s in at least float32 (s in that dtype too): in place on x's float copy when x needs one (bf16)."""
+    xf = _at_least_float32(x)
+    return xf.mul_(s) if xf is not x else xf * s
+
+
 class _RMSNorm(torch.autograd.Function):
     """weight · (x / rms(x)), computed in float32 and cast back as HF does (the checkpoints were trained so).
 
     Saves x and the per-row 1/rms only. With x̂ = x/rms and gw = grad·weight, the input gradient is
         dx = (gw - x̂ · mean(gw · x̂)) / rms
-    written into two buffers, where autograd's version makes about six.
+    written into two buffers, where autograd's version makes about six. A bf16 x or grad is cast to
+    float32 once, into the buffer the next step writes in place.
     """
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        xf = _at_least_float32(x)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        rstd = torch.rsqrt(_at_least_float32(x).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, weight, rstd)
-        y = (xf * rstd).to(x.dtype)
+        y = _float_mul(x, rstd).to(x.dtype)
         return y.mul_(weight) if torch.promote_types(y.dtype, weight.dtype) == y.dtype else weight * y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        x_hat, grad_f = _at_least_float32(x) * rstd, _at_least_float32(grad)
-        gw = grad_f * weight
+        x_hat = _float_mul(x, rstd)
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = (grad_f * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+            grad_w = (_at_least_float32(grad) * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+        gw = _float_mul(grad, _at_least_float32(weight))  # a float32 weight: a bf16 one would take a slow mixed-dtype path
         c = torch.linalg.vecdot(gw, x_hat).unsqueeze(-1) / x.shape[-1]  # mean(gw · x̂) per row
         grad_x = gw.sub_(x_hat.mul_(c)).mul_(rstd) if ctx.needs_input_grad[0] else None
         return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None

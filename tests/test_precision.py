@@ -60,10 +60,16 @@ def test_rms_norm_rope_swiglu_in_bf16():
 # (BLOCK, KEYS, GROUP_TILE): one tile per block, all groups in one product; many tiles, one group at a time
 @pytest.mark.parametrize("blocks", [(128, 2048, 4 << 20), (16, 24, 1)], ids=["one-tile", "many-tiles"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
-def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed):
+# the forward's q·kᵀ as oneDNN bf16 products with float32 output (torch >= 2.9), or per group in float32
+@pytest.mark.parametrize("bf16_sums", [True, False], ids=["batched-forward", "per-group-forward"])
+def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed, bf16_sums):
     """float32 scores and softmax, bf16 products (the lse and delta subtracted before rounding in backward)."""
     for name, value in zip(("BLOCK", "KEYS", "GROUP_TILE"), blocks):
         monkeypatch.setattr(attention, name, value)
+    if bf16_sums and not attention._BF16_SUMS:
+        pytest.skip("this torch has no torch.backends.mkldnn.matmul.fp32_precision")
+    monkeypatch.setattr(attention, "_BF16_SUMS", bf16_sums)
+    setting = torch.backends.mkldnn.matmul.fp32_precision if attention._BF16_SUMS else None
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
                for h, s in ((6, scale), (2, 1.0), (2, 1.0)))
@@ -72,6 +78,8 @@ def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed):
     assert out.grad_fn.name() == "_CausalAttentionBackward" and out.dtype == torch.bfloat16
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     check(lambda a, b, c: attend(a, b, c, causal=True, segments=segments), (q, k, v), (q64, k64, v64))
+    if setting is not None:  # the process-wide setting is back as it was
+        assert torch.backends.mkldnn.matmul.fp32_precision == setting
 
 
 def test_products_and_chunked_loss_in_bf16():
