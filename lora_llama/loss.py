@@ -20,6 +20,9 @@ IGNORE_INDEX = -100
 # logits per chunk, whatever the vocabulary size: 24 MB in float32, under glibc's 32 MB mmap limit, so a chunk's
 # buffers are reused from the heap instead of being page-faulted in afresh (64 MB chunks: ~15% slower here)
 CHUNK_ELEMENTS = 6 << 20
+# bf16 logits take half the bytes: twice the rows (a 256-row vocabulary product ran at ~700 GFLOP/s here, a 128-row
+# one at ~600; the bf16 step 2.4% faster, the float32 one no faster with them)
+BF16_CHUNK_ELEMENTS = 12 << 20
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -89,7 +92,7 @@ def _ce_chunk(lm_head, h, t, reduction="sum"):
 
 def linear_cross_entropy(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of lm_head(h) (N, dim) against targets (N,)."""
-    rows = max(1, CHUNK_ELEMENTS // lm_head.out_features)
+    rows = max(1, (BF16_CHUNK_ELEMENTS if h.dtype == torch.bfloat16 else CHUNK_ELEMENTS) // lm_head.out_features)
     if type(lm_head) is nn.Linear and lm_head.bias is None:
         return _LinearCrossEntropy.apply(h, lm_head.weight, targets, rows)
     # an adapted lm_head: recompute each chunk's logits in backward instead of storing them
