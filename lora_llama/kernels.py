@@ -36,9 +36,11 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(_at_least_float32(x).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        xf = _at_least_float32(x)
+        # mean(x²) as |x|²/n: no (..., dim) temporary (a pass over memory less; equal to ~1e-7)
+        rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
-        y = _float_mul(x, rstd).to(x.dtype)
+        y = (xf.mul_(rstd) if xf is not x else xf * rstd).to(x.dtype)
         return y.mul_(weight) if torch.promote_types(y.dtype, weight.dtype) == y.dtype else weight * y
 
     @staticmethod
