@@ -106,11 +106,9 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, u = ctx.saved_tensors
-        # two buffers, no temporaries: d silu(g)/dg = σ + silu·(1 - σ), and d/du = silu(g)
-        grad_g = torch.sigmoid(g)
-        grad_u = g * grad_g  # silu(g)
-        grad_g.addcmul_(grad_g, grad_u, value=-1).add_(grad_u).mul_(grad).mul_(u)
-        return grad_g, grad_u.mul_(grad)
+        # d/dg = (grad·u)·silu'(g) by aten's fused silu_backward, d/du = grad·silu(g): four passes over memory where
+        # the formula written out takes seven
+        return torch.ops.aten.silu_backward(grad * u, g), F.silu(g).mul_(grad)
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
