@@ -20,8 +20,8 @@ IGNORE_INDEX = -100
 # logits per chunk, whatever the vocabulary size: 24 MB in float32, under glibc's 32 MB mmap limit, so a chunk's
 # buffers are reused from the heap instead of being page-faulted in afresh (64 MB chunks: ~15% slower here)
 CHUNK_ELEMENTS = 6 << 20
-# bf16 logits take half the bytes: twice the rows (a 256-row vocabulary product ran at ~700 GFLOP/s here, a 128-row
-# one at ~600; the bf16 step 2.4% faster, the float32 one no faster with them)
+# bf16 products: twice the rows (a 256-row vocabulary product ran at ~700 GFLOP/s here, a 128-row one at ~600; the
+# bf16 step 2.4% faster, the float32 one no faster with them); their float32 work still goes CHUNK_ELEMENTS at a time
 BF16_CHUNK_ELEMENTS = 12 << 20
 
 
@@ -40,23 +40,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, dim)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         rows = -(-h.shape[0] // -(-h.shape[0] // rows))  # chunks of equal size, none of a few rows
-        # a (rows, V) buffer reused by every chunk: a fresh one would be page-faulted in each time
-        logp_buf = h.new_empty((min(rows, h.shape[0]), weight.shape[0]), dtype=torch.float32)
+        # the float32 softmax work, CHUNK_ELEMENTS at a time (a bf16 chunk in two passes), in one buffer reused by
+        # every pass: under glibc's 32 MB mmap threshold it stays on the heap, where a fresh or larger one is
+        # page-faulted in again each step
+        work = min(rows, max(1, CHUNK_ELEMENTS // weight.shape[0]), h.shape[0])
+        logp_buf = h.new_empty((work, weight.shape[0]), dtype=torch.float32)
+        # float32 chunks in one pass keep their gradient in the buffer; others write it over the logits' rows
+        in_buffer = work >= rows and h.dtype == torch.float32
         for i in range(0, h.shape[0], rows):
             hc, tc = h[i:i + rows], targets[i:i + rows]
             logits = linear(hc, weight)  # (rows, V)
-            logp = logp_buf[:len(tc)].copy_(logits)
-            torch.log_softmax(logp, -1, out=logp)  # in place
-            total -= logp.gather(1, tc[:, None]).sum()
-            if need_h or need_w:
-                dlogits = logp.mul_(LOG2E).exp2_()  # softmax, in place (exp2 runs several times faster than exp)
-                dlogits[torch.arange(len(tc), device=tc.device), tc] -= 1  # minus the one-hot target
-                if dlogits.dtype != h.dtype:
-                    dlogits = logits.copy_(dlogits)
-                if need_h:
-                    grad_h[i:i + rows] = linear(dlogits, weight.T)
-                if need_w:
-                    grad_w += (dlogits.T @ hc).float()
+            for j in range(0, len(tc), work):
+                part, tj = logits[j:j + work], tc[j:j + work]
+                logp = logp_buf[:len(tj)].copy_(part)
+                torch.log_softmax(logp, -1, out=logp)  # in place
+                total -= logp.gather(1, tj[:, None]).sum()
+                if need_h or need_w:
+                    logp.mul_(LOG2E).exp2_()  # the softmax, in place (exp2 runs several times faster than exp)
+                    logp[torch.arange(len(tj), device=tj.device), tj] -= 1  # minus the one-hot target
+                    if not in_buffer:
+                        part.copy_(logp)
+            dlogits = logp if in_buffer else logits
+            if need_h:
+                grad_h[i:i + rows] = linear(dlogits, weight.T)
+            if need_w:
+                grad_w += (dlogits.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)
         return total
 

@@ -84,7 +84,8 @@ def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed, bf16_sum
 
 
 def test_products_and_chunked_loss_in_bf16(monkeypatch):
-    monkeypatch.setattr(loss_module, "BF16_CHUNK_ELEMENTS", 300 * 16)  # 40 rows: 3 chunks
+    monkeypatch.setattr(loss_module, "BF16_CHUNK_ELEMENTS", 300 * 16)  # 40 rows: 3 chunks of products
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 300 * 8)  # each chunk's float32 work in two passes
     x, x64 = pair(33, 64)
     w, w64 = pair(48, 64, seed=1, scale=0.1)
     assert rel(linear(x.detach(), w.detach()), x64.detach() @ w64.detach().T) < BF16
