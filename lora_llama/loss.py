@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import LOG2E
+from .blocked_attention import LOG2E
 from .gemm import linear
 
 IGNORE_INDEX = -100

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lora_llama import attention
+from lora_llama import attention, blocked_attention
 from lora_llama.attention import _CausalAttention, attend, causal_segment_mask
 
 
@@ -34,8 +34,8 @@ def test_values_and_gradients_match_sdpa(heads, T):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_gradcheck_across_block_and_key_tile_boundaries(monkeypatch, packed):
-    monkeypatch.setattr(attention, "BLOCK", 3)  # T=8: blocks of 3, 3 and 2
-    monkeypatch.setattr(attention, "KEYS", 2)  # and tiles of 2 keys: the online softmax rescales
+    monkeypatch.setattr(blocked_attention, "BLOCK", 3)  # T=8: blocks of 3, 3 and 2
+    monkeypatch.setattr(blocked_attention, "KEYS", 2)  # and tiles of 2 keys: the online softmax rescales
     seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]]) if packed else None
     assert torch.autograd.gradcheck(lambda q, k, v: _CausalAttention.apply(q, k, v, seg), qkv(1, 4, 2, 8, 4))
 
@@ -60,8 +60,8 @@ def packed_segments(B, T, mean_len, seed=1):
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("blocks", [(32, 1024), (16, 24)], ids=["one-tile", "many-tiles"])
 def test_packed_and_long_rows_match_sdpa_with_a_dense_mask(monkeypatch, packed, blocks):
-    monkeypatch.setattr(attention, "BLOCK", blocks[0])
-    monkeypatch.setattr(attention, "KEYS", blocks[1])
+    monkeypatch.setattr(blocked_attention, "BLOCK", blocks[0])
+    monkeypatch.setattr(blocked_attention, "KEYS", blocks[1])
     q, k, v = qkv(2, 6, 2, 150, 16)
     seg = packed_segments(2, 150, 20) if packed else None
     out = attend(q, k, v, causal=True, segments=seg)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import helpers
-from lora_llama import attention, load_model
+from lora_llama import blocked_attention, load_model
 from lora_llama import loss as loss_module
 from lora_llama.attention import attend
 from lora_llama.cli import main
@@ -66,11 +66,11 @@ def test_rms_norm_rope_swiglu_in_bf16():
 def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed, bf16_sums):
     """float32 scores and softmax, bf16 products (the lse and delta subtracted before rounding in backward)."""
     for name, value in zip(("BLOCK", "KEYS", "GROUP_TILE"), blocks):
-        monkeypatch.setattr(attention, name, value)
-    if bf16_sums and not attention._BF16_SUMS:
+        monkeypatch.setattr(blocked_attention, name, value)
+    if bf16_sums and not blocked_attention._BF16_SUMS:
         pytest.skip("this torch has no torch.backends.mkldnn.matmul.fp32_precision")
-    monkeypatch.setattr(attention, "_BF16_SUMS", bf16_sums)
-    setting = torch.backends.mkldnn.matmul.fp32_precision if attention._BF16_SUMS else None
+    monkeypatch.setattr(blocked_attention, "_BF16_SUMS", bf16_sums)
+    setting = torch.backends.mkldnn.matmul.fp32_precision if blocked_attention._BF16_SUMS else None
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
                for h, s in ((6, scale), (2, 1.0), (2, 1.0)))
