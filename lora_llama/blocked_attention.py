@@ -27,7 +27,7 @@ from .gemm import linear
 
 BLOCK = 128  # query positions per block, KEYS keys per tile: the fastest here at 4x512 and 1x4096 (of 64-256 x 512-2048)
 KEYS = 2048
-GROUP_TILE = 4 << 20  # bf16: elements of one tile's scores over the groups it batches (8 MB in bf16)
+GROUP_TILE = 4 << 20  # bf16: elements of one tile's scores over the groups it batches (8 MB in bf16, 16 in float32)
 LOG2E = 1.4426950408889634  # scores in base 2: exp2(x·log2(e)) = exp(x)
 
 

@@ -19,9 +19,10 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _float_mul(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x·s in at least float32 (s in that dtype too): in place on x's float copy when x needs one (bf16)."""
-    xf = _at_least_float32(x)
+def _float_mul(x: torch.Tensor, s: torch.Tensor, xf: torch.Tensor | None = None) -> torch.Tensor:
+    """x·s in at least float32 (s in that dtype too): in place on x's float copy (xf, made here if not given)
+    when x needs one (bf16)."""
+    xf = _at_least_float32(x) if xf is None else xf
     return xf.mul_(s) if xf is not x else xf * s
 
 
@@ -40,7 +41,7 @@ class _RMSNorm(torch.autograd.Function):
         # mean(x²) as |x|²/n: no (..., dim) temporary (a pass over memory less; equal to ~1e-7)
         rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
-        y = (xf.mul_(rstd) if xf is not x else xf * rstd).to(x.dtype)
+        y = _float_mul(x, rstd, xf).to(x.dtype)
         return y.mul_(weight) if torch.promote_types(y.dtype, weight.dtype) == y.dtype else weight * y
 
     @staticmethod
