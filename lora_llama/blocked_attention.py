@@ -41,8 +41,8 @@ class _Layout:
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
 
     def rows(self, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in the work dtype (callers scale it in place); with
-        scale, multiplied by it."""
+        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in the work dtype (callers may change it in place);
+        with scale, multiplied by it."""
         g = t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3)  # (B, H_kv, T, rep, ...)
         g = g.to(work_dtype(t), memory_format=torch.contiguous_format, copy=True)
         if scale is not None:
