@@ -163,7 +163,8 @@ def forward(q, k, v):
                     m_new = torch.maximum(m, p.amax(-1))
                     r = (m - m_new).mul_(scale).exp2_()
                     m.copy_(m_new)
-                p = p.sub_(m[..., None]).mul_(scale).exp2_() if batched else p.sub_(m[..., None]).exp2_()
+                # (p - m)·scale in one pass: p·scale + (-m·scale)
+                p = torch.add(m.mul(-scale)[..., None], p, alpha=scale, out=p).exp2_() if batched else p.sub_(m[..., None]).exp2_()
                 pv = torch.bmm(p.to(vv.dtype), vg) if batched else _nn(p[0].to(vv.dtype), vg[0])[None]
                 if k0 == 0:
                     acc.copy_(pv)
@@ -248,9 +249,10 @@ def _backward_bf16(q, k, v, out, lse, grad_out):
             q_blk, g_blk = qa[grp, rows].contiguous(), ga[grp, rows].contiguous()  # (G, b·rep, d + 2)
             pt = L.hide(torch.bmm(ka[grp, k0:k1], q_blk.transpose(1, 2)), s, e, k0, k1, keys_first=True)
             pt = pt.mul_(c).exp2_()  # Pᵀ (G, K, b·rep)
-            dv[grp, k0:k1] += torch.bmm(pt, g_blk)[..., :d]  # (the two extra columns' products are dropped)
+            # dO and q without their two extra columns (views): a product 66 columns wide runs ~25% slower than 64
+            dv[grp, k0:k1] += torch.bmm(pt, g_blk[..., :d])
             dst = torch.bmm(va[grp, k0:k1], g_blk.transpose(1, 2)).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
-            dk[grp, k0:k1] += torch.bmm(dst, q_blk)[..., :d]
+            dk[grp, k0:k1] += torch.bmm(dst, q_blk[..., :d])
             part = torch.bmm(kt[grp, :, k0:k1], dst)  # (G, d, b·rep)
             if k0 == 0:
                 dqt[grp, :, rows] = part

@@ -12,6 +12,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from . import fused
 from .gemm import linear, run_linear
 
 
@@ -37,6 +38,10 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
+        if any(ctx.needs_input_grad) and fused.active(x):  # training in bf16 on the CPU: one compiled loop
+            y, rstd = fused.rms_norm_forward(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
         xf = _at_least_float32(x)
         # mean(x²) as |x|²/n: no (..., dim) temporary (a pass over memory less; equal to ~1e-7)
         rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
@@ -47,6 +52,8 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
+        if fused.active(x, grad):
+            return (*fused.rms_norm_backward(x, weight, rstd, grad, ctx.needs_input_grad[1]), None)
         x_hat = _float_mul(x, rstd)
         grad_w = None
         if ctx.needs_input_grad[1]:
@@ -102,11 +109,13 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u):
         ctx.save_for_backward(g, u)
-        return F.silu(g).mul_(u)  # in place: one (B, T, intermediate) buffer, not two
+        return silu_mul(g, u)
 
     @staticmethod
     def backward(ctx, grad):
         g, u = ctx.saved_tensors
+        if fused.active(g, u, grad):
+            return fused.swiglu_backward(g, u, grad)
         # d/dg = (grad·u)·silu'(g) by aten's fused silu_backward, d/du = grad·silu(g): four passes over memory where
         # the formula written out takes seven
         return torch.ops.aten.silu_backward(grad * u, g), F.silu(g).mul_(grad)
@@ -115,6 +124,12 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g)·u; without a graph to record, in place on a fresh silu(g)."""
     return _SwiGLU.apply(g, u) if g.requires_grad or u.requires_grad else F.silu(g).mul_(u)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g)·u of a training step (forward, and its recomputation in backward): compiled for bf16 on the CPU,
+    else in place on a fresh silu(g) (one (B, T, intermediate) buffer, not two)."""
+    return fused.swiglu_forward(g, u) if fused.active(g, u) else F.silu(g).mul_(u)
 
 
 @contextlib.contextmanager

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .attention import attend, takes_segments
 from .config import ModelArgs
 from .gemm import run_linear
-from .kernels import apply_rope, project, recompute_when_saved, rms_norm, swiglu
+from .kernels import apply_rope, project, recompute_when_saved, rms_norm, silu_mul, swiglu
 
 
 # attention's forward kernels (ours on the CPU, SDPA's flash / efficient / cuDNN): quadratic in the length to
@@ -137,7 +136,7 @@ class FeedForward(nn.Module):
     def forward(self, x, lean: bool = False):
         g, u = project(x, (self.gate_proj, self.up_proj))  # (B, T, intermediate)
         h = swiglu(g, u)
-        with recompute_when_saved(h, lambda: F.silu(g).mul_(u), lean):  # g, u are saved by SwiGLU anyway
+        with recompute_when_saved(h, lambda: silu_mul(g, u), lean):  # g, u are saved by SwiGLU anyway
             return run_linear(self.down_proj, h)
 
 

@@ -1,5 +1,6 @@
 """bf16-mixed: every hand-written piece in bfloat16 against a float64 reference within bf16 tolerance, the fused and
 plain LoRA paths alike, training to the float32 run's loss, int8 bases, generate / eval, and what `auto` picks."""
+import functools
 import json
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import helpers
-from lora_llama import blocked_attention, load_model
+from lora_llama import blocked_attention, fused, load_model
 from lora_llama import loss as loss_module
 from lora_llama.attention import attend
 from lora_llama.cli import main
@@ -42,7 +43,14 @@ def check(fn, inputs_bf16, inputs_64, seed=9):
         assert a.dtype == torch.bfloat16 and rel(a, b) < BF16, rel(a, b)
 
 
-def test_rms_norm_rope_swiglu_in_bf16():
+# compiled: fused.py's torch.compile'd formulas (what a bf16 CPU training step runs), or PyTorch's eager kernels
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_rms_norm_rope_swiglu_in_bf16(monkeypatch, compiled):
+    monkeypatch.setattr(fused, "ENABLED", compiled)
+    calls = []
+    for name in ("rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward"):
+        monkeypatch.setattr(fused, name, functools.partial(lambda f, name, *a: calls.append(name) or f(*a),
+                                                           getattr(fused, name), name))
     x, x64 = pair(2, 7, 64)
     w, w64 = pair(64, seed=1, scale=0.1)
     w.data += 1
@@ -55,6 +63,23 @@ def test_rms_norm_rope_swiglu_in_bf16():
     g, g64 = pair(3, 5, 32, seed=3)
     u, u64 = pair(3, 5, 32, seed=4)
     check(swiglu, (g, u), (g64, u64))
+    assert sorted(set(calls)) == (["rms_norm_backward", "rms_norm_forward", "swiglu_backward", "swiglu_forward"]
+                                  if compiled else [])
+    assert fused._broken is None
+
+
+def test_compile_failure_falls_back_to_eager_once(monkeypatch):
+    """Without a working C++ compiler the compiled formulas warn once and run eagerly, with the same result."""
+    monkeypatch.setattr(fused, "_broken", None)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # nothing compiled before may be reused
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+    formula = fused._compiled(lambda t: t * 3.25 + 1.5)
+    x = torch.arange(6, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="compiled bf16 CPU kernels unavailable .*C\\+\\+ compiler") as record:
+        assert torch.equal(formula(x), x * 3.25 + 1.5)
+        assert torch.equal(formula(x), x * 3.25 + 1.5)
+    assert len([w for w in record if "compiled bf16" in str(w.message)]) == 1
+    assert fused._broken and not fused.active(x)
 
 
 @pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])  # scores of ~1, or of tens

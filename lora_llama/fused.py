@@ -1,0 +1,81 @@
+"""bfloat16 elementwise math of a CPU training step as compiled loops (torch.compile's inductor), eager as fallback.
+
+PyTorch's eager kernels take a bf16 formula one operation at a time, each a pass over memory that converts to float32
+and back: no faster per element than float32 here, so they cap what bf16 gains over a float32 step. Inductor writes
+one C++ loop per formula with the conversions in registers. Measured here (AMD EPYC, AVX512_BF16, 2 threads; forward
+plus backward): RMSNorm (4, 512, 576) 1.53 -> 0.28 ms, SwiGLU (2048, 1536) 3.4 -> 2.3 ms; the bf16 training step 4.5%
+faster (paired), the float32 one unchanged, so float32 and other devices keep the eager kernels and compile nothing.
+
+The formulas are the eager kernels' (kernels.py), float32 inside. Each compiles on first use (seconds; inductor keeps
+them on disk for later runs), with dynamic shapes (a new row count is no new compile). Where compiling fails (no C++
+compiler, an unsupported build), a warning says so once and the eager kernels run from then on.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+ENABLED = True  # tests switch it off to compare with the eager kernels
+_broken: str | None = None  # why compiling failed, once it has
+
+
+def active(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled formulas take these tensors: bf16 on the CPU, outside an enclosing torch.compile
+    (which fuses the eager formulas itself), while compiling works."""
+    return (ENABLED and _broken is None and not torch.compiler.is_compiling()
+            and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors))
+
+
+def _compiled(fn):
+    """fn through torch.compile; on a compile failure, the warning once and fn itself (then and from then on)."""
+    compiled = torch.compile(fn, dynamic=True)
+
+    @functools.wraps(fn)
+    def run(*args):
+        global _broken
+        if _broken is None:
+            try:
+                return compiled(*args)
+            except Exception as e:  # inductor's compiler errors have no common base; a real error repeats in fn
+                _broken = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                warnings.warn(f"compiled bf16 CPU kernels unavailable ({_broken}); using PyTorch's eager kernels "
+                              "(bf16 training runs slower)", stacklevel=2)
+        return fn(*args)
+    return run
+
+
+@_compiled
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight · x/rms(x), 1/rms(x)), x/rms in float32 and cast back before the weight, as HF does."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (xf * rstd).to(x.dtype) * weight, rstd
+
+
+@_compiled
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor,
+                      weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dx = (gw - x̂·mean(gw·x̂))·rstd with x̂ = x·rstd, gw = grad·weight (kernels._RMSNorm), and, if asked,
+    the weight's gradient Σ grad·x̂ over the rows."""
+    x_hat = x.float() * rstd
+    gradf = grad.float()
+    gw = gradf * weight.float()
+    c = (gw * x_hat).mean(-1, keepdim=True)
+    grad_w = (gradf * x_hat).flatten(0, -2).sum(0).to(weight.dtype) if weight_grad else None
+    return ((gw - x_hat * c) * rstd).to(x.dtype), grad_w
+
+
+@_compiled
+def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return (F.silu(g.float()) * u.float()).to(g.dtype)
+
+
+@_compiled
+def swiglu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d/dg, d/du) of silu(g)·u: grad·u·silu'(g) with silu'(g) = s·(1 + g·(1 - s)), s = sigmoid(g); grad·silu(g)."""
+    gf, gradf = g.float(), grad.float()
+    s = torch.sigmoid(gf)
+    return (gradf * u.float() * s * (1 + gf * (1 - s))).to(g.dtype), (gradf * gf * s).to(u.dtype)
