@@ -40,7 +40,9 @@ def _compiled(fn):
             try:
                 return compiled(*args)
             except Exception as e:  # inductor's compiler errors have no common base; a real error repeats in fn
-                _broken = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                # dynamo's wrapper reads "backend='inductor' raised:" and then the cause
+                lines = [line for line in str(e).splitlines() if line.strip() and not line.endswith("raised:")]
+                _broken = lines[0][:200] if lines else type(e).__name__
                 warnings.warn(f"compiled bf16 CPU kernels unavailable ({_broken}); using PyTorch's eager kernels "
                               "(bf16 training runs slower)", stacklevel=2)
         return fn(*args)

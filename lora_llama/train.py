@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from . import fused
 from .adapters import load_adapter_weights, save_adapter
 from .checkpoint import load_model, load_tokenizer, resolve_source
 from .config import torch_dtype
@@ -100,6 +101,9 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
     log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or str(dtype).removeprefix('torch.')}); "
         f"precision {precision} ({why})")
+    if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:
+        log("bf16 on the CPU: RMSNorm and SwiGLU run as compiled loops, built during the first step "
+            "(seconds; kept on disk for later runs)")
     if sharded:
         frozen = [p for p in model.parameters() if not p.requires_grad]
         log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.3f} MB of the base's "

@@ -71,11 +71,11 @@ def test_rms_norm_rope_swiglu_in_bf16(monkeypatch, compiled):
 def test_compile_failure_falls_back_to_eager_once(monkeypatch):
     """Without a working C++ compiler the compiled formulas warn once and run eagerly, with the same result."""
     monkeypatch.setattr(fused, "_broken", None)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # nothing compiled before may be reused
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
     formula = fused._compiled(lambda t: t * 3.25 + 1.5)
     x = torch.arange(6, dtype=torch.bfloat16)
-    with pytest.warns(UserWarning, match="compiled bf16 CPU kernels unavailable .*C\\+\\+ compiler") as record:
+    # nothing compiled before may be reused (fx_graph_cache); inductor's own patch: its config is no plain module
+    no_compiler = torch._inductor.config.patch({"fx_graph_cache": False, "cpp.cxx": ("/nonexistent/c++",)})
+    with no_compiler, pytest.warns(UserWarning, match="compiled bf16 CPU kernels unavailable .*C\\+\\+ compiler") as record:
         assert torch.equal(formula(x), x * 3.25 + 1.5)
         assert torch.equal(formula(x), x * 3.25 + 1.5)
     assert len([w for w in record if "compiled bf16" in str(w.message)]) == 1
@@ -200,6 +200,9 @@ def test_bf16_mixed_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
     assert bf16 < 1.01 * fp32 and abs(bf16 / fp32 - 1) < 0.05, (fp32, bf16)  # reaches it: at most 1% worse
     assert any("precision bf16-mixed (set in the recipe)" in s and "(bfloat16)" in s for s in lines["bf16-mixed"])
     assert any("precision fp32" in s for s in lines["fp32"])
+    assert any("RMSNorm and SwiGLU run as compiled loops" in s for s in lines["bf16-mixed"])
+    assert not any("compiled loops" in s for s in lines["fp32"])
+    assert fused._broken is None  # the run took the compiled formulas (test_rms_norm_rope_swiglu_in_bf16 checks them)
 
 
 def test_int8_base_and_generate_eval_under_bf16(tiny_ckpt, tmp_path, capsys):
