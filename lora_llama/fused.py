@@ -31,13 +31,16 @@ def active(*tensors: torch.Tensor) -> bool:
 
 def _compiled(fn):
     """fn through torch.compile; on a compile failure, the warning once and fn itself (then and from then on)."""
-    compiled = torch.compile(fn, dynamic=True)
+    compiled = None
 
     @functools.wraps(fn)
     def run(*args):
         global _broken
+        nonlocal compiled
         if _broken is None:
             try:
+                if compiled is None:  # torch.compile imports dynamo (~2 s): only once a bf16 CPU step needs it
+                    compiled = torch.compile(fn, dynamic=True)
                 return compiled(*args)
             except Exception as e:  # inductor's compiler errors have no common base; a real error repeats in fn
                 # dynamo's wrapper reads "backend='inductor' raised:" and then the cause
