@@ -2,7 +2,8 @@
 
 Each saves less for backward and allocates fewer buffers than autograd's version of the
 same formula; the formulas are in the docstrings, and tests check each against autograd
-(gradcheck in float64). model.py and lora.py call these and read as architecture and maths.
+(gradcheck in float64). model.py and lora.py call these and read as architecture and maths. Training in bf16 on
+the CPU, RMSNorm and SwiGLU take fused.py's compiled versions of the same formulas.
 """
 from __future__ import annotations
 
