@@ -5,7 +5,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -37,13 +40,29 @@ def args(ckpt, data, out, batch, *extra):
 
 
 def torchrun(argv, script=None, timeout=240):
-    """2 processes: through `lora-llama train --nproc-per-node 2`, or torchrun on a script that patches first."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """2 processes: through `lora-llama train --nproc-per-node 2`, or torchrun on a script that patches first.
+
+    A worker that dies of SIGSEGV is run again once, from the run folder as it was before: gloo/FSDP2 on
+    the CPU crashed so once in CI (rank 1 of the fsdp resume test, while rank 0 gathered a checkpoint;
+    no crash in 100+ runs here). Its report (faulthandler's Python stack of each thread) is kept as a warning."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     if script is None:
         cmd = [sys.executable, "-m", "lora_llama", *argv, "--nproc-per-node", "2"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), *argv]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("output.dir=")))
+    with tempfile.TemporaryDirectory() as tmp:
+        before = Path(tmp) / "before"
+        if out.exists():
+            shutil.copytree(out, before)
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if "Signal 11 (SIGSEGV)" in r.stderr:
+            start = max(r.stderr.find("Fatal Python error"), 0)
+            warnings.warn(f"a worker crashed (SIGSEGV); run again once. Its report:\n{r.stderr[start:start + 12000]}")
+            shutil.rmtree(out, ignore_errors=True)
+            if before.exists():
+                shutil.copytree(before, out)
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return r.returncode, r.stdout, r.stderr
 
 
