@@ -37,7 +37,9 @@ def cpu_line() -> str:
     import subprocess
 
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    model = next((l.split(":", 1)[1].strip() for l in out if l.startswith("Model name")), "?")
+    field = lambda name: next((l.split(":", 1)[1].strip() for l in out if l.startswith(name + ":")), "?")
+    # a model name such as "AMD EPYC" covers several generations: family and model tell them apart (26: Zen 5)
+    model = f"{field('Model name')} (family {field('CPU family')}, model {field('Model')})"
     flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").is_file() else ""
     have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in flags]
     return f"CPU: {model}, {os.cpu_count()} cores; flags {' '.join(have) or '?'}; torch {torch.__version__}"
