@@ -52,35 +52,64 @@ def _compiled(fn):
     return run
 
 
-@_compiled
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., n) -> (rows, n), detached. The compiled loops take 2-D tensors: inductor's loops over a 3-D dynamic shape
+    ran ~2x slower here (SwiGLU (4, 512, 1536) forward 1.22 vs 0.64 ms, backward 1.89 vs 0.87 ms). Detached (they run
+    inside autograd Functions or under no_grad): no view or requires_grad guards, so one compile per formula."""
+    return t.reshape(-1, t.shape[-1]).detach()
+
+
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight · x/rms(x), 1/rms(x)), x/rms in float32 and cast back before the weight, as HF does."""
+    """(weight · x/rms(x), 1/rms(x) (..., 1)), x/rms in float32 and cast back before the weight, as HF does."""
+    y, rstd = _rms_norm_forward(_rows(x), weight, eps)
+    return y.view(x.shape), rstd.view(*x.shape[:-1], 1)
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor,
+                      weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dx = (gw - x̂·mean(gw·x̂))·rstd with x̂ = x·rstd, gw = grad·weight (kernels._RMSNorm), and, if asked,
+    the weight's gradient Σ grad·x̂ over the rows."""
+    dx, grad_w = _rms_norm_backward(_rows(x), weight, _rows(rstd), _rows(grad), weight_grad)
+    return dx.view(x.shape), grad_w
+
+
+def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return _swiglu_forward(_rows(g), _rows(u)).view(g.shape)
+
+
+def swiglu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d/dg, d/du) of silu(g)·u."""
+    dg, du = _swiglu_backward(_rows(g), _rows(u), _rows(grad))
+    return dg.view(g.shape), du.view(u.shape)
+
+
+# the formulas, on (rows, n) tensors
+@_compiled
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (xf * rstd).to(x.dtype) * weight, rstd
 
 
 @_compiled
-def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor,
-                      weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dx = (gw - x̂·mean(gw·x̂))·rstd with x̂ = x·rstd, gw = grad·weight (kernels._RMSNorm), and, if asked,
-    the weight's gradient Σ grad·x̂ over the rows."""
+def _rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor,
+                       weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     x_hat = x.float() * rstd
     gradf = grad.float()
     gw = gradf * weight.float()
     c = (gw * x_hat).mean(-1, keepdim=True)
-    grad_w = (gradf * x_hat).flatten(0, -2).sum(0).to(weight.dtype) if weight_grad else None
+    grad_w = (gradf * x_hat).sum(0).to(weight.dtype) if weight_grad else None
     return ((gw - x_hat * c) * rstd).to(x.dtype), grad_w
 
 
 @_compiled
-def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (F.silu(g.float()) * u.float()).to(g.dtype)
 
 
 @_compiled
-def swiglu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d/dg, d/du) of silu(g)·u: grad·u·silu'(g) with silu'(g) = s·(1 + g·(1 - s)), s = sigmoid(g); grad·silu(g)."""
+def _swiglu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad·u·silu'(g) with silu'(g) = s·(1 + g·(1 - s)), s = sigmoid(g); grad·silu(g)."""
     gf, gradf = g.float(), grad.float()
     s = torch.sigmoid(gf)
     return (gradf * u.float() * s * (1 + gf * (1 - s))).to(g.dtype), (gradf * gf * s).to(u.dtype)
