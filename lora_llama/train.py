@@ -14,6 +14,7 @@ import torch
 
 from . import fused
 from .adapters import load_adapter_weights, save_adapter
+from .allocator import keep_freed_memory
 from .checkpoint import load_model, load_tokenizer, resolve_source
 from .config import torch_dtype
 from .data import build_examples, end_of_turn_id
@@ -74,6 +75,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     m = recipe.model
     precision, why = resolve_precision(recipe.train.precision, device)
     dtype = base_dtype(precision, torch_dtype(m.dtype))
+    allocator = keep_freed_memory() if device == "cpu" else None  # before the model's and the steps' allocations
     # fsdp: loaded into host memory; fully_shard moves each block's shard to the GPU (none holds the whole base)
     model = load_model(m.source, dtype=dtype, quantize=m.quantize, device="cpu" if sharded else device,
                        int8_threshold=m.int8_threshold)
@@ -101,6 +103,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
     log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or str(dtype).removeprefix('torch.')}); "
         f"precision {precision} ({why})")
+    if allocator:
+        log(f"allocator: {allocator}")
     if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:
         log("bf16 on the CPU: RMSNorm and SwiGLU run as compiled loops, built during the first step "
             "(seconds; kept on disk for later runs)")
