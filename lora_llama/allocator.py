@@ -3,12 +3,13 @@
 A step frees hundreds of MB (activations, the loss's chunks, attention tiles) and allocates it again in the next.
 glibc returns the freed top of its heap to the OS once over 128 KB-64 MB (its trim threshold) and gives large blocks
 their own mappings; each page of that memory is then faulted in and zeroed afresh by the kernel when used again:
-20,000-40,000 page faults per bf16 step of the 4x512 bench, 55,000-125,000 per float32 one. Settings (mallopt): blocks
-up to 32 MB come from the heap (glibc's own upper bound for its adaptive threshold; larger ones keep their mappings),
-up to 1 GB of free heap top is kept, and the heap grows 256 MB at a time (address space; pages count once used).
+18,000-40,000 page faults per bf16 step of the 4x512 bench, 38,000-125,000 per float32 one (how much glibc hands
+back varies from run to run with where its heap's top lands). Settings (mallopt): blocks up to 32 MB come from the
+heap (glibc's own upper bound for its adaptive threshold; larger ones keep their mappings), up to 1 GB of free heap
+top is kept, and the heap grows 256 MB at a time (address space; pages count once used).
 Measured (bench-shaped step, 4 alternating runs each, AMD EPYC, 2 threads): faults per step down to 10-1,100, bf16
-step 2.62 -> 2.47 s, float32 4.49 -> 4.35 s (medians), peak resident memory unchanged (1.79-1.86 GB vs 1.79-1.81
-bf16). Between steps the process stays at its peak (a training process reaches it again next step anyway).
+step 2.62 -> 2.47 s, float32 4.49 -> 4.35 s (medians), peak resident memory unchanged (bf16: 1.78-1.86 GB by default,
+1.79-1.82 GB with the settings). Between steps the process stays at its peak (a training process reaches it again next step anyway).
 Other allocators (jemalloc, tcmalloc through LD_PRELOAD) or the user's own MALLOC_* settings are left alone.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 256 << 20
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
                   "GLIBC_TUNABLES")
+_done: str | None = None  # what the first call did
 
 
 def keep_freed_memory() -> str:
@@ -40,8 +42,5 @@ def keep_freed_memory() -> str:
         # the mmap threshold first: setting either one switches off glibc's adaptive thresholds
         ok = all(mallopt(option, value) == 1 for option, value in (
             (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
-        _done = "glibc keeps freed memory for the next step (fewer page faults)" if ok else "mallopt refused: unchanged"
+        _done = "glibc keeps freed memory for the next step (fewer page faults)" if ok else "mallopt refused a setting"
     return _done
-
-
-_done: str | None = None
