@@ -24,23 +24,18 @@ TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 256 << 20
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
                   "GLIBC_TUNABLES")
-_done: str | None = None  # what the first call did
 
 
 def keep_freed_memory() -> str:
-    """Apply the settings once per process if glibc allocates and nobody chose otherwise; returns what happened."""
-    global _done
-    if _done is not None:
-        return _done
+    """Apply the settings (process-wide; again is harmless) if glibc allocates and nobody chose otherwise; returns
+    what happened."""
     if platform.libc_ver()[0] != "glibc":
-        _done = "not glibc: unchanged"
-    elif any(os.environ.get(name) for name in _USER_SETTINGS) or os.environ.get("LD_PRELOAD"):
-        _done = "left to the environment (MALLOC_* settings or LD_PRELOAD)"
-    else:
-        mallopt = ctypes.CDLL(None).mallopt
-        mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-        # the mmap threshold first: setting either one switches off glibc's adaptive thresholds
-        ok = all(mallopt(option, value) == 1 for option, value in (
-            (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
-        _done = "glibc keeps freed memory for the next step (fewer page faults)" if ok else "mallopt refused a setting"
-    return _done
+        return "not glibc: unchanged"
+    if any(os.environ.get(name) for name in _USER_SETTINGS) or os.environ.get("LD_PRELOAD"):
+        return "left to the environment (MALLOC_* settings or LD_PRELOAD)"
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    # the mmap threshold first: setting either one switches off glibc's adaptive thresholds
+    ok = all(mallopt(option, value) == 1 for option, value in (
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
+    return "glibc keeps freed memory for the next step (fewer page faults)" if ok else "mallopt refused a setting"

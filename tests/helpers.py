@@ -92,15 +92,22 @@ def sharded_checkpoint(folder: Path, shards: int) -> tuple[Path, list[Path]]:
     return base, files
 
 
-def peak_growth(setup: str, work: str, *argv) -> int:
-    """Bytes the peak RSS grows by while `work` runs in a fresh Python (after `setup`: imports are not the work's)."""
+def fresh_python(script: str, *argv, env: dict | None = None) -> dict:
+    """The JSON object that `script` prints last, run in a fresh Python (for process-wide state: memory, malloc)."""
     import json
+    import os
     import subprocess
     import sys
 
+    r = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, **(env or {})})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def peak_growth(setup: str, work: str, *argv) -> int:
+    """Bytes the peak RSS grows by while `work` runs in a fresh Python (after `setup`: imports are not the work's)."""
     script = PEAK_MEMORY_HELPERS + f"import sys, json\n{setup}\nbase = status_kb('VmRSS')\nreset_peak()\n{work}\n" \
         + "print(json.dumps({'base_kb': base, 'peak_kb': status_kb('VmHWM')}))\n"
-    r = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    mem = json.loads(r.stdout.strip().splitlines()[-1])
+    mem = fresh_python(script, *argv)
     return (mem["peak_kb"] - mem["base_kb"]) * 1024

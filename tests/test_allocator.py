@@ -1,14 +1,10 @@
 """allocator.keep_freed_memory: memory a step frees is reused without page faults; the user's settings win.
 Each case runs in a fresh Python: the settings are process-wide."""
-import json
-import os
 import platform
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import fresh_python
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
 
@@ -34,10 +30,7 @@ PAGES = 2 * 40 * (8 << 20) // 4096  # pages the two counted rounds touch
 
 
 def run_steps(mode: str, **env) -> dict:
-    r = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, **env})
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return fresh_python(STEPS, mode, env=env)
 
 
 def test_freed_memory_is_reused_without_page_faults():
