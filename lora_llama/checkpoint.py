@@ -60,13 +60,45 @@ def download_from_hub(repo_id: str) -> Path:
         raise UserError(f"cannot download {repo_id!r}: {str(e).splitlines()[0]}") from None
 
 
+def gguf_cache_key(gguf: Path) -> tuple[str, Path]:
+    """The cache key of a GGUF file's contents, and the small file that remembers it for this path.
+
+    Keyed by content, not by path: every new virtual environment installs the same file at a new path,
+    and a path key had added a full float32 copy per environment (37 copies of SmolLM2, 18 GB, on the
+    dev machine). The content hash is remembered per (path, size, mtime), so a hit does not re-read a
+    multi-GB file; a file changed in place gets a new mtime and is hashed again.
+    """
+    stat = gguf.stat()
+    place = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    seen = cache_dir() / "gguf" / ".seen" / hashlib.sha1(place.encode()).hexdigest()[:16]
+    if seen.is_file():
+        return seen.read_text().strip(), seen
+    digest = hashlib.sha1()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    # CACHE_FORMAT in the key: a change to what is written here makes a fresh folder, not a stale hit
+    return hashlib.sha1(f"{CACHE_FORMAT}:{digest.hexdigest()}".encode()).hexdigest()[:12], seen
+
+
+def remember(seen: Path, key: str) -> None:
+    """Note the key for next time; only a shortcut, so a read-only cache just goes without it."""
+    try:
+        seen.parent.mkdir(parents=True, exist_ok=True)
+        tmp = seen.with_name(f"{seen.name}.{os.getpid()}.tmp")
+        tmp.write_text(key)
+        tmp.replace(seen)  # atomic: a reader sees the whole key or none
+    except OSError:
+        pass
+
+
 def gguf_to_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached HF folder (float32 safetensors + tokenizer)."""
-    stat = gguf.stat()
-    # CACHE_FORMAT in the key: a change to what is written here makes a fresh folder, not a stale hit
-    key = hashlib.sha1(f"{CACHE_FORMAT}:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key, seen = gguf_cache_key(gguf)
     folder = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (folder / "config.json").is_file():
+        if not seen.is_file():
+            remember(seen, key)
         return folder
     import torch
     from safetensors.torch import save_file
@@ -99,6 +131,7 @@ def gguf_to_folder(gguf: Path) -> Path:
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
         except Exception:  # generation_config is optional metadata
             pass
+    remember(seen, key)
     return folder
 
 

@@ -1,13 +1,16 @@
 """Model sources (checkpoint.py), the file layer under them (files.py) and registered names (registry.py)."""
 import json
+import os
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import hf_model
+from helpers import build_checkpoint, hf_model
 from lora_llama import UserError, load_model
-from lora_llama.checkpoint import resolve_source
+from lora_llama.checkpoint import gguf_cache_key, gguf_to_folder, resolve_source
+from lora_llama.cli import main
 from lora_llama.files import atomic_dir, shard_files, write_safetensors_streaming
 from lora_llama.registry import is_hub_id, package_dir
 
@@ -20,6 +23,34 @@ def test_load_model_records_where_it_came_from_and_matches_transformers(tiny_ckp
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
     assert not model.training and all(p.requires_grad for p in model.parameters())
+
+
+def test_the_gguf_cache_is_keyed_by_content(tiny_ckpt, tmp_path, monkeypatch):
+    """The same GGUF at two paths (two virtual environments) is dequantised once; other bytes make a new entry."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    monkeypatch.setenv("LORA_LLAMA_CACHE", str(tmp_path / "cache"))
+    a, b = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    a.parent.mkdir(), b.parent.mkdir()
+    assert main(["export", "--base", str(tiny_ckpt), "--out", str(a)]) == 0
+    shutil.copy(a, b)
+    os.utime(b, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))
+    first = gguf_to_folder(a)
+    conversions = []
+    read = gguf_utils.load_gguf_checkpoint
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *x, **k: conversions.append(x[0]) or read(*x, **k))
+    assert gguf_to_folder(b) == first and conversions == []
+    key, seen = gguf_cache_key(b)
+    assert seen.read_text() == key and first.name.endswith(key)  # remembered: the next lookup reads no GGUF bytes
+    assert load_model(b).state_dict().keys() == load_model(tiny_ckpt).state_dict().keys()
+
+    other = build_checkpoint(tmp_path / "other", seed=1)
+    b.unlink()
+    assert main(["export", "--base", str(other), "--out", str(b)]) == 0  # changed in place: new bytes, new mtime
+    second = gguf_to_folder(b)
+    assert second != first and set(conversions) == {str(b)}  # read again (config, tensors, tokenizer)
+    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == sorted([".seen", first.name, second.name])
+    assert not torch.equal(load_model(b).state_dict()["model.norm.weight"], load_model(a).state_dict()["model.norm.weight"])
 
 
 def test_sources_that_are_not_models(tmp_path):
