@@ -1,6 +1,8 @@
 """Shared pieces for the benchmarks: a random model with SmolLM2-135M shapes, timing helpers."""
 from __future__ import annotations
 
+import atexit
+import shutil
 import statistics
 import sys
 import tempfile
@@ -18,11 +20,19 @@ SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
 
 
+def scratch_dir(prefix: str = "lora-llama-bench-") -> Path:
+    """A temporary folder removed when the bench exits: each holds a 0.5 GB checkpoint, and the benches' old
+    mkdtemp folders, never removed, had filled 25 GB of /tmp on the dev machine."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def random_checkpoint(folder: Path | None = None, shards: int = 1, layers: int | None = None, seed: int = 0) -> Path:
     """Save a random LlamaForCausalLM with SmolLM2-135M shapes (float32) and return its folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = Path(folder or tempfile.mkdtemp(prefix="lora-llama-bench-"))
+    folder = Path(folder or scratch_dir())
     torch.manual_seed(seed)
     cfg = dict(SMOLLM2_SHAPES, **({"num_hidden_layers": layers} if layers else {}))
     model = LlamaForCausalLM(LlamaConfig(**cfg)).float()

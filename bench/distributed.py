@@ -13,13 +13,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common import cpu_line, ROOT, random_checkpoint
+from common import cpu_line, ROOT, random_checkpoint, scratch_dir
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -95,7 +94,7 @@ def main():
     from lora_llama import load_tokenizer
 
     print(cpu_line())
-    tmp = Path(tempfile.mkdtemp(prefix="lora-llama-dist-bench-"))
+    tmp = scratch_dir("lora-llama-dist-bench-")
     folder = random_checkpoint(tmp / "model")
     load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
     table = {}

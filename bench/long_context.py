@@ -15,7 +15,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common import cpu_line, random_checkpoint, status_mb
+from common import cpu_line, random_checkpoint, scratch_dir, status_mb
 from train_step import TARGETS, build, memory_mb, stepper
 
 CONFIGS = {"lora-llama": ("lora-llama", False), "lora-llama checkpointing": ("lora-llama", True),
@@ -112,7 +111,7 @@ def main():
     if a.worker:
         print(json.dumps(worker(a.worker, a.ckpt, a.seq, a.steps, a)))
         return
-    ckpt = random_checkpoint(Path(tempfile.mkdtemp(prefix="lora-llama-long-")) / "model")
+    ckpt = random_checkpoint(scratch_dir("lora-llama-long-") / "model")
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"the CPU, {a.threads} threads"
     print(cpu_line())
     print(f"on {where}: batch 1, {a.precision}, LoRA r=16 on all seven linears, budget {a.budget_gb:g} GB of step memory")

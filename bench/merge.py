@@ -7,12 +7,10 @@ model's forward latency against the base (the zero-latency check). Ratios printe
 import json
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
-from common import ROOT, median_time, random_checkpoint
+from common import ROOT, median_time, random_checkpoint, scratch_dir
 
 # measured in a fresh process: VmHWM is that process's own peak, reset once imports are done
 MEASURE = r"""
@@ -40,7 +38,7 @@ def main():
     from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
     from lora_llama.lora import lora_modules
 
-    tmp = Path(tempfile.mkdtemp(prefix="lora-llama-merge-bench-"))
+    tmp = scratch_dir("lora-llama-merge-bench-")
     base = random_checkpoint(tmp / "base", shards=4)
     model = load_model(base)
     apply_lora(model, LoraSettings(r=16, alpha=32, targets=["q", "k", "v", "o", "gate", "up", "down"]))

@@ -19,13 +19,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common import cpu_line, random_checkpoint, reset_peak, status_mb
+from common import cpu_line, random_checkpoint, reset_peak, scratch_dir, status_mb
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -57,8 +56,6 @@ def packed_rows(batch: int, seq: int, device) -> dict:
 
 def trl_worker(ckpt: str, data: list, opts) -> dict:
     """trl's SFTTrainer on the same rows (its own loop, collator and metrics included)."""
-    import tempfile
-
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import LlamaForCausalLM, TrainerCallback
@@ -87,7 +84,7 @@ def trl_worker(ckpt: str, data: list, opts) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.sum()
-    cfg = SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=len(data), per_device_train_batch_size=data[0][0].shape[0],
+    cfg = SFTConfig(output_dir=str(scratch_dir("lora-llama-trl-")), max_steps=len(data), per_device_train_batch_size=data[0][0].shape[0],
                     learning_rate=1e-4, report_to="none", logging_steps=1, save_strategy="no",
                     max_length=data[0][0].shape[1], dataset_kwargs={"skip_prepare_dataset": True}, use_cpu=True,
                     remove_unused_columns=False, gradient_checkpointing=opts.checkpointing, disable_tqdm=True)
@@ -253,7 +250,7 @@ def main():
         run = paired_worker if a.worker == "paired" else functools.partial(worker, a.worker)
         print(json.dumps(run(a.ckpt, a.batches, a)))
         return
-    tmp = Path(tempfile.mkdtemp(prefix="lora-llama-train-bench-"))
+    tmp = scratch_dir("lora-llama-train-bench-")
     ckpt = random_checkpoint(tmp / "model")
     make_batches(tmp / "batches.pt", a.steps + 2, a.batch, a.seq)
     import importlib.util
