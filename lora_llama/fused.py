@@ -40,7 +40,11 @@ def _compiled(fn):
         if _broken is None:
             try:
                 if compiled is None:  # torch.compile imports dynamo (~2 s): only once a bf16 CPU step needs it
-                    compiled = torch.compile(fn, dynamic=True)
+                    # dynamic threads: with dynamic shapes one loop serves every size, and inductor leaves it
+                    # serial for good if the first input was small (a test's tiny model: seen here running
+                    # SwiGLU's backward on one thread of two in later full-size steps, from inductor's disk cache);
+                    # with this the loop always has a parallel region and OpenMP splits it at run time
+                    compiled = torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True})
                 return compiled(*args)
             except Exception as e:  # inductor's compiler errors have no common base; a real error repeats in fn
                 # dynamo's wrapper reads "backend='inductor' raised:" and then the cause

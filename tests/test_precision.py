@@ -2,6 +2,8 @@
 plain LoRA paths alike, training to the float32 run's loss, int8 bases, generate / eval, and what `auto` picks."""
 import functools
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -80,6 +82,38 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch):
         assert torch.equal(formula(x), x * 3.25 + 1.5)
     assert len([w for w in record if "compiled bf16" in str(w.message)]) == 1
     assert fused._broken and not fused.active(x)
+
+
+THREAD_USE = """
+import json, os, sys, time, torch
+torch.set_num_threads(2)
+from lora_llama import fused
+
+def cpu_ticks():  # user + system time of each thread of this process
+    tasks = f"/proc/{os.getpid()}/task"
+    return {t: sum(map(int, open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[11:13])) for t in os.listdir(tasks)}
+
+tiny = [torch.randn(8, 64).bfloat16() for _ in range(3)]
+big = [torch.randn(2048, 1536).bfloat16() for _ in range(3)]
+fused.swiglu_backward(*tiny)  # compiled from a tiny input first, as a test's model does
+fused.swiglu_backward(*big)
+before, start = cpu_ticks(), time.perf_counter()
+while time.perf_counter() - start < 1.5:
+    fused.swiglu_backward(*big)
+after = cpu_ticks()
+main_tid = str(os.getpid())
+print(json.dumps({"main": after[main_tid] - before[main_tid],
+                  "others": sum(after[t] - before.get(t, 0) for t in after if t != main_tid)}))
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not sys.platform.startswith("linux"),
+                    reason="needs two cores and Linux's per-thread CPU times")
+def test_compiled_formulas_use_every_thread_whatever_size_compiled_them(tmp_path):
+    """A compiled loop first seen on a tiny input still splits a large one over the threads (inductor would
+    otherwise leave it serial, and keep it so in its disk cache for every later run)."""
+    ticks = helpers.fresh_python(THREAD_USE, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert ticks["others"] > 0.3 * ticks["main"], ticks
 
 
 @pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])  # scores of ~1, or of tens
