@@ -13,7 +13,7 @@ from pathlib import Path
 from .config import ModelArgs, family_of, portable_hf_config
 from .errors import UserError
 from .files import (atomic_dir, iter_shards, make_tokenizer_config_portable, read_config, release_freed_memory,
-                    write_json)
+                    write_json, write_text_atomic)
 from .model import Llama
 from .quant import quantize_loaded_linears
 from .registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
@@ -85,9 +85,7 @@ def remember(seen: Path, key: str) -> None:
     """Note the key for next time; only a shortcut, so a read-only cache just goes without it."""
     try:
         seen.parent.mkdir(parents=True, exist_ok=True)
-        tmp = seen.with_name(f"{seen.name}.{os.getpid()}.tmp")
-        tmp.write_text(key)
-        tmp.replace(seen)  # atomic: a reader sees the whole key or none
+        write_text_atomic(seen, key)  # a reader sees the whole key or none
     except OSError:
         pass
 

@@ -19,7 +19,7 @@ import torch
 from .checkpoint import gguf_file, load_tokenizer, resolve_source
 from .config import ModelArgs
 from .errors import UserError
-from .files import read_config
+from .files import read_config, write_text_atomic
 from .generate import stop_token_ids
 from .gguf_vocab import build_tokenizer, copy_tokenizer
 from .merge import Merger
@@ -239,9 +239,7 @@ def write_modelfile(path: Path, gguf_path: Path, folder: Path, args: ModelArgs) 
     quoted = lambda t: t.replace("\\", "\\\\").replace('"', '\\"')  # Modelfile strings are double-quoted
     lines += [f'PARAMETER stop "{quoted(tok.convert_ids_to_tokens(i))}"'
               for i in stop_token_ids(tok, args.eos_token_id, folder)]
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def export_lora_gguf(adapter: str | os.PathLike, out: str | os.PathLike, base: str | None = None,

@@ -62,6 +62,13 @@ def atomic_dir(out: str | os.PathLike, force: bool = False):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """text into a hidden temporary renamed over `path`: a reader (or a kill) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 

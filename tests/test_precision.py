@@ -85,7 +85,7 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch):
 
 
 THREAD_USE = """
-import json, os, sys, time, torch
+import json, os, time, torch
 torch.set_num_threads(2)
 from lora_llama import fused
 
