@@ -1,6 +1,7 @@
 """Faults users meet: preemption (SIGTERM), kills mid-write, full disks, two runs on one folder,
 broken or hostile files, memory over long runs, and any recipe input."""
 import errno
+import importlib
 import json
 import os
 import re
@@ -158,6 +159,9 @@ def test_a_failed_merge_write_leaves_nothing(tiny_ckpt, data, tmp_path, monkeypa
 
 def test_a_failed_cache_write_leaves_nothing(smollm2, tmp_path, monkeypatch, capsys):
     import safetensors.torch
+    # transformers' modeling_utils binds save_file when first imported: imported before the patch, it keeps the real
+    # one (else this test, run first, broke every later checkpoint save in the session)
+    importlib.import_module("transformers.modeling_utils")
 
     monkeypatch.setenv("LORA_LLAMA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(safetensors.torch, "save_file",
