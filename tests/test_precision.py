@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import helpers
-from lora_llama import blocked_attention, fused, load_model
+from lora_llama import attention, blocked_attention, fused, load_model
 from lora_llama import loss as loss_module
 from lora_llama.attention import attend
 from lora_llama.cli import main
@@ -140,6 +140,35 @@ def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed, bf16_sum
     check(lambda a, b, c: attend(a, b, c, causal=True, segments=segments), (q, k, v), (q64, k64, v64))
     if setting is not None:  # the process-wide setting is back as it was
         assert torch.backends.mkldnn.matmul.fp32_precision == setting
+
+
+@pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_flash_forward_in_bf16(monkeypatch, scale, packed):
+    """aten's flash forward (what a CPU with AMX runs) with the blocked backward: its base-2 log-sum-exp is what the
+    backward's recomputed probabilities need, so the gradients match float64 too. It runs on any CPU (AMX only
+    makes it fast)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    calls = []
+    monkeypatch.setattr(attention, "FLASH_FORWARD", lambda *a: calls.append(a[0].shape) or op(*a))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
+               for h, s in ((6, scale), (2, 1.0), (2, 1.0)))
+    segments = torch.tensor([[0] * 30 + [1] * 40, [0] * 70]) if packed else None
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    check(lambda a, b, c: attend(a, b, c, causal=True, segments=segments), (q, k, v), (q64, k64, v64))
+    assert len(calls) == (3 if packed else 1)  # one problem per packed example: (row 0: 2, row 1: 1)
+    out, lse = attention.causal_attention(q.detach(), k.detach(), v.detach(), segments)
+    monkeypatch.setattr(attention, "FLASH_FORWARD", None)
+    out_blocked, lse_blocked = attention.causal_attention(q.detach(), k.detach(), v.detach(), segments)
+    assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32
+    assert torch.allclose(lse, lse_blocked, atol=1e-3), (lse - lse_blocked).abs().max()  # both base 2
+
+
+def test_flash_forward_only_with_amx(monkeypatch):
+    for found, chosen in ((["AMX_BF16", "AVX512_BF16"], True), (["AVX512_BF16"], False), ([], False)):
+        monkeypatch.setattr(attention, "cpu_bf16_instructions", lambda: found)
+        assert (attention._amx_flash_forward() is not None) == chosen, found
 
 
 def test_products_and_chunked_loss_in_bf16(monkeypatch):
