@@ -4,8 +4,9 @@ memory, no mask tensor.
 Packed rows (`segments`, one id per example, each example contiguous) are independent causal problems: each example
 of each row runs on its own slice, so no dense (B, 1, T, T) mask exists and no work is spent on keys of other
 examples. The kernel is wrapped as custom ops (opaque to torch.compile, one op that selective checkpointing keeps)
-and an autograd Function. In bf16 on a CPU with AMX the forward is aten's flash kernel instead (`FLASH_FORWARD`). GPUs, float16, sliding windows, the KV cache and inference of unpacked rows keep SDPA and
-its kernels (packed rows there with a mask).
+and an autograd Function; in bf16 on a CPU with AMX its forward is aten's flash kernel (`FLASH_FORWARD`). GPUs,
+float16, sliding windows, the KV cache and inference of unpacked rows keep SDPA and its kernels (packed rows there
+with a mask).
 """
 from __future__ import annotations
 
