@@ -7,8 +7,8 @@ import importlib
 __version__ = "0.1.0"
 _EXPORTS = {
     "load_model": "checkpoint", "load_tokenizer": "checkpoint", "load_adapter": "adapters",
-    "save_adapter": "adapters", "LoraSettings": "config", "ModelArgs": "config", "Recipe": "config",
-    "load_recipe": "config", "UserError": "errors", "LoRALinear": "lora", "apply_lora": "lora",
+    "save_adapter": "adapters", "LoraSettings": "recipe", "ModelArgs": "config", "Recipe": "recipe",
+    "load_recipe": "recipe", "UserError": "errors", "LoRALinear": "lora", "apply_lora": "lora",
     "merge_lora": "lora",
 }
 __all__ = list(_EXPORTS)

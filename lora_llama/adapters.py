@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .config import DECODER_TARGETS, HF_NAME, lora_settings
+from .config import DECODER_TARGETS, HF_NAME
+from .recipe import lora_settings
 from .errors import UserError
 from .files import atomic_dir, read_json, write_json
 from .lora import adapter_settings, apply_lora, lora_state_dict

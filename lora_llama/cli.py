@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from .config import DTYPE_NAMES, torch_dtype
+from .config import DTYPE_NAMES, QUANTIZE_KINDS, torch_dtype
 from .errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -33,7 +33,7 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from .config import load_recipe
+    from .recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, before any process starts
     if args.nproc_per_node and args.nproc_per_node > 1 and "RANK" not in os.environ:
@@ -57,14 +57,9 @@ def _trained_quantize(args) -> str | None:
     """--quantize, or the model.quantize of the run the adapter comes from (run/adapter, run/checkpoints/step-N/adapter)."""
     if args.quantize or args.onto != "dequantized" or not args.adapter:
         return args.quantize
-    import yaml
-    from pathlib import Path
+    from .run_folder import read_run_recipe, run_of_adapter
 
-    adapter = Path(args.adapter).resolve()
-    for run in (adapter.parent, adapter.parent.parent.parent):
-        if (run / "recipe.yaml").is_file():
-            return ((yaml.safe_load((run / "recipe.yaml").read_text()) or {}).get("model") or {}).get("quantize")
-    return None
+    return (read_run_recipe(run_of_adapter(args.adapter)).get("model") or {}).get("quantize")
 
 
 def _warnings_to_stderr(call):
@@ -115,7 +110,7 @@ def cmd_push(args) -> int:
 
 
 def _prompt_ids(args, tok, prompt: str) -> list[int]:
-    from .data import encode_rendered
+    from .tokens import encode_rendered
 
     if args.chat:
         if not tok.chat_template:
@@ -170,25 +165,24 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lora-llama", description="LoRA fine-tuning for LLaMA-family models.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _model_args(sp, adapter=True):
+    sp.add_argument("--model", default=DEFAULT_MODEL,
+                    help=f"HF folder, .gguf file, Hub id or registered name (default: {DEFAULT_MODEL})")
+    if adapter:
+        sp.add_argument("--adapter", help="a PEFT LoRA adapter folder to apply")
+    sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_NAMES))
+    sp.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: auto)")
 
-    def model_args(sp, adapter=True):
-        sp.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"HF folder, .gguf file, Hub id or registered name (default: {DEFAULT_MODEL})")
-        if adapter:
-            sp.add_argument("--adapter", help="a PEFT LoRA adapter folder to apply")
-        sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_NAMES))
-        sp.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: auto)")
 
-    def onto_args(sp):
-        sp.add_argument("--onto", default="original", choices=["original", "dequantized"],
-                        help="fold the adapter into the full-precision weights (default) or into dequant(quant(W)), "
-                             "the weights an adapter trained on an int8 / nf4 base saw")
-        sp.add_argument("--quantize", choices=["int8", "nf4"],
-                        help="for --onto dequantized (default: model.quantize of the adapter's run folder)")
+def _onto_args(sp):
+    sp.add_argument("--onto", default="original", choices=["original", "dequantized"],
+                    help="fold the adapter into the full-precision weights (default) or into dequant(quant(W)), "
+                         "the weights an adapter trained on an int8 / nf4 base saw")
+    sp.add_argument("--quantize", choices=list(QUANTIZE_KINDS),
+                    help="for --onto dequantized (default: model.quantize of the adapter's run folder)")
 
+
+def _add_train(sub):
     t = sub.add_parser("train", help="fit a LoRA adapter from a YAML recipe",
                        description="Fit a LoRA adapter. Overrides set any recipe key: train.max_steps=20 lora.r=16")
     t.add_argument("recipe", help="YAML recipe (see recipes/)")
@@ -200,15 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on N processes of this machine through torchrun (N GPUs, or N CPU processes with gloo)")
     t.set_defaults(func=cmd_train)
 
+
+def _add_merge(sub):
     m = sub.add_parser("merge", help="fold an adapter into the base weights and write an HF checkpoint")
     m.add_argument("--base", required=True, help="the base model the adapter was trained on (any MODEL form)")
     m.add_argument("--adapter", required=True, help="PEFT LoRA adapter folder")
     m.add_argument("--out", required=True, help="output folder (refused if it exists, unless --force)")
     m.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="output dtype (default: the base's)")
     m.add_argument("--force", action="store_true", help="replace an existing --out")
-    onto_args(m)
+    _onto_args(m)
     m.set_defaults(func=cmd_merge)
 
+
+def _add_export(sub):
     x = sub.add_parser("export", help="write base (+ adapter) as a GGUF file for llama.cpp / Ollama, or an adapter "
                        "as a llama.cpp LoRA GGUF")
     x.add_argument("--base", help="the base model (any MODEL form); for --lora-gguf, default: the adapter's base")
@@ -217,9 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--type", default="f16", choices=["f16", "bf16", "q8_0"], help="weights' type (default: f16)")
     x.add_argument("--lora-gguf", metavar="FILE.gguf", help="write the adapter alone as a llama.cpp LoRA GGUF")
     x.add_argument("--force", action="store_true", help="replace an existing output")
-    onto_args(x)
+    _onto_args(x)
     x.set_defaults(func=cmd_export)
 
+
+def _add_push(sub):
     u = sub.add_parser("push", help="upload an adapter (or a run's final adapter) to the Hugging Face Hub")
     u.add_argument("path", metavar="ADAPTER_OR_RUN_DIR")
     u.add_argument("--repo-id", required=True, help="USER/NAME")
@@ -230,8 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--dry-run", action="store_true", help="list the files and print the card; contact nobody")
     u.set_defaults(func=cmd_push)
 
+
+def _add_generate(sub):
     g = sub.add_parser("generate", help="generate text with the KV cache")
-    model_args(g)
+    _model_args(g)
     g.add_argument("--prompt", required=True, action="append", help="the prompt; repeat for several")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--compare", action="store_true",
@@ -245,11 +247,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; for checks)")
     g.set_defaults(func=cmd_generate)
 
+
+def _add_eval(sub):
     e = sub.add_parser("eval", help="mean token loss and perplexity on a text or JSONL file")
-    model_args(e)
+    _model_args(e)
     e.add_argument("--data", required=True, help="text file (one document per line) or JSON/JSONL with a 'text' field")
     e.add_argument("--batch-size", type=int, default=8)
     e.set_defaults(func=cmd_eval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lora-llama", description="LoRA fine-tuning for LLaMA-family models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_train, _add_merge, _add_export, _add_push, _add_generate, _add_eval):
+        add(sub)
     return p
 
 

@@ -13,13 +13,11 @@ from pathlib import Path
 from .errors import UserError
 from .loss import IGNORE_INDEX, target_mask
 from .registry import REGISTERED_DATA, is_hub_id, registered_data_dir
+from .tokens import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
 
 # Stanford Alpaca's prompt, used for alpaca data when the tokenizer has no chat template
 ALPACA_TEMPLATE = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
                    "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
-# ChatML, for chat data on base models whose tokenizer has no template of its own
-CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
-                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # an example without targets: what a rank runs when a batch leaves it nothing (ranks must run the same steps)
 EMPTY_EXAMPLE = {"input_ids": [0, 0], "labels": [IGNORE_INDEX, IGNORE_INDEX]}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -129,7 +127,6 @@ class Tokenize:
         self.tok, self.fmt, self.max_len = tokenizer, fmt, max_seq_len
         self.train_on_prompt, self.prompt_template = train_on_prompt, prompt_template
         self.eos = tokenizer.eos_token_id
-        self.chat_template = tokenizer.chat_template or CHATML_TEMPLATE
         self.special_ids = special_token_ids(tokenizer)
 
     def __call__(self, record: dict) -> list[dict]:
@@ -144,22 +141,19 @@ class Tokenize:
         windows = [ids[i:i + self.max_len] for i in range(0, len(ids), self.max_len)]
         return [{"input_ids": w, "labels": list(w)} for w in windows if len(w) > 1]
 
-    def _render(self, messages, add_generation_prompt=False) -> str:
-        return self.tok.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt)
-
     def chat(self, messages: list[dict]) -> dict:
         """Render with the chat template; targets are the assistant turns with the token that ends them.
 
         An assistant turn spans from the end of the template's generation prompt to the end of the
         turn's rendering, so the system prompt and the generation prompt are never targets.
         """
-        text = self._render(messages)
+        text = render_chat(self.tok, messages)
         spans = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before, through = self._render(messages[:i], add_generation_prompt=True), self._render(messages[:i + 1])
+            before = render_chat(self.tok, messages[:i], add_generation_prompt=True)
+            through = render_chat(self.tok, messages[:i + 1])
             if not (text.startswith(before) and text.startswith(through)):
                 raise UserError("the chat template renders a conversation differently from its first turns, "
                                 "so the assistant turns cannot be located; set data.format or use another template")
@@ -167,11 +161,9 @@ class Tokenize:
         ids, offsets = encode_rendered(self.tok, text)
         in_target = [any(s <= a < e for s, e in spans) for a, _ in offsets]
         labels = [t if (keep or self.train_on_prompt) else IGNORE_INDEX for t, keep in zip(ids, in_target)]
-        # templates that close a turn with a special token (<|im_end|>, <|eot_id|>, </s>) have their stop;
-        # for the others the EOS is added as a target
-        if self.eos is not None and messages[-1]["role"] == "assistant" and not self.special_ids & set(labels[-3:]):
-            ids, labels = ids + [self.eos], labels + [self.eos]
-        return self._truncate(ids, labels)
+        if messages[-1]["role"] == "assistant":
+            ids, labels = close_with_eos(ids, labels, self.eos, self.special_ids)
+        return self.truncate(ids, labels)
 
     def alpaca(self, record: dict) -> dict:
         instruction, inp, output = record["instruction"], record.get("input") or "", record["output"]
@@ -187,50 +179,10 @@ class Tokenize:
         p = self.tok(prompt)["input_ids"]
         c = self.tok(output, add_special_tokens=False)["input_ids"] + [self.eos]
         labels = (p if self.train_on_prompt else [IGNORE_INDEX] * len(p)) + c
-        return self._truncate(p + c, labels)
+        return self.truncate(p + c, labels)
 
-    def _truncate(self, ids, labels) -> dict:
+    def truncate(self, ids, labels) -> dict:
         return {"input_ids": ids[: self.max_len], "labels": labels[: self.max_len]}
-
-
-def special_token_ids(tokenizer) -> set[int]:
-    """Ids of the tokenizer's special tokens, those it declares and those added as special (<|eot_id|>)."""
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
-
-
-def end_of_turn_id(tokenizer) -> int | None:
-    """The token that ends an assistant turn in the tokenizer's chat template (EOS without a template)."""
-    if not tokenizer.chat_template:
-        return tokenizer.eos_token_id
-    labels = Tokenize(tokenizer, "chat", 1 << 20).chat(
-        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])["labels"]
-    targets = [t for t in labels if t != IGNORE_INDEX]
-    special = special_token_ids(tokenizer)
-    return next((t for t in reversed(targets) if t in special), tokenizer.eos_token_id)
-
-
-def encode_rendered(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids and character offsets of a chat-template rendering: BOS where the tokenizer
-    adds one, but never twice when the template wrote one too."""
-    enc = tokenizer(text, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    bos = tokenizer.bos_token_id
-    if bos is not None and ids[:2] == [bos, bos]:
-        ids, offsets = ids[1:], offsets[1:]
-    return ids, offsets
-
-
-def normalise_messages(msgs) -> list[dict]:
-    """Accept OpenAI-style {role, content} and ShareGPT-style {from, value} messages."""
-    roles = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
-    out = []
-    for m in msgs:
-        role = m.get("role", m.get("from"))
-        if role not in roles:
-            raise UserError(f"chat message with unknown role {role!r}")
-        out.append({"role": roles[role], "content": str(m.get("content", m.get("value", "")))})
-    return out
 
 
 def tokenize_records(records, tokenizer, fmt: str, max_seq_len: int, train_on_prompt=False,

@@ -11,15 +11,16 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .checkpoint import gguf_file, load_tokenizer, resolve_source
-from .config import ModelArgs
+from .config import ModelArgs, rope_inv_freq
 from .errors import UserError
-from .files import read_config, write_text_atomic
+from .files import atomic_file, read_config, refuse_existing, write_text_atomic
 from .generate import stop_token_ids
 from .gguf_vocab import build_tokenizer, copy_tokenizer
 from .merge import Merger
@@ -40,8 +41,7 @@ def _gguf():
 def _check_out(out: Path, force: bool) -> None:
     if out.suffix != ".gguf":
         raise UserError(f"{out}: the output must be a .gguf file")
-    if out.exists() and not force:
-        raise UserError(f"{out} already exists (pass --force to overwrite)")
+    refuse_existing(out, force)
     if not out.parent.is_dir():
         raise UserError(f"{out.parent} does not exist")
 
@@ -83,24 +83,13 @@ class TensorNames:
 
 
 def rope_factors(args: ModelArgs) -> torch.Tensor | None:
-    """Llama 3.1's frequency factors, the `rope_freqs` tensor llama.cpp reads (as its converter computes them)."""
+    """Llama 3.1's frequency factors, the `rope_freqs` tensor llama.cpp reads: by how much the scaling
+    divides each RoPE frequency (computed in float64, as the converter computes them in Python floats)."""
     s = args.rope_scaling or {}
     if s.get("rope_type", s.get("type")) != "llama3":
         return None
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
-    factor, low, high = s.get("factor", 8.0), s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-    old = s.get("original_max_position_embeddings", 8192)
-    out = []
-    for f in freqs.tolist():
-        wavelen = 2 * math.pi / f
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(out, dtype=torch.float32)
+    plain = replace(args, rope_scaling=None)
+    return (rope_inv_freq(plain, torch.float64) / rope_inv_freq(args, torch.float64)).float()
 
 
 # ---------------------------------------------------------------------------- tensor types
@@ -162,18 +151,14 @@ def write_hparams(writer, args: ModelArgs, name: str, out_type: str) -> None:
 def _atomic_gguf(writer, out: Path, write_tensors) -> int:
     """Header, metadata and tensor infos, then the tensors, into a hidden temporary renamed over `out` at the
     end: a kill leaves no half-written file under the final name."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        write_tensors()
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(out) as tmp:
+        try:
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            write_tensors()
+        finally:
+            writer.close()
     return out.stat().st_size
 
 
@@ -190,8 +175,7 @@ def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | 
     out = Path(out)
     _check_out(out, force)
     modelfile = out.with_name("Modelfile")
-    if modelfile.exists() and not force:
-        raise UserError(f"{modelfile} already exists (pass --force to overwrite)")
+    refuse_existing(modelfile, force)
     merger = Merger(base, adapter, onto, quantize)
     args = ModelArgs.from_hf_config(merger.config)
     names = TensorNames(args)

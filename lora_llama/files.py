@@ -27,6 +27,12 @@ SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF1
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
+def refuse_existing(path: Path, force: bool) -> None:
+    """Outputs never replace an existing result unless the user passed --force."""
+    if Path(path).exists() and not force:
+        raise UserError(f"{path} already exists (pass --force to overwrite)")
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike, force: bool = False):
     """Yield a temporary folder beside `out`; rename it to `out` only when the block succeeds.
@@ -39,8 +45,7 @@ def atomic_dir(out: str | os.PathLike, force: bool = False):
     from safetensors import SafetensorError
 
     out = Path(out)
-    if out.exists() and not force:
-        raise UserError(f"{out} already exists (pass --force to overwrite)")
+    refuse_existing(out, force)
     tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -62,11 +67,22 @@ def atomic_dir(out: str | os.PathLike, force: bool = False):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """text into a hidden temporary renamed over `path`: a reader (or a kill) never sees half a file."""
+@contextlib.contextmanager
+def atomic_file(path: Path):
+    """Yield a hidden temporary path beside `path`, renamed over it when the block succeeds and removed
+    when it fails: a reader (or a kill) never sees half a file under the final name."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
 
 
 def write_json(path: Path, obj) -> None:

@@ -5,7 +5,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .data import end_of_turn_id
+from .tokens import end_of_turn_id
 from .files import read_json
 
 

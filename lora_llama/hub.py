@@ -17,16 +17,17 @@ import yaml
 from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .errors import UserError
 from .registry import REGISTERED_DATA, is_hub_id, registered_model
+from .run_folder import ADAPTER, LOSS_PLOT, RECIPE, last_eval, read_run_recipe
 
 
 def find_adapter(path: str | os.PathLike) -> tuple[Path, Path | None]:
     """(adapter folder, run folder or None) for an adapter folder or a training run folder."""
     path = Path(path)
     if (path / ADAPTER_CONFIG).is_file():
-        run = path.parent if (path.parent / "recipe.yaml").is_file() else None
+        run = path.parent if (path.parent / RECIPE).is_file() else None
         adapter = path
-    elif (path / "adapter" / ADAPTER_CONFIG).is_file():
-        adapter, run = path / "adapter", path
+    elif (path / ADAPTER / ADAPTER_CONFIG).is_file():
+        adapter, run = path / ADAPTER, path
     else:
         raise UserError(f"{path} holds no adapter ({ADAPTER_CONFIG}), nor a run folder with adapter/")
     if not (adapter / ADAPTER_WEIGHTS).is_file():
@@ -34,18 +35,10 @@ def find_adapter(path: str | os.PathLike) -> tuple[Path, Path | None]:
     return adapter, run
 
 
-def _last_eval(run: Path | None) -> dict | None:
-    metrics = run / "metrics.jsonl" if run else None
-    if not metrics or not metrics.is_file():
-        return None
-    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if "eval_loss" in r]
-    return evals[-1] if evals else None
-
-
 def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
     """README.md: YAML front matter the Hub understands, then settings, results and usage."""
     cfg = json.loads((adapter / ADAPTER_CONFIG).read_text())
-    recipe = yaml.safe_load((run / "recipe.yaml").read_text()) if run and (run / "recipe.yaml").is_file() else {}
+    recipe = read_run_recipe(run)
     base = cfg.get("base_model_name_or_path") or "unknown"
     known = registered_model(base)
     # a local base is named by its folder's name only: no path of this machine goes into the card
@@ -60,7 +53,7 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         meta["license"] = known.license
     if data_source and is_hub_id(data_source):
         meta["datasets"] = [data_source]
-    ev = _last_eval(run)
+    ev = last_eval(run)
     lines = [f"# {repo_id.split('/')[-1]}", "",
              "A LoRA adapter for " + (f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else
                                        f"a local base model (`{shown}`)") + ", trained with "
@@ -90,8 +83,8 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         lines += ["", "## Results", "", f"Final eval loss **{ev['eval_loss']:.4f}**, reward accuracy "
                   f"**{ev.get('eval_rewards/accuracies', float('nan')):.3f}**, reward margin "
                   f"**{ev.get('eval_rewards/margins', float('nan')):.4f}** on held-out pairs (step {ev['step']})."]
-    if run and (run / "loss.png").is_file():
-        lines += ["", "![training curve](loss.png)"]
+    if run and (run / LOSS_PLOT).is_file():
+        lines += ["", f"![training curve]({LOSS_PLOT})"]
     lines += ["", "## Use", "", "With peft and transformers:", "", "```python",
               "from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               f'base = AutoModelForCausalLM.from_pretrained("{shown}")',
@@ -107,8 +100,8 @@ def stage(adapter: Path, run: Path | None, repo_id: str, folder: Path) -> list[s
     """Copy what gets uploaded into `folder`; returns the file names."""
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         shutil.copy2(adapter / name, folder / name)
-    if run and (run / "loss.png").is_file():
-        shutil.copy2(run / "loss.png", folder / "loss.png")
+    if run and (run / LOSS_PLOT).is_file():
+        shutil.copy2(run / LOSS_PLOT, folder / LOSS_PLOT)
     (folder / "README.md").write_text(model_card(adapter, run, repo_id))
     return sorted(p.name for p in folder.iterdir())
 

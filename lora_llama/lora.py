@@ -24,7 +24,8 @@ import math
 import torch
 import torch.nn as nn
 
-from .config import TARGET_MODULES, LoraSettings, lora_scale
+from .config import TARGET_MODULES
+from .recipe import LoraSettings, lora_scale
 from .errors import UserError
 from .files import read_tensors
 from .gemm import run_linear

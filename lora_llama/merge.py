@@ -21,7 +21,7 @@ from .adapters import adapter_deltas
 from .checkpoint import resolve_source
 from .config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
 from .errors import UserError
-from .files import (INDEX_FILE, SAFETENSORS_DTYPES, atomic_dir, copy_tokenizer_files, read_config,
+from .files import (INDEX_FILE, SAFETENSORS_DTYPES, atomic_dir, copy_tokenizer_files, read_config, refuse_existing,
                     release_freed_memory, shard_files, tensor_shapes, write_json, write_safetensors_streaming)
 from .lora import fold
 from .quant import DECODER_LINEARS, dequantized
@@ -116,8 +116,7 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
     start = time.perf_counter()
     out_dtype = torch_dtype(dtype) if dtype else None
     out = Path(out)
-    if out.exists() and not force:
-        raise UserError(f"{out} already exists (pass --force to overwrite)")
+    refuse_existing(out, force)
     merger = Merger(base, adapter, onto, quantize)
     files, config = merger.files, merger.config
 

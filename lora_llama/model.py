@@ -12,7 +12,6 @@ HF's rotate-half RoPE layout (no permutation).
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .attention import attend, takes_segments
-from .config import ModelArgs
+from .config import ModelArgs, rope_inv_freq
 from .gemm import run_linear
 from .kernels import apply_rope, project, recompute_when_saved, rms_norm, silu_mul, swiglu
 
@@ -56,24 +55,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies (head_dim // 2,), with Llama 3.1 frequency scaling when configured."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    s = args.rope_scaling
-    if not s or s.get("rope_type", s.get("type")) != "llama3":
-        return inv_freq
-    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-    old_len = s.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * math.pi / inv_freq
-    # long wavelengths are stretched by `factor`, short ones kept, the band between interpolated
-    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
-    return torch.where(medium, smoothed, scaled)
 
 
 class KVCache:

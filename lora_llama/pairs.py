@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .data import EMPTY_EXAMPLE, Tokenize, collate, encode_rendered, load_splits, normalise_messages, rename_fields
+from .data import EMPTY_EXAMPLE, Tokenize, collate, load_splits, rename_fields
 from .errors import UserError
 from .loss import IGNORE_INDEX
+from .tokens import close_with_eos, encode_rendered, normalise_messages, render_chat
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 EMPTY_PAIR = {"chosen": {**EMPTY_EXAMPLE, "prompt_len": 0}, "rejected": {**EMPTY_EXAMPLE, "prompt_len": 0}}
@@ -41,18 +42,16 @@ def tokenize_pair(tokenize: Tokenize, record: dict, index: int) -> dict | str:
     if any(not "".join(m["content"] for m in a).strip() for a in answers.values()):
         return "an empty chosen or rejected answer"
     tok = tokenize.tok
-    prompt_ids, _ = encode_rendered(tok, tokenize._render(prompt, add_generation_prompt=True))
-    full = {k: encode_rendered(tok, tokenize._render(prompt + a))[0] for k, a in answers.items()}
+    prompt_ids, _ = encode_rendered(tok, render_chat(tok, prompt, add_generation_prompt=True))
+    full = {k: encode_rendered(tok, render_chat(tok, prompt + a))[0] for k, a in answers.items()}
     start = min(_common_prefix(prompt_ids, ids) for ids in full.values())
     if start >= tokenize.max_len:
         return f"a prompt of data.max_seq_len ({tokenize.max_len}) tokens or more"
     pair = {}
     for k, ids in full.items():
         labels = (ids[:start] if tokenize.train_on_prompt else [IGNORE_INDEX] * start) + ids[start:]
-        # as for chat examples: a template that closes a turn without a special token gets the EOS as a target
-        if tokenize.eos is not None and not tokenize.special_ids & set(labels[-3:]):
-            ids, labels = ids + [tokenize.eos], labels + [tokenize.eos]
-        pair[k] = {**tokenize._truncate(ids, labels), "prompt_len": start}
+        ids, labels = close_with_eos(ids, labels, tokenize.eos, tokenize.special_ids)
+        pair[k] = {**tokenize.truncate(ids, labels), "prompt_len": start}
     return pair
 
 

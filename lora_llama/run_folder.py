@@ -1,4 +1,5 @@
-"""A training run's folder: one run at a time, checkpoint state without pickles, metrics and plots.
+"""A training run's folder: its file names and readers, one run at a time, checkpoint state
+without pickles, metrics and plots.
 
     out/checkpoints/step-N/{adapter/, state.safetensors, state.json, trainer_state.json}
     out/metrics.jsonl, out/tensorboard/, out/loss.png, out/recipe.yaml, out/adapter/
@@ -23,7 +24,39 @@ import torch
 from .errors import UserError
 from .files import read_json, write_json
 
-STATE_TENSORS, STATE_JSON, LEGACY_STATE = "state.safetensors", "state.json", "state.pt"
+# the run folder's names: every other module spells them through these
+ADAPTER, CHECKPOINTS, METRICS, LOSS_PLOT, RECIPE, TENSORBOARD = (
+    "adapter", "checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard")
+STATE_TENSORS, STATE_JSON, TRAINER_STATE = "state.safetensors", "state.json", "trainer_state.json"
+
+
+def run_of_adapter(adapter: Path) -> Path | None:
+    """The run folder an adapter folder belongs to (run/adapter or run/checkpoints/step-N/adapter), or None."""
+    adapter = Path(adapter).resolve()
+    for run in (adapter.parent, adapter.parent.parent.parent):
+        if (run / RECIPE).is_file():
+            return run
+    return None
+
+
+def read_run_recipe(run: Path | None) -> dict:
+    """The resolved recipe a run wrote (as plain data), or {} when there is none."""
+    import yaml
+
+    path = Path(run) / RECIPE if run else None
+    return (yaml.safe_load(path.read_text()) or {}) if path and path.is_file() else {}
+
+
+def write_run_recipe(out: Path, recipe) -> None:
+    import yaml
+
+    (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+
+
+def last_eval(run: Path | None) -> dict | None:
+    """The last eval record of a run's metrics, or None."""
+    evals = [r for r in read_metrics(Path(run) / METRICS) if "eval_loss" in r] if run else []
+    return evals[-1] if evals else None
 
 
 @contextlib.contextmanager
@@ -78,13 +111,13 @@ def stop_requests():
 
 def checkpoints(out: Path) -> list[Path]:
     """A run's complete checkpoint folders, oldest first (atomic_dir's temporaries start with a dot)."""
-    found = [p for p in (Path(out) / "checkpoints").glob("step-*") if p.name[5:].isdigit()]
+    found = [p for p in (Path(out) / CHECKPOINTS).glob("step-*") if p.name[5:].isdigit()]
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
 def remove_leftovers(out: Path) -> None:
     """Temporary folders of writes that a killed run left half done (never mistaken for results)."""
-    for parent in (out, out / "checkpoints"):
+    for parent in (out, out / CHECKPOINTS):
         for p in parent.glob(".*.tmp-*"):
             shutil.rmtree(p, ignore_errors=True)
 
@@ -128,16 +161,10 @@ def save_state(folder: Path, state: dict) -> None:
 
 
 def load_state(folder: Path) -> dict:
-    """What save_state wrote; a checkpoint of an earlier version (state.pt) is read with
-    torch.load(weights_only=True), which refuses anything but tensors and plain containers."""
+    """What save_state wrote; a broken file is one UserError naming it."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    if not (folder / STATE_TENSORS).is_file() and (folder / LEGACY_STATE).is_file():
-        try:
-            return torch.load(folder / LEGACY_STATE, map_location="cpu", weights_only=True)
-        except Exception as e:  # unpickling raises many types for a bad or hostile file
-            raise UserError(f"cannot read {folder / LEGACY_STATE}: {str(e).splitlines()[0]}") from None
     try:
         tensors = load_file(folder / STATE_TENSORS)
     except (SafetensorError, OSError) as e:
@@ -188,7 +215,7 @@ def tensorboard(out: Path, resumed_step: int):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional
         return None
-    return SummaryWriter(str(out / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+    return SummaryWriter(str(out / TENSORBOARD), purge_step=resumed_step + 1 if resumed_step else None)
 
 
 def plot_losses(metrics: Path, png: Path) -> None:

@@ -1,122 +1,70 @@
-"""The training loop: `train_from_recipe` (what `lora-llama train` runs) and `Trainer`
-(optimiser, schedule, accumulation, eval, checkpoint / resume, logging), then their helpers."""
+"""`train_from_recipe`: what `lora-llama train` runs — check the inputs and the run folder, load the
+tokenizer, data and adapted model, hand them to the `Trainer`, push the adapter when asked."""
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import random
 import shutil
-import time
+import sys
 from pathlib import Path
 
 import torch
 
 from . import fused
-from .adapters import load_adapter_weights, save_adapter
+from .adapters import load_adapter_weights
 from .allocator import keep_freed_memory
 from .checkpoint import load_model, load_tokenizer, resolve_source
 from .config import torch_dtype
-from .data import build_examples, end_of_turn_id
-from .distributed import (Ranks, check_global_batch, choose_strategy, clip_grad_norm, full, full_optimizer_state, load_optimizer_state, local_bytes, replicated, setup,
-                          shard_model, sum_shard_gradients, teardown)
-from .evaluation import evaluate
+from .data import build_examples
+from .distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
 from .errors import UserError
-from .files import atomic_dir, read_json, shard_files, write_json
+from .files import shard_files
 from .hub import push, resolve_token
-from .lora import apply_lora, lora_state_dict
-from .objectives import make_objective
-from .precision import base_dtype, resolve_precision
+from .lora import apply_lora
 from .pairs import build_pairs
+from .precision import base_dtype, resolve_precision
 from .quant import base_weight_bytes
-from .schedule import lr_lambda, total_steps
-from .run_folder import (checkpoints, load_state, plot_losses, read_metrics, remove_leftovers, rng_state, run_lock,
-                         save_state, set_rng_state, stop_requests, tensorboard, truncate_metrics)
+from .run_folder import ADAPTER, checkpoints, remove_leftovers, run_lock, write_run_recipe
+from .tokens import end_of_turn_id
+from .trainer import Trainer
 
 
-def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=print) -> dict:
+def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=None) -> dict:
     """Everything `lora-llama train` does, in one process or in each of torchrun's (rank 0 holds the
-    run folder's lock and writes; the others only compute)."""
+    run folder's lock and writes; the others only compute). `log` receives one line per message."""
     out = Path(recipe.output.dir)
     ranks, device = setup(recipe.model.device, recipe.train.collective_timeout_s)
+    say = (log or _say) if ranks.main else (lambda *_: None)
     try:
         with run_lock(out) if ranks.main else contextlib.nullcontext():
-            return _train(recipe, out, resume, force, log if ranks.main else (lambda *_: None), ranks, device)
+            return _train(recipe, out, resume, force, say, ranks, device)
     finally:
         teardown()
 
 
 def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, device: str) -> dict:
     """Inputs are all checked before the run folder is touched."""
-    import yaml
-
-    found = checkpoints(out)
-    if recipe.output.push_to_hub:  # fail now, not after hours of training
-        resolve_token(None)
-    if (out / "adapter").exists() and not force and not resume:
-        raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
-    if out.exists() and any(out.iterdir()) and not found and not force:
-        raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
-    weight_bytes = sum(f.stat().st_size for f in shard_files(resolve_source(recipe.model.source)))
-    strategy = choose_strategy(recipe.train.distributed, ranks, device, weight_bytes, bool(recipe.model.quantize))
+    found = _check_run_folder(recipe, out, resume, force)
+    strategy = _choose_strategy(recipe, ranks, device)
     sharded = ranks.world > 1 and strategy == "fsdp"
-    if sharded and recipe.model.quantize:
-        raise UserError("train.distributed=fsdp cannot shard bitsandbytes' quantised weights; "
-                        "use train.distributed=ddp with model.quantize, or fsdp without it")
-    if sharded and "lm_head" in recipe.lora.targets:  # the chunked loss runs lm_head outside the model's backward
-        raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head")
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model.source)
-    if recipe.train.objective == "sft":
-        train, val = build_examples(recipe.data, tok, recipe.train.seed)
-    else:
-        train, val = build_pairs(recipe.data, tok, recipe.train.seed, log)
-    m = recipe.model
+    train, val = _examples(recipe, tok, log)
     precision, why = resolve_precision(recipe.train.precision, device)
-    dtype = base_dtype(precision, torch_dtype(m.dtype))
     allocator = keep_freed_memory() if device == "cpu" else None  # before the model's and the steps' allocations
-    # fsdp: loaded into host memory; fully_shard moves each block's shard to the GPU (none holds the whole base)
-    model = load_model(m.source, dtype=dtype, quantize=m.quantize, device="cpu" if sharded else device,
-                       int8_threshold=m.int8_threshold)
-    summary = apply_lora(model, recipe.lora)
-    model.gradient_checkpointing = recipe.train.gradient_checkpointing
-    model.offload_activations = recipe.train.offload_activations
-    if recipe.train.compile:
-        for layer in model.model.layers:
-            layer.compile()
-    if force and out.exists() and not (resume and found):
-        found = []
-        if ranks.main:
-            shutil.rmtree(out)
-    if ranks.main:
-        out.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(out)
-        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    ranks.barrier()  # the others start once the folder is ready
+    model, summary = _adapted_model(recipe, precision, "cpu" if sharded else device)
+    found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
     if found:  # the adapter goes in before fsdp cuts it into shards
-        load_adapter_weights(model, found[-1] / "adapter")
+        load_adapter_weights(model, found[-1] / ADAPTER)
     if sharded:
         shard_model(model)
-    trainer = Trainer(recipe, model, tok, train, val, out, ranks)
-    log(f"model {m.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
+    trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log)
+    log(f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
-    log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or str(dtype).removeprefix('torch.')}); "
-        f"precision {precision} ({why})")
-    if allocator:
-        log(f"allocator: {allocator}")
-    if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:
-        log("bf16 on the CPU: RMSNorm and SwiGLU run as compiled loops, built during the first step "
-            "(seconds; kept on disk for later runs)")
-    if sharded:
-        frozen = [p for p in model.parameters() if not p.requires_grad]
-        log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.3f} MB of the base's "
-            f"{sum(p.numel() * p.element_size() for p in frozen) / 1e6:.3f} MB of frozen weights")
+    _describe_setup(log, recipe, model, precision, why, allocator, device, sharded)
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
-    if "lm_head" not in recipe.lora.targets and looks_untrained(model, stop := end_of_turn_id(tok)):
-        log(f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(stop)}) "
-            "looks untrained in this base (its embedding or lm_head row is near zero) and both stay frozen: "
-            "the model may never learn to stop; add lm_head to lora.targets or start from an instruct model")
+    _warn_if_stop_untrained(log, recipe, model, tok)
     if found:
         trainer.resume(found[-1])
         log(f"resuming from {found[-1]} (step {trainer.step})")
@@ -126,212 +74,94 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     return result
 
 
-class Trainer:
-    """Fits a LoRA adapter on a recipe's data; checkpoints so that a resumed run continues bit for bit."""
+def _say(message: str) -> None:
+    """Print above tqdm's progress bar rather than through it."""
+    from tqdm.auto import tqdm
 
-    def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path, ranks: Ranks = Ranks()):
-        self.recipe, self.model, self.ranks = recipe, model, ranks
-        self.objective = make_objective(recipe.train)
-        self.sharded = any(hasattr(p, "device_mesh") for p in model.parameters())  # fsdp: blocks are shards
-        self.train_examples, self.val_examples, self.out = train, val, Path(out)
-        t = recipe.train
-        self.device = next(model.parameters()).device
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        # fused: one kernel for all adapter tensors (CPU: 2.0 vs 8.1 ms a step for the default recipe's 240 tensors)
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
-                                           fused=True)
-        # a micro-batch is global: batch_size examples on each rank
-        self.batches_per_epoch = math.ceil(len(train) / (t.batch_size * ranks.world))
-        self.total = total_steps(t, self.batches_per_epoch)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.schedule, t.warmup_steps, self.total))
-        self.step = 0
-        self.pad_id = tokenizer.pad_token_id
-        self.tb = None  # opened by fit, once the step it resumes from is known
-
-    # ---------------------------------------------------------------- data order
-
-    def micro_batch(self, index: int) -> dict | None:
-        """This rank's share of the index-th global micro-batch: a fresh seeded shuffle each epoch, so a
-        position is all resume needs, and the order is the one-process order whatever the number of ranks.
-        None when the last micro-batch of an epoch leaves this rank nothing."""
-        bs = self.recipe.train.batch_size
-        glob = bs * self.ranks.world
-        epoch, i = divmod(index, self.batches_per_epoch)
-        order = torch.randperm(len(self.train_examples), generator=torch.Generator().manual_seed(self.recipe.train.seed + epoch))
-        chosen = [self.train_examples[j] for j in self.ranks.share(order[i * glob:(i + 1) * glob].tolist(), bs)]
-        if not chosen and self.sharded:  # fsdp's gathers are collectives: every rank runs every micro-batch
-            chosen = [self.objective.empty]
-        return _to(self.objective.collate(chosen, self.pad_id), self.device) if chosen else None
-
-    # ---------------------------------------------------------------- one optimiser step
-
-    def train_step(self) -> tuple[float, int, dict]:
-        """Forward/backward over grad_accum micro-batches; each loss term is divided by its count (targets,
-        pairs) over all of them on all ranks, and the gradients summed over ranks: one process's update on the
-        global batch. Returns the loss, the tokens seen and the objective's statistics (preference: per pair)."""
-        ga, obj = self.recipe.train.grad_accum, self.objective
-        batches = [b for b in (self.micro_batch(self.step * ga + k) for k in range(ga)) if b is not None]
-        local_tokens = sum(int(b["input_ids"].numel()) for b in batches)
-        counts = [obj.counts(b) for b in batches]
-        *totals, tokens = self.ranks.sum([sum(c[i] for c in counts) for i in range(obj.n_counts)] + [local_tokens])
-        local_loss, bad, stats = 0.0, None, dict.fromkeys(obj.stat_names, 0.0)
-        for batch in batches:
-            terms, batch_stats = obj.terms(self.model, batch)
-            loss = sum(t / max(n, 1) for t, n in zip(terms, totals))
-            if not torch.isfinite(loss):
-                bad = float(loss.detach())
-                break
-            loss.backward()
-            local_loss += float(loss.detach())
-            stats = {k: stats[k] + batch_stats[k] for k in stats}
-        if self.ranks.any(bad is not None):  # every rank stops before the update, together
-            raise UserError(f"non-finite loss ({bad if bad is not None else 'on another rank'}) at step {self.step + 1}; "
-                            f"stopped before the update. The last good checkpoint is kept in {self.out / 'checkpoints'}")
-        self.ranks.sum_gradients(replicated(self.params) if self.sharded else self.params)  # fsdp reduces its own
-        if self.sharded:
-            sum_shard_gradients(self.params, self.ranks)
-        if self.recipe.train.max_grad_norm and self.sharded:
-            clip_grad_norm(self.params, self.recipe.train.max_grad_norm, self.ranks)
-        elif self.recipe.train.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.params, self.recipe.train.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        loss, *stat_sums = self.ranks.sum([local_loss, *stats.values()])
-        return loss, int(tokens), {k: v / max(totals[0], 1) for k, v in zip(stats, stat_sums)}
-
-    # ---------------------------------------------------------------- checkpoints
-
-    def save_checkpoint(self) -> Path:
-        """checkpoints/step-N, written whole or not at all (a kill mid-write leaves the previous one), by rank 0;
-        the adapter and optimizer are the same on every rank, so the folder is what one process writes."""
-        ckpt_dir = self.out / "checkpoints" / f"step-{self.step}"
-        t = self.recipe.train
-        adapter, optimizer = self.whole_adapter(), full_optimizer_state(self.optimizer)  # every rank: shards gathered
-        if self.ranks.main:
-            with atomic_dir(ckpt_dir, force=True) as tmp:
-                save_adapter(self.model, tmp / "adapter", force=True, tensors=adapter)
-                save_state(tmp, {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "rng": rng_state()})
-                write_json(tmp / "trainer_state.json", {
-                    "step": self.step, "micro_batches_done": self.step * t.grad_accum, "total_steps": self.total,
-                    "batch_size": t.batch_size, "grad_accum": t.grad_accum, "world_size": self.ranks.world})
-            for old in checkpoints(self.out)[: -t.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.ranks.barrier()
-        return ckpt_dir
-
-    def whole_adapter(self) -> dict:
-        """The adapter's tensors under native names, shards gathered (a collective under fsdp)."""
-        return {k: full(v) for k, v in lora_state_dict(self.model).items()}
-
-    def resume(self, ckpt_dir: Path) -> None:
-        """The optimizer, schedule, RNG and data position of a checkpoint (its adapter is loaded by the caller,
-        before fsdp shards the model)."""
-        state = load_state(ckpt_dir)
-        saved = read_json(ckpt_dir / "trainer_state.json")
-        step = saved.get("step")
-        check_global_batch(saved, self.recipe.train, self.ranks.world, ckpt_dir)
-        if not isinstance(step, int) or not 0 < step <= self.total:
-            raise UserError(f"{ckpt_dir / 'trainer_state.json'}: step {step!r} does not fit this run of {self.total} steps")
-        try:
-            load_optimizer_state(self.optimizer, state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            set_rng_state(state["rng"])
-        except (KeyError, ValueError, RuntimeError, TypeError) as e:
-            raise UserError(f"{ckpt_dir}: the trainer state does not fit this run ({type(e).__name__}: {e})") from None
-        self.step = step
-        if self.ranks.main:
-            truncate_metrics(self.out / "metrics.jsonl", self.step)
-
-    # ---------------------------------------------------------------- the loop
-
-    def log(self, record: dict) -> None:
-        if not self.ranks.main:
-            return
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb:
-            for k, v in record.items():
-                if k != "step":
-                    self.tb.add_scalar(k, v, record["step"])
-
-    def run_eval(self) -> dict | None:
-        if not self.val_examples:
-            return None
-        r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks,
-                     self.objective)
-        record = {"step": self.step, **{f"eval_{k}": v for k, v in r.items() if k not in ("tokens", "pairs")}}
-        self.log(record)
-        return record
-
-    def fit(self) -> dict:
-        """Train to the end. SIGTERM (preemption) or Ctrl-C stop at the next step boundary with a
-        checkpoint and raise KeyboardInterrupt; the same command then resumes. A second Ctrl-C stops at once."""
-        from tqdm.auto import tqdm
-
-        t = self.recipe.train
-        self.model.train()
-        self.tb = tensorboard(self.out, self.step) if self.ranks.main else None
-        last_eval = None
-        if self.step == 0:
-            last_eval = self.run_eval()  # the starting point of the eval curve
-        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not self.ranks.main)
-        saved_at = self.step
-        try:
-            with stop_requests() as stop:
-                while self.step < self.total:
-                    if self.ranks.any(bool(stop)):  # every rank stops at the same step
-                        raise KeyboardInterrupt(stop[0] if stop else "a stop on another rank")
-                    self._one_step(bar, t)
-                    last_eval = self._after_step(bar, t) or last_eval
-                    if self.step % t.save_every == 0 or self.step == self.total:
-                        self.save_checkpoint()
-                        saved_at = self.step
-        except KeyboardInterrupt as e:
-            bar.close()
-            why = f"stopped by {e.args[0]}" if e.args else "interrupted"
-            path = self.save_checkpoint() if self.step > saved_at else (checkpoints(self.out) or [None])[-1]
-            if self.ranks.main:
-                print(f"{why} at step {self.step}: " + (f"saved {path}; run the same command again to resume"
-                                                         if path else "no checkpoint yet"), flush=True)
-            raise
-        finally:
-            bar.close()
-            if self.tb:
-                self.tb.close()
-        adapter = self.whole_adapter()
-        if self.ranks.main:
-            save_adapter(self.model, self.out / "adapter", force=True, tensors=adapter)
-            plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
-        self.ranks.barrier()
-        result = {"steps": self.step, "adapter": str(self.out / "adapter"), **(last_eval or {})}
-        start = [r for r in read_metrics(self.out / "metrics.jsonl") if r["step"] == 0 and "eval_loss" in r]
-        if start:  # the base model's eval loss, also after a resume
-            result["eval_loss_start"] = start[0]["eval_loss"]
-        return result
-
-    def _one_step(self, bar, t) -> None:
-        start = time.perf_counter()
-        loss, tokens, stats = self.train_step()
-        tps = tokens / (time.perf_counter() - start)
-        lr = self.scheduler.get_last_lr()[0]
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-        if self.step % t.log_every == 0 or self.step == self.total:
-            self.log({"step": self.step, "loss": loss, **stats, "lr": lr, "tokens_per_s": tps})
-
-    def _after_step(self, bar, t) -> dict | None:
-        if not (self.step % t.eval_every == 0 or self.step == self.total):
-            return None
-        record = self.run_eval()
-        if record and self.ranks.main:  # tqdm.write prints even where the bar is disabled
-            bar.write(f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
-        return record
+    tqdm.write(message)
+    sys.stdout.flush()  # a line a supervisor (or a test) waits for is there at once
 
 
-# ---------------------------------------------------------------------------- helpers
+def _check_run_folder(recipe, out: Path, resume: bool, force: bool) -> list[Path]:
+    """The run folder's checkpoints; a finished or foreign folder is refused without --force."""
+    found = checkpoints(out)
+    if recipe.output.push_to_hub:  # fail now, not after hours of training
+        resolve_token(None)
+    if (out / ADAPTER).exists() and not force and not resume:
+        raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
+    if out.exists() and any(out.iterdir()) and not found and not force:
+        raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
+    return found
+
+
+def _choose_strategy(recipe, ranks: Ranks, device: str) -> str:
+    weight_bytes = sum(f.stat().st_size for f in shard_files(resolve_source(recipe.model.source)))
+    strategy = choose_strategy(recipe.train.distributed, ranks, device, weight_bytes, bool(recipe.model.quantize))
+    if ranks.world > 1 and strategy == "fsdp":
+        if recipe.model.quantize:
+            raise UserError("train.distributed=fsdp cannot shard bitsandbytes' quantised weights; "
+                            "use train.distributed=ddp with model.quantize, or fsdp without it")
+        if "lm_head" in recipe.lora.targets:  # the chunked loss runs lm_head outside the model's backward
+            raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head")
+    return strategy
+
+
+def _examples(recipe, tok, log) -> tuple[list[dict], list[dict]]:
+    """(train, val): examples for SFT, pairs for the preference objectives."""
+    if recipe.train.objective == "sft":
+        return build_examples(recipe.data, tok, recipe.train.seed)
+    return build_pairs(recipe.data, tok, recipe.train.seed, log)
+
+
+def _adapted_model(recipe, precision: str, device: str):
+    """The base in the precision's dtype with the recipe's adapters; returns (model, apply_lora's summary)."""
+    m = recipe.model
+    model = load_model(m.source, dtype=base_dtype(precision, torch_dtype(m.dtype)), quantize=m.quantize,
+                       device=device, int8_threshold=m.int8_threshold)
+    summary = apply_lora(model, recipe.lora)
+    model.gradient_checkpointing = recipe.train.gradient_checkpointing
+    model.offload_activations = recipe.train.offload_activations
+    if recipe.train.compile:
+        for layer in model.model.layers:
+            layer.compile()
+    return model, summary
+
+
+def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, force: bool, ranks: Ranks) -> list[Path]:
+    """Start over under --force (unless resuming), clear what a killed run half wrote, write the resolved
+    recipe; returns the checkpoints still to resume from. The other ranks wait until the folder is ready."""
+    if force and out.exists() and not (resume and found):
+        found = []
+        if ranks.main:
+            shutil.rmtree(out)
+    if ranks.main:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out)
+        write_run_recipe(out, recipe)
+    ranks.barrier()
+    return found
+
+
+def _describe_setup(log, recipe, model, precision: str, why: str, allocator, device: str, sharded: bool) -> None:
+    m = recipe.model
+    dtype = str(base_dtype(precision, torch_dtype(m.dtype))).removeprefix("torch.")
+    log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or dtype}); precision {precision} ({why})")
+    if allocator:
+        log(f"allocator: {allocator}")
+    if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:
+        log("bf16 on the CPU: RMSNorm and SwiGLU run as compiled loops, built during the first step "
+            "(seconds; kept on disk for later runs)")
+    if sharded:
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.3f} MB of the base's "
+            f"{sum(p.numel() * p.element_size() for p in frozen) / 1e6:.3f} MB of frozen weights")
+
+
+def _warn_if_stop_untrained(log, recipe, model, tok) -> None:
+    if "lm_head" not in recipe.lora.targets and looks_untrained(model, stop := end_of_turn_id(tok)):
+        log(f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(stop)}) "
+            "looks untrained in this base (its embedding or lm_head row is near zero) and both stay frozen: "
+            "the model may never learn to stop; add lm_head to lora.targets or start from an instruct model")
 
 
 def looks_untrained(model, token_id: int | None) -> bool:
@@ -342,7 +172,3 @@ def looks_untrained(model, token_id: int | None) -> bool:
     rows = {model.model.embed_tokens.weight, model.lm_head.weight}
     return any(float(norms[token_id]) < 0.1 * float(norms.median()) for norms in
                (w.detach().float().norm(dim=1) for w in rows))
-
-
-def _to(batch: dict, device) -> dict:
-    return {k: v.to(device) for k, v in batch.items()}

@@ -113,7 +113,7 @@ def test_killed_job_resumes_on_two_and_on_one_process(tiny_ckpt, data, tmp_path,
     args_2 = lambda out: args(tiny_ckpt, data, out, 2, f"train.distributed={strategy}")
     code, _, err = torchrun(args_2(tmp_path / "full"))
     assert code == 0, err[-3000:]
-    kill = """import lora_llama.train as t
+    kill = """import lora_llama.trainer as t
 _step = t.Trainer.train_step
 def step(self):
     if self.step == 5:
@@ -164,7 +164,7 @@ t.target_loss = loss
 
 
 def test_a_rank_that_dies_ends_the_job(tiny_ckpt, data, tmp_path):
-    crash_rank_1 = """import lora_llama.train as t
+    crash_rank_1 = """import lora_llama.trainer as t
 _step = t.Trainer.train_step
 def step(self):
     if os.environ["RANK"] == "1" and self.step == 3:

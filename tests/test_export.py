@@ -9,7 +9,8 @@ from helpers import build_checkpoint, hf_model, make_tokenizer, peak_growth, sha
 from lora_llama import load_model
 from lora_llama.adapters import save_adapter
 from lora_llama.cli import main
-from lora_llama.config import DECODER_TARGETS, lora_settings
+from lora_llama.config import DECODER_TARGETS
+from lora_llama.recipe import lora_settings
 from lora_llama.lora import apply_lora, lora_modules
 
 TEXTS = ["hello world, how are you today? i am fine.", "The Quick brown fox 12345 jumps\n\nover   the lazy dog's tail!",
@@ -246,7 +247,7 @@ def test_export_peak_memory_is_about_one_shard(tmp_path):
     adapter = make_adapter(base, tmp_path / "a")
     # the tokenizer's modules (transformers' tokenization, jinja) load first: a fixed cost, whatever the model's size
     grown = peak_growth("import torch, safetensors, gguf, numpy, tqdm.auto, transformers, lora_llama.export as e\n"
-                        "from lora_llama.data import end_of_turn_id\nend_of_turn_id(e.load_tokenizer(sys.argv[1]))",
+                        "from lora_llama.tokens import end_of_turn_id\nend_of_turn_id(e.load_tokenizer(sys.argv[1]))",
                         "e.export_gguf(sys.argv[1], sys.argv[3], adapter=sys.argv[2], progress=False)",
                         base, adapter, tmp_path / "out.gguf")
     largest = max(f.stat().st_size for f in shards)

@@ -166,7 +166,8 @@ def template_tokenizer(template, specials, eos):
 
 
 def test_chatml_labels_hand_checked():
-    from lora_llama.data import IGNORE_INDEX as M, Tokenize, end_of_turn_id
+    from lora_llama.data import IGNORE_INDEX as M, Tokenize
+    from lora_llama.tokens import end_of_turn_id
 
     tok = template_tokenizer(QWEN25_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], "<|endoftext|>")
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -183,7 +184,8 @@ def test_chatml_labels_hand_checked():
 
 
 def test_llama3_labels_hand_checked():
-    from lora_llama.data import IGNORE_INDEX as M, Tokenize, end_of_turn_id
+    from lora_llama.data import IGNORE_INDEX as M, Tokenize
+    from lora_llama.tokens import end_of_turn_id
 
     specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>"]
     tok = template_tokenizer(LLAMA3_TEMPLATE, specials, "<|end_of_text|>")  # a base Llama 3 tokenizer's EOS

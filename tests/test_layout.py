@@ -1,4 +1,4 @@
-"""The package's shape: README's layout table is the import order, no circle, small modules."""
+"""The package's shape: ARCHITECTURE.md's module table is the import order, no circle, small modules and functions."""
 import ast
 import re
 
@@ -6,11 +6,12 @@ from helpers import ROOT
 
 PACKAGE = ROOT / "lora_llama"
 MAX_LINES = 350
+MAX_FUNCTION_LINES = 60
 
 
 def layout_table() -> list[str]:
-    """Module names in the order README's layout table lists them."""
-    text = (ROOT / "README.md").read_text()
+    """Module names in the order ARCHITECTURE.md's module table lists them."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
     return re.findall(r"^\| `lora_llama/(\w+)\.py` \|", text, flags=re.M)
 
 
@@ -34,13 +35,13 @@ def modules() -> list[str]:
     return sorted(p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("__"))
 
 
-def test_readme_table_lists_every_module_once():
+def test_architecture_table_lists_every_module_once():
     table = layout_table()
-    assert sorted(table) == modules(), "README's layout table and lora_llama/ differ"
+    assert sorted(table) == modules(), "ARCHITECTURE.md's module table and lora_llama/ differ"
 
 
 def test_imports_run_one_way_down_the_table():
-    """A module imports only modules listed above it in README's table: no circle, not even inside a function."""
+    """A module imports only modules listed above it in ARCHITECTURE.md's table: no circle, not even inside a function."""
     order = {name: i for i, name in enumerate(layout_table())}
     wrong = [(m, dep) for m in modules() for dep in package_imports(PACKAGE / f"{m}.py")
              if dep in order and order[dep] >= order[m]]
@@ -61,3 +62,23 @@ def test_model_knows_nothing_of_lora():
 def test_every_module_is_small():
     sizes = {p.name: len(p.read_text().splitlines()) for p in PACKAGE.glob("*.py")}
     assert max(sizes.values()) <= MAX_LINES, {k: v for k, v in sizes.items() if v > MAX_LINES}
+
+
+def python_files():
+    return [p for folder in ("lora_llama", "tests", "bench") for p in (ROOT / folder).glob("*.py")] + [ROOT / "cli.py"]
+
+
+def long_functions(path) -> list[str]:
+    return [f"{path.name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_long():
+    found = [f for p in python_files() for f in long_functions(p)]
+    assert not found, found
+
+
+def test_the_function_check_counts_lines(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 60)
+    assert long_functions(f) == ["m.py:long (61 lines)"]

@@ -161,7 +161,7 @@ def test_bad_adapter_config(tiny_ckpt, tmp_path, capsys, patch, message):
 
 
 def test_lora_settings_validation():
-    from lora_llama.config import lora_settings
+    from lora_llama.recipe import lora_settings
 
     for bad in ({"r": 0}, {"targets": ["q", "xyz"]}, {"dropout": 1.5}):
         with pytest.raises(UserError):

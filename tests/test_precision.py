@@ -14,7 +14,8 @@ from lora_llama import attention, blocked_attention, fused, load_model
 from lora_llama import loss as loss_module
 from lora_llama.attention import attend
 from lora_llama.cli import main
-from lora_llama.config import DECODER_TARGETS, load_recipe, lora_settings
+from lora_llama.config import DECODER_TARGETS
+from lora_llama.recipe import load_recipe, lora_settings
 from lora_llama.gemm import linear
 from lora_llama.kernels import apply_rope, project, rms_norm, swiglu
 from lora_llama.lora import LoRALinear, apply_lora, lora_modules

@@ -10,7 +10,8 @@ from lora_llama import load_model
 from lora_llama.adapters import save_adapter
 from lora_llama.checkpoint import load_tokenizer
 from lora_llama.cli import main
-from lora_llama.config import DECODER_TARGETS, HF_NAME, load_recipe, lora_settings
+from lora_llama.config import DECODER_TARGETS, HF_NAME
+from lora_llama.recipe import load_recipe, lora_settings
 from lora_llama.lora import adapters_disabled, apply_lora, lora_modules
 from lora_llama.objectives import DPO, ORPO
 from lora_llama.pairs import collate_pairs, tokenize_pairs

@@ -58,7 +58,7 @@ def same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-SLOW_STEPS = """import lora_llama.train as t
+SLOW_STEPS = """import lora_llama.trainer as t
 _step = t.Trainer.train_step
 t.Trainer.train_step = lambda self: (time.sleep(0.15), _step(self))[1]
 """
@@ -87,7 +87,7 @@ def test_sigterm_checkpoints_and_the_rerun_matches_bit_for_bit(tiny_ckpt, data, 
 
 def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tiny_ckpt, data, tmp_path):
     *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "full"))
-    kill_at_8 = """import lora_llama.run_folder as rf, lora_llama.train as t
+    kill_at_8 = """import lora_llama.run_folder as rf, lora_llama.trainer as t
 _save = rf.save_state
 def save_then_die(folder, state):
     _save(folder, state)
@@ -272,7 +272,7 @@ def test_broken_index_and_gguf_name_the_file(tiny_ckpt, smollm2, tmp_path, capsy
 
 def test_memory_stays_flat_over_300_steps(tiny_ckpt, data, tmp_path):
     """RSS after each logged step; growth from step 50 (warm) to step 300 under 5%."""
-    record = """import lora_llama.train as t
+    record = """import lora_llama.trainer as t
 _log = t.Trainer.log
 RSS = []
 def log(self, record):

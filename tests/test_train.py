@@ -8,8 +8,9 @@ import helpers
 from helpers import ROOT
 from lora_llama import load_adapter, load_model
 from lora_llama.cli import main
-from lora_llama.config import load_recipe
-from lora_llama.train import Trainer, train_from_recipe
+from lora_llama.recipe import load_recipe
+from lora_llama.train import train_from_recipe
+from lora_llama.trainer import Trainer
 
 QA = [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not to be"), ("the quick", "brown fox"),
       ("how are you", "i am fine"), ("the lazy", "dog"), ("hello", "world"), ("that is", "the question")]
