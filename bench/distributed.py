@@ -5,7 +5,7 @@ Random model with SmolLM2-135M shapes, the SmolLM2 tokenizer, Shakespeare as 512
 format), global batch 4 rows, LoRA r=16 on q,k,v,o,gate,up,down, float32. lora-llama runs through
 `lora-llama train` (what users run); its tokens/s is the median over the logged steps after the first.
 The peer is transformers' LlamaForCausalLM + peft in a plain loop (DistributedDataParallel when on 2
-processes) over random rows of the same shape. The last line printed is one JSON object.
+processes) over random rows of the same shape. The figures go to bench/results/distributed.jsonl.
 """
 import argparse
 import json
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common import cpu_line, ROOT, random_checkpoint, scratch_dir
+from bench.common import ROOT, cpu_line, random_checkpoint, record, scratch_dir
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -74,7 +74,7 @@ def ours(folder: Path, out: Path, nproc: int, strategy: str, steps: int, seq: in
 
 
 def peer(folder: Path, nproc: int, steps: int, seq: int) -> float:
-    worker = [str(Path(__file__).resolve()), "--worker", str(folder), "--steps", str(steps), "--seq", str(seq),
+    worker = ["-m", "bench.distributed", "--worker", str(folder), "--steps", str(steps), "--seq", str(seq),
               "--per-rank", str(4 // nproc)]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] + worker
            if nproc > 1 else [sys.executable] + worker)
@@ -108,8 +108,10 @@ def main():
               flush=True)
     rows = {k: v for k, v in table.items() if isinstance(k, str)}
     one = rows["1 process x 2 threads"]["lora_llama"]
-    print(json.dumps({"ratios_vs_peer": {k: round(v["ratio"], 3) for k, v in rows.items()},
-                      "two_processes_vs_one": {k: round(v["lora_llama"] / one, 3) for k, v in rows.items()}}))
+    record("distributed", {"tokens_per_s": {k: {"lora_llama": round(v["lora_llama"], 1), "peer": round(v["peer"], 1)}
+                                            for k, v in rows.items()},
+                           "ratios_vs_peer": {k: round(v["ratio"], 3) for k, v in rows.items()},
+                           "two_processes_vs_one": {k: round(v["lora_llama"] / one, 3) for k, v in rows.items()}})
 
 
 if __name__ == "__main__":

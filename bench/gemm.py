@@ -5,12 +5,11 @@ their input gradients (gy·W, W passed transposed as a view), and one chunk of t
 vocabulary projection. Prints GFLOP/s of each and their ratio; the last line is JSON.
 """
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 
-from common import median_time  # also puts the repository on sys.path
+from bench.common import cpu_line, median_time, record
 from lora_llama import gemm
 
 SHAPES = {  # name: (rows, in, out)
@@ -29,8 +28,9 @@ def main():
     torch.set_num_threads(2)
     if gemm._ONEDNN is None:
         raise SystemExit("this torch build has no oneDNN linear: gemm.linear is F.linear here")
+    print(cpu_line())
     print(f"{'':<24}{'F.linear':>10}{'oneDNN':>10}{'ratio':>7}   GFLOP/s, 2 threads, float32")
-    ratios = {}
+    ratios, gflops = {}, {}
     for name, (n, k, m) in SHAPES.items():
         x, w, gy = torch.randn(n, k), torch.randn(m, k), torch.randn(n, m)
         flops = 2 * n * k * m
@@ -38,8 +38,9 @@ def main():
             mkl = flops / median_time(lambda: F.linear(*args), a.repeats) / 1e9
             onednn = flops / median_time(lambda: gemm.linear(*args), a.repeats) / 1e9
             ratios[label] = round(onednn / mkl, 2)
+            gflops[label] = {"F.linear": round(mkl), "onednn": round(onednn)}
             print(f"{label:<24}{mkl:>10.0f}{onednn:>10.0f}{onednn / mkl:>7.2f}")
-    print(json.dumps({"min_ratio": min(ratios.values()), "max_ratio": max(ratios.values())}))
+    record("gemm", {"gflops": gflops, "min_ratio": min(ratios.values()), "max_ratio": max(ratios.values())})
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import torch
 
-from common import cpu_line, random_checkpoint, scratch_dir, status_mb
-from train_step import TARGETS, build, memory_mb, stepper
+from bench.common import ROOT, cpu_line, random_checkpoint, record, scratch_dir, status_mb
+from bench.train_step import TARGETS, build, memory_mb, stepper
 
 CONFIGS = {"lora-llama": ("lora-llama", False), "lora-llama checkpointing": ("lora-llama", True),
            "transformers+peft": ("transformers+peft", False),
@@ -70,9 +70,9 @@ def worker(config: str, ckpt: str, seq: int, steps: int, opts) -> dict:
 
 
 def run(config: str, ckpt: Path, seq: int, steps: int, a) -> dict:
-    cmd = [sys.executable, __file__, "--worker", config, "--ckpt", str(ckpt), "--seq", str(seq), "--steps", str(steps),
+    cmd = [sys.executable, "-m", "bench.long_context", "--worker", config, "--ckpt", str(ckpt), "--seq", str(seq), "--steps", str(steps),
            "--device", a.device, "--precision", a.precision, "--budget-gb", str(a.budget_gb), "--threads", str(a.threads)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
     lines = r.stdout.strip().splitlines()
     if r.returncode == 3 or (lines and json.loads(lines[-1]).get("over_budget")):
         return {"over_budget": True}
@@ -136,7 +136,8 @@ def main():
     if a.max_longest:
         print(f"longest length within {a.budget_gb:g} GB (checkpointing on both sides):")
         summary["longest"] = {side: longest(f"{side} checkpointing", ckpt, a) for side in ("lora-llama", "transformers+peft")}
-    print(json.dumps(summary))
+    summary["rows"] = {f"{seq} {config}": r for (seq, config), r in rows.items()}
+    record("long_context", summary)
 
 
 if __name__ == "__main__":

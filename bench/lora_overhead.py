@@ -4,12 +4,11 @@ SmolLM2-135M shapes, random weights, float32, 2 threads. Ratios are to the base 
 Targets: merged / base = 1.00 ± 0.03, unmerged / base ≤ 1.10.
 """
 import argparse
-import json
 import statistics
 
 import torch
 
-from common import median_time, random_checkpoint
+from bench.common import cpu_line, median_time, random_checkpoint, record
 
 from lora_llama import LoraSettings, apply_lora, load_model
 from lora_llama.lora import lora_modules
@@ -40,10 +39,13 @@ def main():
         for name, m in (("base", model), ("unmerged", adapted), ("merged", merged_model)):
             times[name].append(median_time(lambda: m(x), 1, warmup=0 if times[name] else 1))
     base, unmerged, merged = (statistics.median(times[k]) for k in ("base", "unmerged", "merged"))
+    print(cpu_line())
     print(f"{'variant':<12}{'ms':>10}{'ratio':>8}")
     for name, t in (("base", base), ("unmerged", unmerged), ("merged", merged)):
         print(f"{name:<12}{t * 1e3:>10.1f}{t / base:>8.3f}")
-    print(json.dumps({"unmerged_ratio": round(unmerged / base, 3), "merged_ratio": round(merged / base, 3)}))
+    record("lora_overhead", {"forward_ms": {"base": round(base * 1e3, 1), "unmerged": round(unmerged * 1e3, 1),
+                                            "merged": round(merged * 1e3, 1)},
+                             "unmerged_ratio": round(unmerged / base, 3), "merged_ratio": round(merged / base, 3)})
 
 
 if __name__ == "__main__":

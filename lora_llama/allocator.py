@@ -7,9 +7,9 @@ their own mappings; each page of that memory is then faulted in and zeroed afres
 back varies from run to run with where its heap's top lands). Settings (mallopt): blocks up to 32 MB come from the
 heap (glibc's own upper bound for its adaptive threshold; larger ones keep their mappings), up to 1 GB of free heap
 top is kept, and the heap grows 256 MB at a time (address space; pages count once used).
-Measured (bench-shaped step, 4 alternating runs each, AMD EPYC, 2 threads): faults per step down to 10-1,100, bf16
-step 2.62 -> 2.47 s, float32 4.49 -> 4.35 s (medians), peak resident memory unchanged (bf16: 1.78-1.86 GB by default,
-1.79-1.82 GB with the settings). Between steps the process stays at its peak (a training process reaches it again next step anyway).
+On a bench-shaped step (AMD EPYC, 2 threads) the settings take the faults per step to 10-1,100 and the step time
+down 3-6% (bf16 2.62 -> 2.47 s, float32 4.49 -> 4.35 s), peak resident memory unchanged. Between steps the process
+stays at its peak (a training process reaches it again next step anyway).
 Other allocators (jemalloc, tcmalloc through LD_PRELOAD) or the user's own MALLOC_* settings are left alone.
 """
 from __future__ import annotations

@@ -51,7 +51,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
 def _amx_flash_forward():
     """aten's CPU flash forward where it beats the blocked one: bf16 on a CPU with AMX-BF16, its tiles on AMX
     (per layer, 4x512, GQA 9:3, Xeon with AMX: 3.8 vs 7.8-16 ms; the bf16 step 7% faster, paired). Without AMX
-    it was the slower one (AMD EPYC Zen 5, AVX512_BF16: 16-19 vs 12.5 ms). None elsewhere, or where this torch's
+    it is the slower one (AMD EPYC Zen 5, AVX512_BF16: 16-19 vs 12.5 ms). None elsewhere, or where this torch's
     kernel does not read k/v with fewer heads (GQA)."""
     if "AMX_BF16" not in cpu_bf16_instructions():
         return None

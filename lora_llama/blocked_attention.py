@@ -4,11 +4,10 @@ Forward and backward go a block of BLOCK query positions at a time, over tiles o
 head, batch row) group at a time with all the query heads that share it as the rows of one product, through oneDNN
 (gemm.linear: 2-3x MKL's batched GEMM on these shapes here). Keys a block cannot see are skipped; forward keeps a
 running max and sum per row (the online softmax) and returns the log-sum-exp, from which backward recomputes the
-probabilities, so nothing of size T x T is ever built. Scores are in base 2 (exp2 runs ~4x faster than exp here),
+probabilities, so nothing of size T x T is ever built. Scores are in base 2 (exp2 runs ~4x faster than exp on the CPU),
 and backward works on keys-first tiles so that the subtractions of lse and delta ride on the products as their bias
-(in bf16 as two extra operand columns). Measured here (forward+backward per layer, SmolLM2 shapes, float32, 2
-threads; SDPA's / ours): 4x512 53 / 34 ms, 1x2048 151 / 69 ms, 1x4096 563 / 267 ms, 1x8192 2102 / 915 ms
-(bfloat16, a later run on a slower day, float32 there 59 / 37 and 158 / 79: 4x512 49 / 26, 1x2048 113 / 67). In
+(in bf16 as two extra operand columns). Forward+backward per layer (SmolLM2 shapes, float32, 2 threads, AMD EPYC;
+SDPA's / ours): 4x512 53 / 34 ms, 1x2048 151 / 69 ms, 1x4096 563 / 267 ms, 1x8192 2102 / 915 ms. In
 bfloat16 the scores and softmax are float32 (forward's q·kᵀ is never rounded before the exponential; from torch 2.9
 on it runs as oneDNN bf16 products with float32 output, exact for bf16 values) and the other products take bf16 with
 float32 sums (backward's with lse and delta subtracted before their output is rounded); bf16 forward and backward
@@ -101,7 +100,7 @@ class _Layout:
 def _hidden(offset: int, queries: int, keys: int, rep: int, keys_first: bool, dtype: torch.dtype) -> torch.Tensor:
     """(queries·rep, keys), or its transpose (keys_first): -inf where key j lies after query i (the queries
     starting `offset` positions after the keys, each row repeated for the rep heads), else 0. Added to the
-    scores, contiguous: a broadcast masked_fill over the heads ran ~13x slower here."""
+    scores, contiguous: a broadcast masked_fill over the heads runs ~13x slower."""
     later = torch.arange(keys)[None] > torch.arange(offset, offset + queries)[:, None]  # (queries, keys)
     bias = torch.zeros(later.shape, dtype=dtype).masked_fill_(later, float("-inf"))
     bias = bias[:, None].expand(queries, rep, keys).reshape(queries * rep, keys)
@@ -135,7 +134,7 @@ def _tn(a, b):  # aᵀ·b, as (bᵀ·a)ᵀ: oneDNN reads the small bᵀ contiguo
 def forward(q, k, v):
     """out (B, H, T, d) in q's dtype and the base-2 log-sum-exp (B, H, T) of plain causal attention.
 
-    Per block of queries, over tiles of keys: scores in base 2 (exp2 runs ~4x faster than exp here), the online
+    Per block of queries, over tiles of keys: scores in base 2 (exp2 runs ~4x faster than exp on the CPU), the online
     softmax rescaling the running sum and output when a row spans tiles. Float: one group at a time, the
     scale·log2(e) folded into q. bf16: q·kᵀ in float32 from bf16 values, so it runs exactly as a bf16 product
     with float32 sums and output (`_bf16_sums`), batched over groups like the backward; the scale is applied

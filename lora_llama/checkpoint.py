@@ -64,8 +64,7 @@ def gguf_cache_key(gguf: Path) -> tuple[str, Path]:
     """The cache key of a GGUF file's contents, and the small file that remembers it for this path.
 
     Keyed by content, not by path: every new virtual environment installs the same file at a new path,
-    and a path key had added a full float32 copy per environment (37 copies of SmolLM2, 18 GB, on the
-    dev machine). The content hash is remembered per (path, size, mtime), so a hit does not re-read a
+    and a path key would add a full float32 copy per environment (514 MB for SmolLM2). The content hash is remembered per (path, size, mtime), so a hit does not re-read a
     multi-GB file; a file changed in place gets a new mtime and is hashed again.
     """
     stat = gguf.stat()

@@ -147,7 +147,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, ranks: Ranks) ->
 def check_global_batch(saved: dict, train, world: int, ckpt_dir) -> None:
     """A resume continues the same data order only with the same global micro-batch (batch_size x
     processes) and grad_accum; another number of processes is fine when batch_size makes up for it."""
-    if "world_size" not in saved:  # written before the distributed trainer: one process
+    if "world_size" not in saved:  # a state without a process count comes from one process
         return
     before = saved["batch_size"] * saved["world_size"]
     if before == train.batch_size * world and saved["grad_accum"] == train.grad_accum:

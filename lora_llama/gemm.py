@@ -1,7 +1,6 @@
 """x·Wᵀ for float32 and bfloat16 on the CPU through oneDNN, where PyTorch would call MKL's sgemm.
 
-MKL picks its kernels by CPU vendor (pytorch/pytorch#38412): on the AMD EPYC this
-project is measured on, its sgemm runs at about 175 GFLOP/s with 2 threads, where
+MKL picks its kernels by CPU vendor: on AMD EPYC CPUs its sgemm runs at about 175 GFLOP/s with 2 threads, where
 oneDNN's JIT kernels, which PyTorch ships too and which pick by instruction set, run
 the same float32 products at about 380 (bench/gemm.py measures both; on Intel CPUs
 the two are expected to be close). The products with the frozen weights (the base
@@ -33,9 +32,21 @@ def _probe():
         return None
 
 
+def _supported_dtypes(op) -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN has a kernel for on this CPU: float32 always; bfloat16 (float32 accumulation, ~1.5x
+    F.linear's, bench/gemm.py) where the CPU has AVX-512 at least (on AVX2-only CPUs it has no bf16 primitive)."""
+    if op is None:
+        return ()
+    x, w = torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(4, 3, dtype=torch.bfloat16)
+    try:
+        bf16 = torch.equal(op(x, w, None, "none", [], ""), torch.full((2, 4), 3.0, dtype=torch.bfloat16))
+    except RuntimeError:
+        bf16 = False
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
 _ONEDNN = _probe()
-# bfloat16 too: oneDNN's bf16 kernels (float32 accumulation) beat F.linear's by ~1.5x here (bench/gemm.py)
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+ONEDNN_DTYPES = _supported_dtypes(_ONEDNN)
 
 
 # wrapped as our own op for torch.compile: inductor would lower oneDNN's op, which it supports for frozen graphs

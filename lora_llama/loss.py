@@ -18,7 +18,7 @@ from .gemm import linear
 
 IGNORE_INDEX = -100
 # logits per chunk, whatever the vocabulary size: 24 MB in float32, under glibc's 32 MB mmap limit, so a chunk's
-# buffers are reused from the heap instead of being page-faulted in afresh (64 MB chunks: ~15% slower here)
+# buffers are reused from the heap instead of being page-faulted in afresh (64 MB chunks: ~15% slower)
 CHUNK_ELEMENTS = 6 << 20
 # bf16 products: twice the rows (a 256-row vocabulary product ran at ~700 GFLOP/s here, a 128-row one at ~600; the
 # bf16 step 2.4% faster, the float32 one no faster with them); their float32 work still goes CHUNK_ELEMENTS at a time
@@ -79,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _logits(lm_head, h):
     """An adapted lm_head's logits in float32, from bf16 activations too: bf16 products round their output to
     8 bits (at |logit| ~ 20, steps of 0.125), which an adapted lm_head's growing logits turn into a worse fit
-    (measured: the overfit test's eval loss 0.45 vs 0.23 in float32). A frozen lm_head keeps the pretrained
+    (the overfit test's eval loss: 0.45 vs 0.23 in float32). A frozen lm_head keeps the pretrained
     scale, and its bf16 product (float32 accumulation, as under autocast) costs half the float32 one."""
     if h.dtype != torch.bfloat16:
         return lm_head(h).float()

@@ -20,18 +20,18 @@ def lora_scale(r: int, alpha: float, rslora: bool = False) -> float:
     return alpha / (r ** 0.5 if rslora else r)
 
 
-
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class LoraSettings(Settings):
-    r: int = Field(8, gt=0)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    targets: list[Target] = ["q", "k", "v", "o"]
-    layers: list[int] | None = None  # None: every decoder layer
-    rslora: bool = False  # scale alpha/sqrt(r) instead of alpha/r
+    """The adapters: which linears get y = W0·x + scale·B·A·x, and their rank and scale."""
+    r: int = Field(8, gt=0, description="rank of A (r x in) and B (out x r)")
+    alpha: float = Field(16.0, gt=0, description="scale numerator: the update is (alpha / r)·B·A")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input, in training only")
+    targets: list[Target] = Field(["q", "k", "v", "o"], description="linears to adapt: q, k, v, o, gate, up, down, lm_head")
+    layers: list[int] | None = Field(None, description="decoder layers to adapt (0-based); null: every layer")
+    rslora: bool = Field(False, description="rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r")
 
     @field_validator("targets")
     @classmethod
@@ -45,68 +45,76 @@ class LoraSettings(Settings):
         return lora_scale(self.r, self.alpha, self.rslora)
 
 
-# ---------------------------------------------------------------------------- recipe
-
-
 class ModelSection(Settings):
-    source: str = "smollm2-135m-instruct"  # HF folder, .gguf, Hub id or registered name
-    dtype: DType = "float32"
-    quantize: Literal[QUANTIZE_KINDS] | None = None
-    int8_threshold: float = Field(6.0, ge=0.0)  # LLM.int8() outlier threshold
-    device: str = "auto"  # auto: cuda when available, else cpu
+    """The base model."""
+    source: str = Field("smollm2-135m-instruct", description="HF model folder, .gguf file, Hub id or registered name")
+    dtype: DType = Field("float32", description="the frozen base's dtype under train.precision fp32")
+    quantize: Literal[QUANTIZE_KINDS] | None = Field(None, description="hold the frozen base in 8 bits (int8) or 4 (nf4)")
+    int8_threshold: float = Field(6.0, ge=0.0, description="LLM.int8()'s outlier threshold (quantize: int8)")
+    device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
 
 
 class DataSection(Settings):
-    source: str = "chatterbot-corpus"  # file, folder, Hub dataset id or registered name
-    # preference: prompt / chosen / rejected columns, for train.objective dpo or orpo
-    format: Literal["text", "alpaca", "chat", "preference", "auto"] = "chat"
-    max_seq_len: int = Field(256, gt=1)
-    val_size: float = Field(0.1, ge=0.0, lt=1.0)
-    val_source: str | None = None  # a separate validation source instead of a split
-    packing: bool = False
-    train_on_prompt: bool = False
-    # column names for sources whose columns differ, e.g. {"instruction": "question", "output": "answer"}
-    fields: dict[str, str] = {}
-    prompt_template: str | None = None  # for alpaca data on base models without a chat template
-    max_examples: int | None = Field(None, gt=0)
+    """The training data and how it becomes token ids and labels."""
+    source: str = Field("chatterbot-corpus", description="JSON/JSONL/CSV/Parquet/text file, folder, Hub dataset id "
+                        "or registered name (chatterbot-corpus, chatterbot-pairs, shakespeare)")
+    format: Literal["text", "alpaca", "chat", "preference", "auto"] = Field(
+        "chat", description="text, alpaca (instruction/input/output), chat (messages), preference "
+                            "(prompt/chosen/rejected, for train.objective dpo or orpo), auto (from the columns)")
+    max_seq_len: int = Field(256, gt=1, description="tokens per row; longer examples are cut")
+    val_size: float = Field(0.1, ge=0.0, lt=1.0, description="share of the records held out for eval")
+    val_source: str | None = Field(None, description="a separate validation source instead of a split")
+    packing: bool = Field(False, description="pack several examples into each row; attention stays inside each")
+    train_on_prompt: bool = Field(False, description="also take the loss on prompt tokens")
+    fields: dict[str, str] = Field({}, description="standard name -> your column, e.g. {instruction: question}")
+    prompt_template: str | None = Field(None, description="alpaca prompt for tokenizers without a chat template "
+                                        "({instruction}, {input})")
+    max_examples: int | None = Field(None, gt=0, description="use only the first N records")
 
 
 class DPOSettings(Settings):
-    beta: float = Field(0.1, gt=0)  # strength of the pull towards the reference (the base, adapter off)
-    loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss, or IPO's squared one (per-token average)
+    """Direct preference optimisation; the reference is the base with the adapter switched off."""
+    beta: float = Field(0.1, gt=0, description="strength of the pull towards the reference")
+    loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="sigmoid (DPO) or ipo (IPO's squared loss, "
+                                            "per-token average)")
 
 
 class ORPOSettings(Settings):
-    beta: float = Field(0.1, gt=0)  # weight of the odds-ratio term against the NLL (the paper's lambda; trl's beta)
+    """Odds-ratio preference optimisation: the chosen answers' NLL plus beta times the odds-ratio term."""
+    beta: float = Field(0.1, gt=0, description="weight of the odds-ratio term (the paper's lambda; trl's beta)")
 
 
 class TrainSection(Settings):
-    batch_size: int = Field(4, gt=0)
-    grad_accum: int = Field(1, gt=0)
-    lr: float = Field(3.0e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_steps: int | None = Field(300, gt=0)
-    epochs: float | None = Field(None, gt=0)
-    warmup_steps: int = Field(10, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    eval_every: int = Field(50, gt=0)
-    save_every: int = Field(100, gt=0)
-    keep_last: int = Field(2, gt=0)
-    log_every: int = Field(1, gt=0)
-    seed: int = 0
-    # true / block: keep only each block's input, recompute the block in backward; selective: also keep attention's output
-    gradient_checkpointing: Literal[False, True, "block", "selective"] = False
-    offload_activations: bool = False  # CUDA: what backward keeps waits in pinned host memory (no-op on CPU)
-    compile: bool = False
-    # several processes (torchrun): ddp replicates the frozen base, fsdp shards it; auto: ddp
-    distributed: Literal["auto", "ddp", "fsdp"] = "auto"
-    collective_timeout_s: float = Field(600.0, gt=0)  # a rank that waits longer on the others raises
-    precision: Literal[PRECISIONS] = "auto"  # auto: bf16-mixed on a GPU with bf16, a CPU with AVX512_BF16 / AMX
-    objective: Literal["sft", "dpo", "orpo"] = "sft"  # dpo / orpo: preference pairs (data.format preference)
-    dpo: DPOSettings = DPOSettings()
-    orpo: ORPOSettings = ORPOSettings()
+    """The optimisation: batch, schedule, checkpoints, memory, processes, precision, objective."""
+    batch_size: int = Field(4, gt=0, description="rows (or pairs) per micro-batch on each process")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimiser step")
+    lr: float = Field(3.0e-4, gt=0, description="AdamW's peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas")
+    max_steps: int | None = Field(300, gt=0, description="optimiser steps; null: train.epochs decides")
+    epochs: float | None = Field(None, gt=0, description="passes over the training data (used when max_steps is null)")
+    warmup_steps: int = Field(10, ge=0, description="linear warmup steps")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the gradients' global norm; null: no clipping")
+    eval_every: int = Field(50, gt=0, description="steps between evals (and at the last step)")
+    save_every: int = Field(100, gt=0, description="steps between checkpoints (and at the last step)")
+    keep_last: int = Field(2, gt=0, description="checkpoints kept")
+    log_every: int = Field(1, gt=0, description="steps between metric lines")
+    seed: int = Field(0, description="seeds the data order, the split, dropout and the adapter's init")
+    gradient_checkpointing: Literal[False, True, "block", "selective"] = Field(
+        False, description="true / block: keep each block's input, recompute the block in backward; selective: "
+                           "also keep attention's output")
+    offload_activations: bool = Field(False, description="CUDA: what backward keeps waits in pinned host memory")
+    compile: bool = Field(False, description="torch.compile each decoder block")
+    distributed: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="several processes: ddp replicates the frozen base, fsdp shards it; auto: fsdp when the "
+                            "base's weights exceed 80% of one GPU's memory, else ddp")
+    collective_timeout_s: float = Field(600.0, gt=0, description="a process that waits longer on the others raises")
+    precision: Literal[PRECISIONS] = Field("auto", description="fp32, bf16-mixed, or auto: bf16-mixed on a GPU with "
+                                           "bf16 and on a CPU with AVX512_BF16 or AMX, else fp32")
+    objective: Literal["sft", "dpo", "orpo"] = Field("sft", description="sft, or dpo / orpo on preference pairs")
+    dpo: DPOSettings = Field(DPOSettings(), description="settings of train.objective dpo")
+    orpo: ORPOSettings = Field(ORPOSettings(), description="settings of train.objective orpo")
 
     @model_validator(mode="after")
     def _one_length(self):
@@ -116,11 +124,13 @@ class TrainSection(Settings):
 
 
 class OutputSection(Settings):
-    dir: str = "runs/smollm2-chat"
-    push_to_hub: str | None = None  # USER/NAME: push the final adapter at the end of a successful run
+    """Where the run goes."""
+    dir: str = Field("runs/smollm2-chat", description="the run folder: checkpoints/, metrics.jsonl, loss.png, adapter/")
+    push_to_hub: str | None = Field(None, description="USER/NAME: push the final adapter after a successful run")
 
 
 class Recipe(Settings):
+    """A training recipe: five sections, every key with a default."""
     model: ModelSection = ModelSection()
     lora: LoraSettings = LoraSettings()
     data: DataSection = DataSection()

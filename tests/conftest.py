@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, build_checkpoint
+from helpers import build_checkpoint
 
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(2)

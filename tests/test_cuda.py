@@ -8,7 +8,7 @@ from helpers import hf_model
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.loss import target_loss
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 QA = [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not"), ("the quick", "brown fox"),
       ("how are you", "i am fine"), ("the lazy", "dog"), ("hello", "world"), ("that is", "the question")]

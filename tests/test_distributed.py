@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from helpers import ROOT, chat_file
 from lora_llama.cli import main
 
+pytestmark = pytest.mark.distributed
 RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
 # examples of clearly different lengths, so padding differs between one batch of 4 and two of 2.
 # lr 1e-3: Adam turns float-order noise in near-zero gradients into steps of about lr (3e-5 at lr 1e-2)

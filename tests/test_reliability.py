@@ -160,7 +160,7 @@ def test_a_failed_merge_write_leaves_nothing(tiny_ckpt, data, tmp_path, monkeypa
 def test_a_failed_cache_write_leaves_nothing(smollm2, tmp_path, monkeypatch, capsys):
     import safetensors.torch
     # transformers' modeling_utils binds save_file when first imported: imported before the patch, it keeps the real
-    # one (else this test, run first, broke every later checkpoint save in the session)
+    # one (else this test, run first, would break every later checkpoint save of the pytest run)
     importlib.import_module("transformers.modeling_utils")
 
     monkeypatch.setenv("LORA_LLAMA_CACHE", str(tmp_path / "cache"))
