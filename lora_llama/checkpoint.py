@@ -142,8 +142,7 @@ def load_tokenizer(source: str | os.PathLike):
     return tok
 
 
-def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = None, device="cpu",
-               int8_threshold: float = 6.0):
+def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = None, device="cpu"):
     """Build the native `Llama` from any accepted source (device "auto": CUDA when present).
 
     The model is built on the `meta` device and each shard's tensors are assigned
@@ -170,12 +169,14 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
                 raise UserError(f"{file.name}: unexpected tensor {key!r} for a {args.model_type} model")
             if shard[key].shape != expected[key]:
                 raise UserError(f"{file.name}: {key} has shape {tuple(shard[key].shape)}, config.json implies {tuple(expected[key])}")
-            shard[key] = shard[key].to(device=device, dtype=dtype)
+            # a linear to be quantized is quantized from the checkpoint's own precision, not from dtype's rounding
+            keep = quantize and key.endswith("_proj.weight") and key.startswith("model.layers.")
+            shard[key] = shard[key].to(device=device, dtype=None if keep else dtype)
             seen.add(key)
         model.load_state_dict(shard, strict=False, assign=True)
         del shard
         if quantize:
-            quantize_loaded_linears(model, quantize, threshold=int8_threshold, device=device)
+            quantize_loaded_linears(model, quantize)
             release_freed_memory()  # the shard's full-precision weights are gone now
     if args.tie_word_embeddings:
         model.tie_weights()

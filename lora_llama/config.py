@@ -44,7 +44,7 @@ TARGET_MODULES = {
 HF_NAME = {t: path.rsplit(".", 1)[-1] for t, path in TARGET_MODULES.items()}  # q -> q_proj: PEFT's target_modules
 DECODER_TARGETS = tuple(t for t in TARGET_MODULES if t != "lm_head")  # the seven linears of a block ("all-linear")
 Target = Literal[tuple(TARGET_MODULES)]
-QUANTIZE_KINDS = ("int8", "nf4")  # frozen base weights through bitsandbytes (nf4: CUDA only)
+QUANTIZE_KINDS = ("int8", "nf4")  # frozen decoder linears held weight-only in 8 or 4 bits (quant.py)
 PRECISIONS = ("fp32", "bf16-mixed", "auto")  # train.precision; what each means: precision.py
 
 

@@ -24,6 +24,7 @@ from .files import atomic_file, read_config, refuse_existing, write_text_atomic
 from .generate import stop_token_ids
 from .gguf_vocab import build_tokenizer, copy_tokenizer
 from .merge import Merger
+from .registry import local_model_name
 
 GGUF_TYPES = ("f16", "bf16", "q8_0")
 # our family -> llama.cpp architecture; llama.cpp's own converter writes Mistral as llama too
@@ -240,7 +241,7 @@ def export_lora_gguf(adapter: str | os.PathLike, out: str | os.PathLike, base: s
     if not Path(adapter).is_dir():
         raise UserError(f"adapter folder not found: {adapter}")
     deltas, scale, cfg = adapter_deltas(adapter)
-    base = base or cfg.get("base_model_name_or_path")
+    base = base or (cfg.get("base_model_name_or_path") and local_model_name(cfg["base_model_name_or_path"]))
     if not base:
         raise UserError(f"{adapter}: adapter_config.json names no base model; pass --base")
     args = ModelArgs.from_hf_config(read_config(resolve_source(base)))

@@ -91,7 +91,7 @@ class _FrozenLinear(torch.autograd.Function):
 def run_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x), with a plain nn.Linear's products through `linear` when nothing needs its weights' gradients.
 
-    Layers with hooks, under autocast, or of other types (LoRA, bitsandbytes) are called as modules.
+    Layers with hooks, under autocast, or of other types (LoRA, quantized) are called as modules.
     """
     if (type(layer) is nn.Linear and not (layer._forward_hooks or layer._forward_pre_hooks)
             and not torch.is_autocast_enabled(x.device.type)):

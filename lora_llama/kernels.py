@@ -164,12 +164,19 @@ def recompute_when_saved(tensor: torch.Tensor, recompute, active: bool = True):
         yield
 
 
+def _weight(source, dtype) -> torch.Tensor:
+    """A frozen weight, or a quantized layer's weight dequantized into dtype just for the product at hand."""
+    return source if isinstance(source, torch.Tensor) else source.dequantize(dtype)
+
+
 class _SharedInputLoRA(torch.autograd.Function):
     """y_i = x·W_iᵀ + b_i + s_i·(x·A_iᵀ)·B_iᵀ with W_i frozen, for layers reading one x; params: (W_i, b_i, A_i, B_i)*.
 
     Forward reads x once for all A (stacked) and saves only x and a = x·[A_1; A_2; ...]ᵀ.
     Backward does no work for the W_i and writes the whole input gradient into one buffer
     (Σ gy_i·W_i, then += ga·[A_i]), where autograd allocates one per path and adds them.
+    A W_i may be a quantized layer (anything with `dequantize(dtype)`): its weight is dequantized for the
+    forward product and again for the input gradient, never kept.
     """
 
     @staticmethod
@@ -180,9 +187,10 @@ class _SharedInputLoRA(torch.autograd.Function):
         a = linear(x, lora_a.to(x.dtype))  # (N, Σr)
         ends = list(itertools.accumulate(p[3].shape[1] for p in layers))
         ctx.cols = [slice(e - p[3].shape[1], e) for e, p in zip(ends, layers)]  # layer i's columns of a
-        ys = [linear(x, w0, bias).addmm_(a[:, cols], lora_b.to(x.dtype).t(), alpha=scale)  # (N, out_i)
+        ys = [linear(x, _weight(w0, x.dtype), bias).addmm_(a[:, cols], lora_b.to(x.dtype).t(), alpha=scale)  # (N, out_i)
               for (w0, bias, _, lora_b), cols, scale in zip(layers, ctx.cols, scales)]
-        ctx.save_for_backward(x, a, lora_a, *params)
+        ctx.layers = {i: p for i, p in enumerate(params) if p is not None and not isinstance(p, torch.Tensor)}
+        ctx.save_for_backward(x, a, lora_a, *[None if i in ctx.layers else p for i, p in enumerate(params)])
         ctx.scales = scales
         ctx.set_materialize_grads(False)  # an output outside the loss gets None, not a zero-filled gradient
         return tuple(ys)
@@ -190,6 +198,7 @@ class _SharedInputLoRA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads_y):
         x, a, lora_a, *params = ctx.saved_tensors
+        params = [ctx.layers.get(i, p) for i, p in enumerate(params)]
         dtype = x.dtype  # of the products; the gradients of A and B are returned in their own dtype
         need = ctx.needs_input_grad[2:]  # per params entry
         grads, grad_x = [None] * len(params), None
@@ -203,7 +212,7 @@ class _SharedInputLoRA(torch.autograd.Function):
                 # B_i: (out_i, r) = gyᵀ·a, as (aᵀ·gy)ᵀ: a product over the N rows goes to oneDNN as small·(big view)ᵀ
                 grads[4 * i + 3] = linear(a[:, cols].t().contiguous(), gy.t()).t().to(lora_b.dtype).mul_(scale)
             if ctx.needs_input_grad[0]:
-                gx = linear(gy, params[4 * i].t())  # gy·W_i
+                gx = linear(gy, _weight(params[4 * i], dtype).t())  # gy·W_i
                 grad_x = gx if grad_x is None else grad_x.add_(gx)
         reached = [gy is not None and need[4 * i + 2] for i, gy in enumerate(grads_y)]
         if any(reached):

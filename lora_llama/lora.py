@@ -6,10 +6,10 @@
 
 A starts Kaiming-uniform (as nn.Linear), B starts at zero, so training begins at
 exactly the base model. `scale` is alpha/r, or alpha/sqrt(r) with rslora. The
-base layer may be an nn.Linear or a bitsandbytes 8-bit/4-bit linear: forward only
-calls it, never reads its weight. Merging folds ΔW = scale·B·A into W0 (`fold`).
+base layer may be an nn.Linear or a frozen 8-bit / 4-bit `QuantizedLinear`. Merging
+folds ΔW = scale·B·A into W0 (`fold`).
 
-On the common path (plain frozen base, no dropout) a layer offers its products as one
+On the common path (a frozen base, plain or quantized, and no dropout) a layer offers its products as one
 fused autograd node (`low_rank_node`, run by kernels.py), alone or with the layers that
 share its input (q, k, v; gate, up).
 
@@ -30,6 +30,7 @@ from .errors import UserError
 from .files import read_tensors
 from .gemm import run_linear
 from .kernels import low_rank_linears
+from .quant import QuantizedLinear
 
 
 def init_lora_a(w: torch.Tensor) -> None:
@@ -75,12 +76,14 @@ class LoRALinear(nn.Module):
         self.disabled = False  # the base output only (see `adapters_disabled`)
 
     def fused(self, x: torch.Tensor) -> bool:
-        """Whether the layer can run as one autograd node: plain frozen float base, no dropout, x in the base's
-        dtype, A and B in it too or in float32 (bf16-mixed: float32 masters, cast for the products)."""
+        """Whether the layer can run as one autograd node: a frozen base (plain in x's dtype, or quantized and
+        dequantized into it), no dropout, A and B in x's dtype or in float32 (bf16-mixed: float32 masters, cast
+        for the products)."""
         base = self.base_layer
-        return (type(base) is nn.Linear and type(self.lora_dropout) is nn.Identity
-                and not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
-                and x.dtype == base.weight.dtype and self.lora_A.weight.dtype == self.lora_B.weight.dtype
+        plain = type(base) is nn.Linear and not base.weight.requires_grad and x.dtype == base.weight.dtype
+        return ((plain or type(base) is QuantizedLinear) and type(self.lora_dropout) is nn.Identity
+                and (base.bias is None or (not base.bias.requires_grad and base.bias.dtype == x.dtype))
+                and x.is_floating_point() and self.lora_A.weight.dtype == self.lora_B.weight.dtype
                 and self.lora_A.weight.dtype in (x.dtype, torch.float32)
                 and not torch.is_autocast_enabled(x.device.type))
 
@@ -88,7 +91,9 @@ class LoRALinear(nn.Module):
         """(W0, b, A, B, scale) for kernels' fused node, or None when this layer must run on its own."""
         if self.merged or self.disabled or not self.fused(x):
             return None
-        return self.base_layer.weight, self.base_layer.bias, self.lora_A.weight, self.lora_B.weight, self.scale
+        base = self.base_layer
+        w0 = base if type(base) is QuantizedLinear else base.weight  # a quantized one dequantizes inside the node
+        return w0, base.bias, self.lora_A.weight, self.lora_B.weight, self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or self.disabled:
@@ -100,7 +105,7 @@ class LoRALinear(nn.Module):
             return y.view(*x.shape[:-1], self.out_features)
         y = run_linear(self.base_layer, x2)  # (N, out)
         a = self.lora_A(self.lora_dropout(x2).to(self.lora_A.weight.dtype))  # (N, r)
-        if type(self.base_layer) is nn.Linear and y.dtype == a.dtype == self.lora_B.weight.dtype:  # not under autocast
+        if type(self.base_layer) in (nn.Linear, QuantizedLinear) and y.dtype == a.dtype == self.lora_B.weight.dtype:
             # y += scale·a·Bᵀ in place: no full-width temporaries for B·a, its scaling and the sum
             # (safe for autograd: a linear's backward never reads its own output)
             y.addmm_(a, self.lora_B.weight.t(), alpha=self.scale)

@@ -1,10 +1,14 @@
-"""Frozen 8-bit (and 4-bit) base linears through bitsandbytes.
+"""Frozen base linears held in 8 or 4 bits, weight-only: activations are never quantized.
 
-The decoder blocks' linears become `Linear8bitLt` (LLM.int8(): int8 weights with
-per-row scales, outlier features above `threshold` kept in 16-bit) while the
-model loads, one shard at a time, so the full-precision model never exists.
-Embeddings, norms and lm_head stay in the compute dtype. LoRA wraps these
-layers unchanged: it calls them, never reads their weight.
+    int8  one scale per output row: scale = absmax(row) / 127, q = round(w / scale) in [-127, 127]
+    nf4   QLoRA's NormalFloat-4 codebook (bitsandbytes' 16 values), blocks of 64 consecutive weights in
+          row-major order with one float32 absmax each; two codes a byte, the first in the high nibble
+
+A `QuantizedLinear` keeps its codes and scales as plain buffers, so they move between devices, save to
+safetensors and shard on dim 0 like any tensor. Its weight is dequantized just in time, in the input's
+dtype, for each product: in forward, and again in backward for the input gradient, so no dequantized
+copy outlives the product that used it and nothing but the input is saved for backward. The model is
+quantized while it loads, one shard at a time, so the full-precision model never exists.
 """
 from __future__ import annotations
 
@@ -13,86 +17,170 @@ import torch.nn as nn
 
 from .config import DECODER_TARGETS, HF_NAME, QUANTIZE_KINDS
 from .errors import UserError
+from .gemm import linear
 
 DECODER_LINEARS = tuple(HF_NAME[t] for t in DECODER_TARGETS)  # q_proj ... down_proj
+INT8_MAX = 127
+NF4_BLOCK = 64
+# bitsandbytes' NF4 codebook (quantiles of N(0, 1), QLoRA), sorted
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+            0.7229568362236023, 1.0)
 
 
-def _bnb():
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        raise UserError("quantize needs bitsandbytes: pip install bitsandbytes") from None
-    return bnb
-
-
-def check_supported(kind: str, device) -> None:
+def check_kind(kind: str) -> None:
     if kind not in QUANTIZE_KINDS:
         raise UserError(f"unknown quantize {kind!r} (use {' or '.join(QUANTIZE_KINDS)})")
-    if kind == "nf4" and torch.device(device).type != "cuda":
-        # bitsandbytes' 4-bit CPU path fails in eval mode when out_features % 32 != 0, and a backward
-        # after that silently returns no input gradient: refuse rather than train wrong adapters
-        raise UserError("quantize nf4 needs a CUDA GPU (bitsandbytes' 4-bit CPU path is unreliable); use int8 on CPU")
 
 
-def quantize_linear(linear: nn.Linear, kind: str, threshold: float = 6.0, device="cpu") -> nn.Module:
-    """A frozen bitsandbytes copy of a float nn.Linear."""
-    bnb = _bnb()
-    w = linear.weight.data
+# ---------------------------------------------------------------------------- the formats
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 (out, in), scale float32 (out,)) with w ≈ q · scale per row."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / INT8_MAX
+    q = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """q · scale in float32, rounded once into dtype (a mixed int8·float32 multiply runs ~10x slower)."""
+    return q.to(torch.float32).mul_(scale[:, None]).to(dtype)
+
+
+def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, absmax float32) as bitsandbytes' quantize_4bit(blocksize=64, quant_type="nf4") makes them:
+    rows of in/2 bytes and in/64 blocks when in is a multiple of 64 (so both shard on dim 0), else flat."""
+    flat = w.reshape(-1).float()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, -n % NF4_BLOCK)).view(-1, NF4_BLOCK)  # zeros leave a max unchanged
+    absmax = blocks.abs().amax(dim=1)
+    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1).view(-1)[:n + n % 2]
+    code = torch.tensor(NF4_CODE, device=w.device)
+    idx = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+    packed = (idx[0::2] << 4) | idx[1::2]
+    if w.dim() == 2 and w.shape[1] % NF4_BLOCK == 0:
+        return packed.view(w.shape[0], -1), absmax.view(w.shape[0], -1)
+    return packed, absmax
+
+
+@torch.no_grad()
+def _pair_table(device) -> torch.Tensor:
+    """(256, 2): the two code values of every byte, so one lookup decodes a byte."""
+    code = torch.tensor(NF4_CODE, device=device)
+    byte = torch.arange(256, device=device)
+    return torch.stack([code[byte >> 4], code[byte & 15]], dim=1)
+
+
+_TABLES: dict = {}
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
+    table = _TABLES.get(packed.device)
+    if table is None:
+        table = _TABLES[packed.device] = _pair_table(packed.device)
+    values = torch.nn.functional.embedding(packed.reshape(-1).int(), table).view(-1)  # (bytes x 2,)
+    n = torch.Size(shape).numel()
+    if values.numel() % NF4_BLOCK == 0:
+        values = values.view(-1, NF4_BLOCK).mul_(absmax.reshape(-1, 1)).view(-1)
+    else:  # a last, partial block
+        values = torch.nn.functional.pad(values, (0, -values.numel() % NF4_BLOCK)).view(-1, NF4_BLOCK)
+        values = values.mul_(absmax.reshape(-1, 1)).view(-1)
+    return values[:n].view(shape).to(dtype)
+
+
+def dequantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """dequant(quant(W)) in float32: the weight a `kind` base multiplies with (what `merge --onto dequantized` uses)."""
+    check_kind(kind)
     if kind == "int8":
-        q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                has_fp16_weights=False, threshold=threshold, device="meta")
-        q.weight = bnb.nn.Int8Params(w.to("cpu"), requires_grad=False, has_fp16_weights=False)
-    else:
-        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                              compute_dtype=w.dtype, quant_type="nf4", device="meta")
-        q.weight = bnb.nn.Params4bit(w.to("cpu"), requires_grad=False, quant_type="nf4")
-    if linear.bias is not None:
-        q.bias = nn.Parameter(linear.bias.data, requires_grad=False)
-    return q.to(device)  # moving Int8Params / Params4bit is what quantises them
+        return dequantize_int8(*quantize_int8(weight))
+    return dequantize_nf4(*quantize_nf4(weight), weight.shape)
 
 
-def quantize_loaded_linears(model, kind: str, threshold: float = 6.0, device="cpu") -> None:
-    """Quantise every decoder linear whose weight has been loaded (is no longer on `meta`)."""
-    check_supported(kind, device)
+# ---------------------------------------------------------------------------- the layer
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen linear y = x·dequant(W)ᵀ + b whose weight is held as int8 or nf4 codes and float32 scales."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str, codes: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        check_kind(kind)
+        self.in_features, self.out_features, self.kind = in_features, out_features, kind
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear, kind: str) -> "QuantizedLinear":
+        w = layer.weight.detach()
+        codes, scales = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
+        bias = layer.bias.detach() if layer.bias is not None else None
+        return cls(layer.in_features, layer.out_features, kind, codes, scales, bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The codes: not a float tensor, so nothing mistakes them for a weight to merge into or train."""
+        return self.codes
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The (out, in) weight in `dtype`, computed afresh."""
+        if self.kind == "int8":
+            return dequantize_int8(self.codes, self.scales, dtype)
+        return dequantize_nf4(self.codes, self.scales, (self.out_features, self.in_features), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return _QuantizedProduct.apply(x, self, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+class _QuantizedProduct(torch.autograd.Function):
+    """x·dequant(W)ᵀ + b: the weight dequantized for the forward product and again for the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, layer, bias):
+        ctx.layer = layer
+        return linear(x, layer.dequantize(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        return linear(grad, ctx.layer.dequantize(grad.dtype).t()), None, None
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def quantize_loaded_linears(model, kind: str) -> None:
+    """Replace every decoder linear whose weight has been loaded (is no longer on `meta`) by its quantized copy."""
+    check_kind(kind)
     for block in model.model.layers:
         for parent in (block.self_attn, block.mlp):
             for name in DECODER_LINEARS:
                 lin = getattr(parent, name, None)
                 if type(lin) is nn.Linear and lin.weight.device.type != "meta" and \
                         (lin.bias is None or lin.bias.device.type != "meta"):
-                    setattr(parent, name, quantize_linear(lin, kind, threshold, device))
-
-
-def dequantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    """dequant(quant(W)) in float32: the weight a layer quantised by `quantize_linear` multiplies with,
-    computed by bitsandbytes' own functions on the state it keeps (int8: per-row absmax; nf4: blocks of 64)."""
-    bnb = _bnb()
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    lin.weight.data = weight.detach().to(torch.float32)
-    q = quantize_linear(lin, kind)
-    if kind == "int8":
-        return bnb.functional.int8_vectorwise_dequant(q.weight.CB, q.weight.SCB).float()
-    return bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).float()
+                    setattr(parent, name, QuantizedLinear.from_linear(lin, kind))
 
 
 def tensor_bytes(module: nn.Module) -> int:
-    """Bytes a module holds in parameters and buffers (int8 weights + their scales, for bitsandbytes)."""
-    total = sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))
-    total += sum(t.numel() * t.element_size() for t in module.buffers(recurse=False))
-    scb = getattr(module.weight, "SCB", None)  # LLM.int8() row scales live on the weight
-    quant_state = getattr(module.weight, "quant_state", None)
-    if scb is not None:
-        total += scb.numel() * scb.element_size()
-    if quant_state is not None:
-        total += quant_state.absmax.numel() * quant_state.absmax.element_size()
-    return total
+    """Bytes a module holds in its own parameters and buffers (codes and scales, for a quantized layer)."""
+    own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    return sum(t.numel() * t.element_size() for t in own)
 
 
 def base_weight_bytes(model, decoder_linears_only: bool = False) -> int:
     """Bytes held by the frozen base weights (LoRA A/B excluded); a tied weight is counted once."""
     seen, total = set(), 0
     for name, module in model.named_modules():
-        w = module._parameters.get("weight")
+        w = module._parameters.get("weight", module._buffers.get("codes"))
         if w is None or "lora_" in name or id(w) in seen:
             continue
         if decoder_linears_only and name.removesuffix(".base_layer").rsplit(".", 1)[-1] not in DECODER_LINEARS:

@@ -49,8 +49,8 @@ class ModelSection(Settings):
     """The base model."""
     source: str = Field("smollm2-135m-instruct", description="HF model folder, .gguf file, Hub id or registered name")
     dtype: DType = Field("float32", description="the frozen base's dtype under train.precision fp32")
-    quantize: Literal[QUANTIZE_KINDS] | None = Field(None, description="hold the frozen base in 8 bits (int8) or 4 (nf4)")
-    int8_threshold: float = Field(6.0, ge=0.0, description="LLM.int8()'s outlier threshold (quantize: int8)")
+    quantize: Literal[QUANTIZE_KINDS] | None = Field(None, description="hold the frozen decoder linears in 8 bits "
+                                                     "(int8: a scale per row) or 4 (nf4: QLoRA's, blocks of 64)")
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
 
 

@@ -63,6 +63,13 @@ def base_model_id(source: str) -> str:
     return m.hub_id if m else str(source)
 
 
+def local_model_name(name: str) -> str:
+    """A registered model's short name for its Hub id when its package is installed (an adapter names its base by
+    the Hub id; the package's copy needs no download), else the name as given."""
+    short = next((k for k, m in REGISTERED_MODELS.items() if m.hub_id == name), None)
+    return short if short and importlib.util.find_spec(REGISTERED_MODELS[short].package) else name
+
+
 def registered_model(name_or_hub_id: str) -> RegisteredModel | None:
     """The registered model known by this short name or Hub id, if any."""
     return REGISTERED_MODELS.get(name_or_hub_id) or next(

@@ -99,7 +99,7 @@ def _choose_strategy(recipe, ranks: Ranks, device: str) -> str:
     strategy = choose_strategy(recipe.train.distributed, ranks, device, weight_bytes, bool(recipe.model.quantize))
     if ranks.world > 1 and strategy == "fsdp":
         if recipe.model.quantize:
-            raise UserError("train.distributed=fsdp cannot shard bitsandbytes' quantised weights; "
+            raise UserError("train.distributed=fsdp cannot shard a quantized base yet; "
                             "use train.distributed=ddp with model.quantize, or fsdp without it")
         if "lm_head" in recipe.lora.targets:  # the chunked loss runs lm_head outside the model's backward
             raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head")
@@ -117,7 +117,7 @@ def _adapted_model(recipe, precision: str, device: str):
     """The base in the precision's dtype with the recipe's adapters; returns (model, apply_lora's summary)."""
     m = recipe.model
     model = load_model(m.source, dtype=base_dtype(precision, torch_dtype(m.dtype)), quantize=m.quantize,
-                       device=device, int8_threshold=m.int8_threshold)
+                       device=device)
     summary = apply_lora(model, recipe.lora)
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
     model.offload_activations = recipe.train.offload_activations

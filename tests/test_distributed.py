@@ -188,7 +188,7 @@ def test_bad_recipe_fails_before_any_process_starts(tmp_path, capsys):
 
 
 def test_fsdp_refuses_int8_and_an_adapted_lm_head_before_training(tiny_ckpt, data, tmp_path):
-    for extra, message in ((["model.quantize=int8"], "cannot shard bitsandbytes"),
+    for extra, message in ((["model.quantize=int8"], "cannot shard a quantized base"),
                            (["lora.targets=[q,v,lm_head]"], "lm_head is not supported")):
         code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "run", 2, "train.distributed=fsdp", *extra))
         errors = [l for l in err.splitlines() if l.startswith("lora-llama train: error")]
