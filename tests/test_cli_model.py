@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from helpers import ROOT, hf_model
@@ -94,6 +95,7 @@ def test_eval_loss_equals_transformers(tiny_ckpt, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == out
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_matches_transformers_and_knows_paris(smollm2):
     from transformers import AutoModelForCausalLM
 

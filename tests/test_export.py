@@ -184,6 +184,7 @@ def test_lora_gguf_holds_the_adapter_in_the_model_files_layout(tmp_path):
         assert torch.allclose(merged[name] - plain[name], delta, atol=2e-3 * float(delta.abs().max()) + 1e-3), name
 
 
+@pytest.mark.slow
 def test_smollm2_with_adapter(smollm2, tmp_path):
     """A GGUF base: its tokenizer is copied; the merged model, in f16 and q8_0 (size within 2% of the tensors' own)."""
     from gguf import GGUFReader

@@ -177,6 +177,7 @@ def test_save_refuses_to_overwrite(tiny_ckpt, tmp_path):
     save_adapter(model, tmp_path / "a", force=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["checkpointing", "compile", "offload"])
 def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, variant, monkeypatch):
     """train.gradient_checkpointing, train.compile and train.offload_activations against the plain eager step."""

@@ -110,6 +110,7 @@ print(json.dumps({"main": after[main_tid] - before[main_tid],
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2 or not sys.platform.startswith("linux"),
                     reason="needs two cores and Linux's per-thread CPU times")
+@pytest.mark.slow
 def test_compiled_formulas_use_every_thread_whatever_size_compiled_them(tmp_path):
     """A compiled loop first seen on a tiny input still splits a large one over the threads (inductor would
     otherwise leave it serial, and keep it so in its disk cache for every later run)."""

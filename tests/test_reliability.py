@@ -64,6 +64,7 @@ t.Trainer.train_step = lambda self: (time.sleep(0.15), _step(self))[1]
 """
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_the_rerun_matches_bit_for_bit(tiny_ckpt, data, tmp_path):
     *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "full"))
     assert code == 0
@@ -85,6 +86,7 @@ def test_sigterm_checkpoints_and_the_rerun_matches_bit_for_bit(tiny_ckpt, data, 
     assert losses(tmp_path / "full") == losses(tmp_path / "cut")  # metrics.jsonl continues without repeats
 
 
+@pytest.mark.slow
 def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tiny_ckpt, data, tmp_path):
     *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "full"))
     kill_at_8 = """import lora_llama.run_folder as rf, lora_llama.trainer as t
@@ -157,6 +159,7 @@ def test_a_failed_merge_write_leaves_nothing(tiny_ckpt, data, tmp_path, monkeypa
     assert [p.name for p in tmp_path.iterdir() if "merged" in p.name] == []
 
 
+@pytest.mark.slow
 def test_a_failed_cache_write_leaves_nothing(smollm2, tmp_path, monkeypatch, capsys):
     import safetensors.torch
     # transformers' modeling_utils binds save_file when first imported: imported before the patch, it keeps the real
@@ -270,6 +273,7 @@ def test_broken_index_and_gguf_name_the_file(tiny_ckpt, smollm2, tmp_path, capsy
         assert name in err and one_error_line(err), err
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_over_300_steps(tiny_ckpt, data, tmp_path):
     """RSS after each logged step; growth from step 50 (warm) to step 300 under 5%."""
     record = """import lora_llama.trainer as t

@@ -182,6 +182,7 @@ def test_finished_run_is_not_overwritten_without_force(tiny_ckpt, tmp_path, caps
     assert main(args + ["--force", "lora.r=4"]) == 0
 
 
+@pytest.mark.slow
 def test_default_recipe_runs_three_steps(smollm2, tmp_path):
     import subprocess
     import sys
