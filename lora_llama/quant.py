@@ -3,6 +3,8 @@
     int8  one scale per output row: scale = absmax(row) / 127, q = round(w / scale) in [-127, 127]
     nf4   QLoRA's NormalFloat-4 codebook (bitsandbytes' 16 values), blocks of 64 consecutive weights in
           row-major order with one float32 absmax each; two codes a byte, the first in the high nibble
+    q8_0, q4_0, q4_1   a GGUF file's own blocks of 32 (`quantize: source`), kept byte for byte as the file
+          has them: a float16 scale d (and minimum m) and 8- or 4-bit codes: d·q, d·(q - 8), d·q + m
 
 A `QuantizedLinear` keeps its codes and scales as plain buffers, so they move between devices, save to
 safetensors and shard on dim 0 like any tensor. Its weight is dequantized just in time, in the input's
@@ -29,9 +31,15 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             0.7229568362236023, 1.0)
 
 
-def check_kind(kind: str) -> None:
-    if kind not in QUANTIZE_KINDS:
-        raise UserError(f"unknown quantize {kind!r} (use {' or '.join(QUANTIZE_KINDS)})")
+# GGUF block formats kept as they are: bytes per block of GGUF_BLOCK weights
+GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+GGUF_BLOCK = 32
+LAYER_KINDS = ("int8", "nf4", *GGUF_BLOCK_BYTES)
+
+
+def check_kind(kind: str, kinds=QUANTIZE_KINDS) -> None:
+    if kind not in kinds:
+        raise UserError(f"unknown quantize {kind!r} (use {' or '.join(kinds)})")
 
 
 # ---------------------------------------------------------------------------- the formats
@@ -91,9 +99,25 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torc
     return values[:n].view(shape).to(dtype)
 
 
+def dequantize_gguf(kind: str, rows: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """(out, in) weights from a GGUF tensor's rows of blocks (out, blocks x bytes), as ggml dequantizes them."""
+    blocks = rows.view(rows.shape[0], -1, GGUF_BLOCK_BYTES[kind])  # (out, nb, bytes)
+    d = blocks[..., 0:2].view(torch.float16).float()  # (out, nb, 1)
+    if kind == "q8_0":
+        w = blocks[..., 2:].view(torch.int8).float().mul_(d)
+    else:
+        nibbles = blocks[..., 2 if kind == "q4_0" else 4:]  # weight j in the low nibble of byte j, j + 16 in the high
+        w = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
+        w = w.sub_(8).mul_(d) if kind == "q4_0" else w.mul_(d).add_(blocks[..., 2:4].view(torch.float16).float())
+    return w.view(rows.shape[0], -1).to(dtype)
+
+
 def dequantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    """dequant(quant(W)) in float32: the weight a `kind` base multiplies with (what `merge --onto dequantized` uses)."""
+    """dequant(quant(W)) in float32: the weight a `kind` base multiplies with (what `merge --onto dequantized` uses).
+    For `source` the base's weights are the GGUF file's blocks already dequantized: W itself."""
     check_kind(kind)
+    if kind == "source":
+        return weight.float()
     if kind == "int8":
         return dequantize_int8(*quantize_int8(weight))
     return dequantize_nf4(*quantize_nf4(weight), weight.shape)
@@ -108,7 +132,7 @@ class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, kind: str, codes: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None):
         super().__init__()
-        check_kind(kind)
+        check_kind(kind, LAYER_KINDS)
         self.in_features, self.out_features, self.kind = in_features, out_features, kind
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
@@ -130,6 +154,8 @@ class QuantizedLinear(nn.Module):
         """The (out, in) weight in `dtype`, computed afresh."""
         if self.kind == "int8":
             return dequantize_int8(self.codes, self.scales, dtype)
+        if self.kind in GGUF_BLOCK_BYTES:  # the scales live inside the blocks
+            return dequantize_gguf(self.kind, self.codes, dtype)
         return dequantize_nf4(self.codes, self.scales, (self.out_features, self.in_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +186,7 @@ class _QuantizedProduct(torch.autograd.Function):
 
 def quantize_loaded_linears(model, kind: str) -> None:
     """Replace every decoder linear whose weight has been loaded (is no longer on `meta`) by its quantized copy."""
-    check_kind(kind)
+    check_kind(kind, ("int8", "nf4"))
     for block in model.model.layers:
         for parent in (block.self_attn, block.mlp):
             for name in DECODER_LINEARS:

@@ -49,8 +49,9 @@ class ModelSection(Settings):
     """The base model."""
     source: str = Field("smollm2-135m-instruct", description="HF model folder, .gguf file, Hub id or registered name")
     dtype: DType = Field("float32", description="the frozen base's dtype under train.precision fp32")
-    quantize: Literal[QUANTIZE_KINDS] | None = Field(None, description="hold the frozen decoder linears in 8 bits "
-                                                     "(int8: a scale per row) or 4 (nf4: QLoRA's, blocks of 64)")
+    quantize: Literal[QUANTIZE_KINDS] | None = Field(
+        None, description="hold the frozen decoder linears in 8 bits (int8: a scale per row), 4 (nf4: QLoRA's, blocks "
+                          "of 64), or as a GGUF base's own blocks (source: Q8_0, Q4_0, Q4_1)")
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
 
 

@@ -188,3 +188,33 @@ def test_loading_peak_memory_below_fp32_size(tmp_path, kind):
     grown = peak_growth(setup, f"model = load_model(sys.argv[1], quantize='{kind}')", base)
     print(f"{kind} load grew {grown / 1e6:.1f} MB, float32 checkpoint {fp32_size / 1e6:.1f} MB")
     assert grown < 0.75 * fp32_size, (grown, fp32_size)  # the quantized linears, the float embeddings, one shard
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_dequantize_as_ggml_does(kind):
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from lora_llama.quant import dequantize_gguf
+
+    x = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32) * 0.1
+    blocks = quants.quantize(x, GGMLQuantizationType[kind])
+    ours = dequantize_gguf(kind.lower(), torch.from_numpy(blocks))
+    assert np.array_equal(ours.numpy(), quants.dequantize(blocks, GGMLQuantizationType[kind]))
+
+
+def test_source_keeps_the_gguf_blocks_and_gives_the_dequantized_models_logits(smollm2):
+    float_model, source = load_model("smollm2-135m-instruct"), load_model("smollm2-135m-instruct", quantize="source")
+    q_proj = source.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is QuantizedLinear and q_proj.kind == "q4_1"  # the file's own Q4_1 blocks, q rows reordered
+    assert base_weight_bytes(source, True) < 0.16 * base_weight_bytes(float_model, True)  # 20 bytes / 32 weights
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(source(x), float_model(x))
+
+
+def test_source_needs_a_gguf_base(tiny_ckpt):
+    from lora_llama import UserError
+
+    with pytest.raises(UserError, match="not a GGUF base"):
+        load_model(tiny_ckpt, quantize="source")
