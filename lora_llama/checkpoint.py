@@ -142,7 +142,8 @@ def load_tokenizer(source: str | os.PathLike):
     return tok
 
 
-def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = None, device="cpu"):
+def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = None, device="cpu",
+               nf4_double_quant: bool = False):
     """Build the native `Llama` from any accepted source (device "auto": CUDA when present).
 
     The model is built on the `meta` device and each shard's tensors are assigned
@@ -178,7 +179,7 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
         model.load_state_dict(shard, strict=False, assign=True)
         del shard
         if quantize in ("int8", "nf4"):
-            quantize_loaded_linears(model, quantize)
+            quantize_loaded_linears(model, quantize, nf4_double_quant)
             release_freed_memory()  # the shard's full-precision weights are gone now
     install_blocks(model, blocks, device)
     if args.tie_word_embeddings:

@@ -53,13 +53,15 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _trained_quantize(args) -> str | None:
-    """--quantize, or the model.quantize of the run the adapter comes from (run/adapter, run/checkpoints/step-N/adapter)."""
+def _trained_quantize(args) -> dict:
+    """quantize= and double_quant= for merge / export: --quantize (and --nf4-double-quant), or the model.quantize
+    (and model.nf4_double_quant) of the run the adapter comes from (run/adapter, run/checkpoints/step-N/adapter)."""
     if args.quantize or args.onto != "dequantized" or not args.adapter:
-        return args.quantize
+        return {"quantize": args.quantize, "double_quant": args.nf4_double_quant}
     from .run_folder import read_run_recipe, run_of_adapter
 
-    return (read_run_recipe(run_of_adapter(args.adapter)).get("model") or {}).get("quantize")
+    model = read_run_recipe(run_of_adapter(args.adapter)).get("model") or {}
+    return {"quantize": model.get("quantize"), "double_quant": bool(model.get("nf4_double_quant"))}
 
 
 def _warnings_to_stderr(call):
@@ -77,7 +79,7 @@ def cmd_merge(args) -> int:
     from .merge import merge_checkpoint
 
     result = _warnings_to_stderr(lambda: merge_checkpoint(args.base, args.adapter, args.out, dtype=args.dtype,
-                                                          force=args.force, onto=args.onto, quantize=_trained_quantize(args)))
+                                                          force=args.force, onto=args.onto, **_trained_quantize(args)))
     print(f"merged into {result['out']}: {result['shards']} shards, {result['bytes'] / 1e6:.1f} MB "
           f"in {result['seconds']:.1f} s")
     return 0
@@ -95,7 +97,7 @@ def cmd_export(args) -> int:
     if not args.base or not args.out:
         raise UserError("export needs --base and --out FILE.gguf (or --adapter and --lora-gguf FILE.gguf)")
     r = _warnings_to_stderr(lambda: export_gguf(args.base, args.out, adapter=args.adapter, out_type=args.type,
-                                                force=args.force, onto=args.onto, quantize=_trained_quantize(args)))
+                                                force=args.force, onto=args.onto, **_trained_quantize(args)))
     print(f"wrote {r['out']}: {r['tensors']} tensors, {r['bytes'] / 1e6:.1f} MB ({args.type}) in {r['seconds']:.1f} s; "
           f"{r['modelfile']} for `ollama create`")
     return 0
@@ -180,6 +182,7 @@ def _onto_args(sp):
                          "the weights an adapter trained on an int8 / nf4 base saw")
     sp.add_argument("--quantize", choices=list(QUANTIZE_KINDS),
                     help="for --onto dequantized (default: model.quantize of the adapter's run folder)")
+    sp.add_argument("--nf4-double-quant", action="store_true", help="with --quantize nf4: its absmax in 8 bits")
 
 
 def _add_train(sub):

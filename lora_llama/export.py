@@ -164,7 +164,8 @@ def _atomic_gguf(writer, out: Path, write_tensors) -> int:
 
 
 def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | None = None, out_type: str = "f16",
-                force: bool = False, onto: str = "original", quantize: str | None = None, progress: bool = True) -> dict:
+                force: bool = False, onto: str = "original", quantize: str | None = None, progress: bool = True,
+                double_quant: bool = False) -> dict:
     """Write base (+ adapter, merged) as one GGUF file, and an Ollama Modelfile beside it."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
@@ -177,7 +178,7 @@ def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | 
     _check_out(out, force)
     modelfile = out.with_name("Modelfile")
     refuse_existing(modelfile, force)
-    merger = Merger(base, adapter, onto, quantize)
+    merger = Merger(base, adapter, onto, quantize, double_quant)
     args = ModelArgs.from_hf_config(merger.config)
     names = TensorNames(args)
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[names.arch])

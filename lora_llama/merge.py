@@ -51,7 +51,7 @@ class Merger:
     Without an adapter, the base's own tensors come out unchanged."""
 
     def __init__(self, base: str, adapter: str | os.PathLike | None = None, onto: str = "original",
-                 quantize: str | None = None):
+                 quantize: str | None = None, double_quant: bool = False):
         if onto not in ONTO:
             raise UserError(f"unknown --onto {onto!r} (use {' or '.join(ONTO)})")
         if onto == "dequantized" and quantize not in QUANTIZE_KINDS:
@@ -76,7 +76,7 @@ class Merger:
         if self.untie:
             self.config["tie_word_embeddings"] = False
         self.config.pop("quantization_config", None)
-        self.onto, self.quantize = onto, quantize
+        self.onto, self.quantize, self.double_quant = onto, quantize, double_quant
 
     def plan(self, sf) -> list[tuple[str, str]]:
         """(output name, source name) of an open shard: a tied lm_head with an adapter comes from the embedding."""
@@ -101,14 +101,15 @@ class Merger:
             w = sf.get_tensor(src)
             target_dtype = out_dtype or w.dtype
             if self.onto == "dequantized" and out_key.rsplit(".", 2)[-2] in DECODER_LINEARS and w.dim() == 2:
-                w = dequantized(w, self.quantize)
+                w = dequantized(w, self.quantize, self.double_quant)
             if out_key in self.deltas:
                 w = fold(w, *self.deltas[out_key], self.scale, inplace=True)
             yield out_key, w.to(target_dtype).contiguous()
 
 
 def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
-                     force: bool = False, progress: bool = True, onto: str = "original", quantize: str | None = None) -> dict:
+                     force: bool = False, progress: bool = True, onto: str = "original", quantize: str | None = None,
+                     double_quant: bool = False) -> dict:
     """Write base + adapter as one HF checkpoint in `out`; returns {"out", "bytes", "seconds", "shards"}."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
@@ -117,7 +118,7 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
     out_dtype = torch_dtype(dtype) if dtype else None
     out = Path(out)
     refuse_existing(out, force)
-    merger = Merger(base, adapter, onto, quantize)
+    merger = Merger(base, adapter, onto, quantize, double_quant)
     files, config = merger.files, merger.config
 
     def merge_shard(src_file: Path, dst_file: Path) -> tuple[list[str], int]:

@@ -2,7 +2,9 @@
 
     int8  one scale per output row: scale = absmax(row) / 127, q = round(w / scale) in [-127, 127]
     nf4   QLoRA's NormalFloat-4 codebook (bitsandbytes' 16 values), blocks of 64 consecutive weights in
-          row-major order with one float32 absmax each; two codes a byte, the first in the high nibble
+          row-major order with one float32 absmax each; two codes a byte, the first in the high nibble.
+          With double quantization the absmax values, less their mean, are stored in 8 bits (bitsandbytes'
+          dynamic map) in blocks of 256 with one float32 absmax each, as QLoRA does
     q8_0, q4_0, q4_1   a GGUF file's own blocks of 32 (`quantize: source`), kept byte for byte as the file
           has them: a float16 scale d (and minimum m) and 8- or 4-bit codes: d·q, d·(q - 8), d·q + m
 
@@ -58,20 +60,61 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
     return q.to(torch.float32).mul_(scale[:, None]).to(dtype)
 
 
+def _blockwise_scaled(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values / their block's absmax clamped to [-1, 1], absmax per block) as bitsandbytes computes them: full
+    blocks multiplied by 1 / absmax, a last partial block divided by its absmax."""
+    full = flat.numel() // block * block
+    blocks = flat[:full].view(-1, block)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1).view(-1)
+    if full < flat.numel():
+        last = flat[full:].abs().max().clamp(min=1e-38)
+        absmax, scaled = torch.cat([absmax, last[None]]), torch.cat([scaled, (flat[full:] / last).clamp_(-1, 1)])
+    return scaled, absmax
+
+
 def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8, absmax float32) as bitsandbytes' quantize_4bit(blocksize=64, quant_type="nf4") makes them:
     rows of in/2 bytes and in/64 blocks when in is a multiple of 64 (so both shard on dim 0), else flat."""
     flat = w.reshape(-1).float()
     n = flat.numel()
-    blocks = torch.nn.functional.pad(flat, (0, -n % NF4_BLOCK)).view(-1, NF4_BLOCK)  # zeros leave a max unchanged
-    absmax = blocks.abs().amax(dim=1)
-    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1).view(-1)[:n + n % 2]
+    scaled, absmax = _blockwise_scaled(flat, NF4_BLOCK)
+    scaled = torch.nn.functional.pad(scaled, (0, n % 2))  # two codes a byte
     code = torch.tensor(NF4_CODE, device=w.device)
     idx = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
     packed = (idx[0::2] << 4) | idx[1::2]
     if w.dim() == 2 and w.shape[1] % NF4_BLOCK == 0:
         return packed.view(w.shape[0], -1), absmax.view(w.shape[0], -1)
     return packed, absmax
+
+
+DOUBLE_QUANT_BLOCK = 256
+
+
+def dynamic_map() -> torch.Tensor:
+    """bitsandbytes' signed 8-bit dynamic map (`create_dynamic_map()`), computed as it computes it: 7 decades of
+    exponent, each with its share of linear fractions, plus 0 and 1, sorted."""
+    data = []
+    for i in range(7):
+        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist() + (-(10 ** (-6 + i)) * means).tolist()
+    return torch.tensor(sorted(data + [0, 1.0]), dtype=torch.float32)
+
+
+def quantize_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """nf4's double quantization: (codes uint8, second-level absmax float32, offset) of absmax - mean(absmax)."""
+    offset = absmax.mean()
+    scaled, absmax2 = _blockwise_scaled(absmax.reshape(-1) - offset, DOUBLE_QUANT_BLOCK)
+    code = dynamic_map().to(absmax.device)
+    codes = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+    return codes.view(absmax.shape), absmax2, offset
+
+
+def dequantize_absmax(codes: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    values = dynamic_map().to(codes.device)[codes.reshape(-1).long()]
+    values = torch.nn.functional.pad(values, (0, -values.numel() % DOUBLE_QUANT_BLOCK)).view(-1, DOUBLE_QUANT_BLOCK)
+    return (values * absmax2[:, None]).view(-1)[:codes.numel()].add_(offset).view(codes.shape)
 
 
 @torch.no_grad()
@@ -112,7 +155,7 @@ def dequantize_gguf(kind: str, rows: torch.Tensor, dtype=torch.float32) -> torch
     return w.view(rows.shape[0], -1).to(dtype)
 
 
-def dequantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
+def dequantized(weight: torch.Tensor, kind: str, double_quant: bool = False) -> torch.Tensor:
     """dequant(quant(W)) in float32: the weight a `kind` base multiplies with (what `merge --onto dequantized` uses).
     For `source` the base's weights are the GGUF file's blocks already dequantized: W itself."""
     check_kind(kind)
@@ -120,7 +163,10 @@ def dequantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
         return weight.float()
     if kind == "int8":
         return dequantize_int8(*quantize_int8(weight))
-    return dequantize_nf4(*quantize_nf4(weight), weight.shape)
+    codes, absmax = quantize_nf4(weight)
+    if double_quant:
+        absmax = dequantize_absmax(*quantize_absmax(absmax))
+    return dequantize_nf4(codes, absmax, weight.shape)
 
 
 # ---------------------------------------------------------------------------- the layer
@@ -139,11 +185,23 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear, kind: str) -> "QuantizedLinear":
+    def from_linear(cls, layer: nn.Linear, kind: str, double_quant: bool = False) -> "QuantizedLinear":
         w = layer.weight.detach()
         codes, scales = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
         bias = layer.bias.detach() if layer.bias is not None else None
-        return cls(layer.in_features, layer.out_features, kind, codes, scales, bias)
+        if not (kind == "nf4" and double_quant):
+            return cls(layer.in_features, layer.out_features, kind, codes, scales, bias)
+        scale_codes, absmax2, offset = quantize_absmax(scales)
+        q = cls(layer.in_features, layer.out_features, kind, codes, scale_codes, bias)
+        q.register_buffer("absmax2", absmax2)  # the scales' own scales and offset (double quantization)
+        q.register_buffer("offset", offset)
+        return q
+
+    def absmax(self) -> torch.Tensor:
+        """nf4's per-block absmax, dequantized from 8 bits first under double quantization."""
+        if hasattr(self, "absmax2"):
+            return dequantize_absmax(self.scales, self.absmax2, self.offset)
+        return self.scales
 
     @property
     def weight(self) -> torch.Tensor:
@@ -156,7 +214,7 @@ class QuantizedLinear(nn.Module):
             return dequantize_int8(self.codes, self.scales, dtype)
         if self.kind in GGUF_BLOCK_BYTES:  # the scales live inside the blocks
             return dequantize_gguf(self.kind, self.codes, dtype)
-        return dequantize_nf4(self.codes, self.scales, (self.out_features, self.in_features), dtype)
+        return dequantize_nf4(self.codes, self.absmax(), (self.out_features, self.in_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
@@ -184,7 +242,7 @@ class _QuantizedProduct(torch.autograd.Function):
 # ---------------------------------------------------------------------------- the model
 
 
-def quantize_loaded_linears(model, kind: str) -> None:
+def quantize_loaded_linears(model, kind: str, double_quant: bool = False) -> None:
     """Replace every decoder linear whose weight has been loaded (is no longer on `meta`) by its quantized copy."""
     check_kind(kind, ("int8", "nf4"))
     for block in model.model.layers:
@@ -193,7 +251,7 @@ def quantize_loaded_linears(model, kind: str) -> None:
                 lin = getattr(parent, name, None)
                 if type(lin) is nn.Linear and lin.weight.device.type != "meta" and \
                         (lin.bias is None or lin.bias.device.type != "meta"):
-                    setattr(parent, name, QuantizedLinear.from_linear(lin, kind))
+                    setattr(parent, name, QuantizedLinear.from_linear(lin, kind, double_quant))
 
 
 def tensor_bytes(module: nn.Module) -> int:

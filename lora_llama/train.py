@@ -117,7 +117,7 @@ def _adapted_model(recipe, precision: str, device: str):
     """The base in the precision's dtype with the recipe's adapters; returns (model, apply_lora's summary)."""
     m = recipe.model
     model = load_model(m.source, dtype=base_dtype(precision, torch_dtype(m.dtype)), quantize=m.quantize,
-                       device=device)
+                       device=device, nf4_double_quant=m.nf4_double_quant)
     summary = apply_lora(model, recipe.lora)
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
     model.offload_activations = recipe.train.offload_activations

@@ -9,7 +9,7 @@ from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, merge
 from lora_llama.lora import lora_modules
 from lora_llama.loss import target_loss
 from lora_llama.quant import (NF4_CODE, QuantizedLinear, base_weight_bytes, dequantize_int8, dequantize_nf4,
-                              dequantized, quantize_int8, quantize_nf4)
+                              dequantized, quantize_absmax, quantize_int8, quantize_nf4)
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -218,3 +218,33 @@ def test_source_needs_a_gguf_base(tiny_ckpt):
 
     with pytest.raises(UserError, match="not a GGUF base"):
         load_model(tiny_ckpt, quantize="source")
+
+
+def test_nf4_double_quant_against_bitsandbytes():
+    """The absmax values, less their mean, in bitsandbytes' 8-bit dynamic map over blocks of 256: the same offset and
+    second-level absmax; each code the map's nearest value (bitsandbytes' CPU kernel picks a neighbour for ~0.2%)."""
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    from lora_llama.quant import dynamic_map
+
+    assert torch.equal(dynamic_map(), bnb.create_dynamic_map())
+    w = torch.randn(300, 512, generator=torch.Generator().manual_seed(3)) * 0.05  # 2400 blocks: 9 of 256 and a rest
+    packed, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    _, absmax = quantize_nf4(w)
+    codes, absmax2, offset = quantize_absmax(absmax)
+    assert torch.equal(absmax2, state.state2.absmax) and torch.equal(offset, state.offset)
+    scaled = torch.cat([(absmax.reshape(-1) - offset)[i:i + 256] / absmax2[i // 256] for i in range(0, 2400, 256)])
+    nearest = (scaled[:, None] - dynamic_map()).abs().min(dim=1).values
+    assert torch.allclose((scaled - dynamic_map()[codes.reshape(-1).long()]).abs(), nearest, atol=1e-7)
+    assert rel(dequantized(w, "nf4", double_quant=True), bnb.dequantize_4bit(packed, state)) < 1e-3
+    lin = torch.nn.Linear(512, 300)
+    q = QuantizedLinear.from_linear(lin, "nf4", double_quant=True)
+    assert q.scales.dtype == torch.uint8 and torch.equal(q.dequantize(), dequantized(lin.weight, "nf4", True))
+
+
+def test_double_quant_needs_nf4():
+    from lora_llama import UserError
+    from lora_llama.recipe import load_recipe
+
+    with pytest.raises(UserError, match="nf4_double_quant needs model.quantize nf4"):
+        load_recipe(None, ["model.quantize=int8", "model.nf4_double_quant=true"])
+    assert load_recipe(None, ["model.quantize=nf4", "model.nf4_double_quant=true"]).model.nf4_double_quant
