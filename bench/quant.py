@@ -51,7 +51,7 @@ def main():
     if a.model == "llama-1.1b":
         kinds = KINDS[:3]
         model_args = [f"model.source={llama_1b_checkpoint(tmp / 'llama-1.1b')}", "data.max_seq_len=64",
-                      "data.val_size=0", "train.batch_size=4"]
+                      "data.val_size=0", "train.batch_size=2"]
     runs = {kind: [] for kind in kinds}
     for i in range(a.repeat):
         for kind in kinds:

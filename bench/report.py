@@ -94,9 +94,9 @@ def lora_overhead_rows(r: dict) -> list[tuple]:
 
 
 def merge_rows(r: dict) -> list[tuple]:
-    return [("merge a 4-shard base + adapter (peer: peft merge_and_unload)", f"{r['merge_s']['lora_llama']:.2f} s, "
+    return [("merge 4 shards + adapter (peer: peft merge_and_unload)", f"{r['merge_s']['lora_llama']:.2f} s, "
              f"{r['peak_growth_mb']['lora_llama']} MB", f"{r['merge_s']['peft']:.2f} s, {r['peak_growth_mb']['peft']} MB",
-             f"{r['merge_time_ratio']:.2f} (time), {r['merge_peak_memory_ratio']:.2f} (memory)")]
+             f"{r['merge_time_ratio']:.2f} time, {r['merge_peak_memory_ratio']:.2f} memory")]
 
 
 def int8_rows(r: dict) -> list[tuple]:
