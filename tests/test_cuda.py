@@ -1,5 +1,5 @@
 """The CUDA paths (skipped without a GPU): logits and LoRA gradients against transformers + peft on the GPU,
-bf16-mixed training there (what `auto` picks), int8 and nf4 bases through bitsandbytes' CUDA kernels, generate."""
+bf16-mixed training there (what `auto` picks), int8 and nf4 bases (weight-only, dequantized on the GPU), generate."""
 import pytest
 import torch
 
@@ -91,7 +91,7 @@ def test_quantized_bases_train_on_cuda(tiny_ckpt, tmp_path, kind):
                                           "lora.targets=[q,k,v,o,gate,up,down]"), log=lambda *_: None)
     print(f"{kind} on cuda: eval loss {result['eval_loss_start']:.4f} -> {result['eval_loss']:.4f} "
           f"(unquantised base: {plain['eval_loss']:.4f})")
-    # (measured on an H100: 5.706 -> 4.689 for int8, 4.698 for nf4)
+    # the quantized runs train to within 5% of the unquantized one
     assert result["eval_loss"] < 0.85 * result["eval_loss_start"] and result["eval_loss"] < 1.05 * plain["eval_loss"]
     from safetensors.torch import load_file
 
