@@ -15,7 +15,7 @@ from .errors import UserError
 from .files import (atomic_dir, iter_shards, make_tokenizer_config_portable, read_config, release_freed_memory,
                     write_json, write_text_atomic)
 from .model import Llama
-from .quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, QuantizedLinear, quantize_loaded_linears
+from .quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, REQUANTIZED, QuantizedLinear, quantize_loaded_linears
 from .registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
 
 CACHE_FORMAT = 2  # of the folders gguf_to_folder writes (2: portable config.json and tokenizer_config.json)
@@ -64,8 +64,9 @@ def gguf_cache_key(gguf: Path) -> tuple[str, Path]:
     """The cache key of a GGUF file's contents, and the small file that remembers it for this path.
 
     Keyed by content, not by path: every new virtual environment installs the same file at a new path,
-    and a path key would add a full float32 copy per environment (514 MB for SmolLM2). The content hash is remembered per (path, size, mtime), so a hit does not re-read a
-    multi-GB file; a file changed in place gets a new mtime and is hashed again.
+    and a path key would add a full float32 copy per environment (514 MB for SmolLM2). The content hash
+    is remembered per (path, size, mtime), so a hit does not re-read a multi-GB file; a file changed in
+    place gets a new mtime and is hashed again.
     """
     stat = gguf.stat()
     place = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
@@ -162,7 +163,7 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
     expected = {k: v.shape for k, v in model.state_dict().items()}
     blocks = gguf_linear_blocks(source, args) if quantize == "source" else {}
     seen: set[str] = {f"{path}.weight" for path in blocks}
-    for file, shard in iter_shards(folder, owned=quantize in ("int8", "nf4")):
+    for file, shard in iter_shards(folder, owned=quantize in REQUANTIZED):
         for key in list(shard):
             # old checkpoints store the RoPE buffer (it is derived); a GGUF's own blocks replace its dequantized copy
             if key.endswith("rotary_emb.inv_freq") or key in seen:
@@ -173,12 +174,12 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
             if shard[key].shape != expected[key]:
                 raise UserError(f"{file.name}: {key} has shape {tuple(shard[key].shape)}, config.json implies {tuple(expected[key])}")
             # a linear to be quantized is quantized from the checkpoint's own precision, not from dtype's rounding
-            keep = quantize and key.endswith("_proj.weight") and key.startswith("model.layers.")
+            keep = quantize in REQUANTIZED and key.endswith("_proj.weight") and key.startswith("model.layers.")
             shard[key] = shard[key].to(device=device, dtype=None if keep else dtype)
             seen.add(key)
         model.load_state_dict(shard, strict=False, assign=True)
         del shard
-        if quantize in ("int8", "nf4"):
+        if quantize in REQUANTIZED:
             quantize_loaded_linears(model, quantize, nf4_double_quant)
             release_freed_memory()  # the shard's full-precision weights are gone now
     install_blocks(model, blocks, device)

@@ -36,7 +36,8 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
 # GGUF block formats kept as they are: bytes per block of GGUF_BLOCK weights
 GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 GGUF_BLOCK = 32
-LAYER_KINDS = ("int8", "nf4", *GGUF_BLOCK_BYTES)
+REQUANTIZED = ("int8", "nf4")  # quantized from float weights while loading (source keeps a file's own blocks)
+LAYER_KINDS = (*REQUANTIZED, *GGUF_BLOCK_BYTES)
 
 
 def check_kind(kind: str, kinds=QUANTIZE_KINDS) -> None:
@@ -244,7 +245,7 @@ class _QuantizedProduct(torch.autograd.Function):
 
 def quantize_loaded_linears(model, kind: str, double_quant: bool = False) -> None:
     """Replace every decoder linear whose weight has been loaded (is no longer on `meta`) by its quantized copy."""
-    check_kind(kind, ("int8", "nf4"))
+    check_kind(kind, REQUANTIZED)
     for block in model.model.layers:
         for parent in (block.self_attn, block.mlp):
             for name in DECODER_LINEARS:
