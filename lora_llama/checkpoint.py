@@ -10,10 +10,10 @@ import hashlib
 import os
 from pathlib import Path
 
-from .config import ModelArgs, family_of, portable_hf_config
+from .config import DECODER_TARGETS, TARGET_MODULES, ModelArgs, family_of, portable_hf_config
 from .errors import UserError
-from .files import (atomic_dir, iter_shards, make_tokenizer_config_portable, read_config, release_freed_memory,
-                    write_json, write_text_atomic)
+from .files import (atomic_dir, iter_shards, make_tokenizer_config_portable, permute_rows, read_config,
+                    release_freed_memory, write_json, write_text_atomic)
 from .model import Llama
 from .quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, REQUANTIZED, QuantizedLinear, quantize_loaded_linears
 from .registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
@@ -195,39 +195,32 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
     return model.eval()
 
 
-# GGUF names of a block's linears -> their module paths in the native model
-GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
-
-
 def gguf_linear_blocks(source, args: ModelArgs) -> dict:
     """{module path: (kind, rows of blocks)} for the decoder linears a GGUF base stores as Q8_0, Q4_0 or Q4_1, read
-    from the file as they are (other types come from its dequantized copy). llama.cpp stores llama's q and k rows in
-    its interleaved RoPE order: they are put back in HF's rotate-half order, whole rows of blocks at a time."""
-    import re
-
+    from the file as they are (other types come from its dequantized copy), found by gguf's own HF -> GGUF name map.
+    llama.cpp stores llama's q and k rows in its interleaved RoPE order: they are put back in HF's order."""
+    import gguf as gg
     import numpy as np
     import torch
-    from gguf import GGUFReader
 
     gguf = gguf_file(source)
     if gguf is None:
         raise UserError(f"model.quantize source keeps a GGUF file's own blocks; {source} is not a GGUF base")
-    reader = GGUFReader(gguf)
+    reader = gg.GGUFReader(gguf)
     field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode()
+    arch = next(a for a, name in gg.MODEL_ARCH_NAMES.items() if name == bytes(field.parts[field.data[0]]).decode())
+    names, tensors = gg.get_tensor_name_map(arch, args.n_layers), {t.name: t for t in reader.tensors}
     found = {}
-    for t in reader.tensors:
-        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
-        kind = t.tensor_type.name.lower()
-        if not m or m[2] not in GGUF_LINEARS or kind not in GGUF_BLOCK_BYTES:
-            continue
-        rows = torch.from_numpy(np.array(t.data))  # (out, blocks x bytes), a copy of the quantized bytes only
-        if arch == "llama" and m[2] in ("attn_q", "attn_k"):
-            heads = args.n_heads if m[2] == "attn_q" else args.n_kv_heads
-            rows = rows.reshape(heads, -1, 2, rows.shape[1]).swapaxes(1, 2).reshape(rows.shape)
-        found[f"model.layers.{m[1]}.{GGUF_LINEARS[m[2]]}"] = (kind, rows)
+    for i in range(args.n_layers):
+        for target in DECODER_TARGETS:
+            path = f"model.layers.{i}.{TARGET_MODULES[target]}"
+            t = tensors.get(names.get_name(f"{path}.weight", try_suffixes=(".weight",)) or "")
+            if t is None or t.tensor_type.name.lower() not in GGUF_BLOCK_BYTES:
+                continue
+            rows = torch.from_numpy(np.array(t.data))  # (out, blocks x bytes), a copy of the quantized bytes only
+            if arch == gg.MODEL_ARCH.LLAMA and target in ("q", "k"):
+                rows = permute_rows(rows, args.n_heads if target == "q" else args.n_kv_heads, inverse=True)
+            found[path] = (t.tensor_type.name.lower(), rows)
     return found
 
 

@@ -20,7 +20,7 @@ import torch
 from .checkpoint import gguf_file, load_tokenizer, resolve_source
 from .config import ModelArgs, rope_inv_freq
 from .errors import UserError
-from .files import atomic_file, read_config, refuse_existing, write_text_atomic
+from .files import atomic_file, permute_rows, read_config, refuse_existing, write_text_atomic
 from .generate import stop_token_ids
 from .gguf_vocab import build_tokenizer, copy_tokenizer
 from .merge import Merger
@@ -52,12 +52,6 @@ def _check_out(out: Path, force: bool) -> None:
 
 def architecture(args: ModelArgs):
     return _gguf().MODEL_ARCH[ARCHITECTURES[args.model_type]]
-
-
-def permute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """HF's rotate-half row order of q or k -> the interleaved pairs llama.cpp's llama architecture rotates
-    (`LlamaModel.permute` in convert_hf_to_gguf.py); a bias is a tensor of one column."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 class TensorNames:
