@@ -98,11 +98,16 @@ def _commit() -> str:
     return head + ("-dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def _gpu() -> dict:
+    """The GPU's name where a run used one (`--device cuda`)."""
+    return {"gpu": torch.cuda.get_device_name()} if "cuda" in sys.argv and torch.cuda.is_available() else {}
+
+
 def record(name: str, figures: dict) -> dict:
     """Append one JSON line for this run to bench/results/NAME.jsonl (date, commit, machine, arguments, every
     figure) and print it."""
     line = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
-            **cpu_info(), "args": sys.argv[1:], **figures}
+            **cpu_info(), **_gpu(), "args": sys.argv[1:], **figures}
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / f"{name}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")

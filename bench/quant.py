@@ -19,8 +19,11 @@ from bench.common import ROOT, cpu_line, llama_1b_checkpoint, record, scratch_di
 
 KINDS = ("none", "int8", "nf4", "source")
 # runs the CLI in this process and reports its peak resident memory when it is done
-WRAPPER = ("import resource, sys\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
-           "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\nsys.exit(code)")
+# (and, on a GPU, the peak of CUDA memory allocated)
+WRAPPER = ("import resource, sys, torch\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
+           "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+           "print('GPU_PEAK_MB', torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0)\n"
+           "sys.exit(code)")
 
 
 def train(kind: str, out, a, model_args: list[str]) -> dict:
@@ -36,6 +39,7 @@ def train(kind: str, out, a, model_args: list[str]) -> dict:
     base_mb = float(re.search(r"base weights: ([\d.]+) MB", r.stdout)[1])  # the start-up line's frozen weights
     return {"tokens_per_s": statistics.median(steps or [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]),
             "peak_mb": int(r.stdout.split("PEAK_KB")[1].split()[0]) / 1024, "base_mb": base_mb,
+            **({"gpu_peak_mb": float(r.stdout.split("GPU_PEAK_MB")[1].split()[0])} if a.device == "cuda" else {}),
             "eval_loss_step_0": start[0] if start else None}
 
 
@@ -45,13 +49,16 @@ def main():
     ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-mixed"])
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "llama-1.1b"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="model.device (cuda: peak GPU memory too)")
+    ap.add_argument("--seq", type=int, default=64, help="data.max_seq_len of the 1.1B runs")
+    ap.add_argument("--batch", type=int, default=2, help="train.batch_size of the 1.1B runs")
     a = ap.parse_args()
     tmp = scratch_dir("lora-llama-quant-bench-")
-    kinds, model_args = KINDS, []
+    kinds, model_args = KINDS, [f"model.device={a.device}"]
     if a.model == "llama-1.1b":
         kinds = KINDS[:3]
-        model_args = [f"model.source={llama_1b_checkpoint(tmp / 'llama-1.1b')}", "data.max_seq_len=64",
-                      "data.val_size=0", "train.batch_size=2"]
+        model_args += [f"model.source={llama_1b_checkpoint(tmp / 'llama-1.1b')}", f"data.max_seq_len={a.seq}",
+                       "data.val_size=0", f"train.batch_size={a.batch}"]
     runs = {kind: [] for kind in kinds}
     for i in range(a.repeat):
         for kind in kinds:
@@ -59,16 +66,19 @@ def main():
     print(cpu_line())
     result = {kind: {k: None if rs[0][k] is None else round(statistics.median(r[k] for r in rs), 4) for k in rs[0]}
               for kind, rs in runs.items()}
-    print(f"{a.model}, default recipe's data, {a.steps} steps, precision {a.precision}, {a.repeat} interleaved runs each")
+    print(f"{a.model} on {a.device}, default recipe's data, {a.steps} steps, precision {a.precision}, "
+          f"{a.repeat} interleaved runs each")
     print(f"{'quantize':<10}{'tokens/s':>10}{'peak MB':>10}{'eval loss at step 0':>21}")
     for kind, r in result.items():
         print(f"{kind:<10}{r['tokens_per_s']:>10.0f}{r['peak_mb']:>10.0f}{r['eval_loss_step_0'] or float('nan'):>21.4f}")
-    none = result["none"]
+    none, peak = result["none"], "gpu_peak_mb" if a.device == "cuda" else "peak_mb"
     record("quant", {"runs": result, "tokens_per_s_vs_none": {k: round(r["tokens_per_s"] / none["tokens_per_s"], 3)
                                                               for k, r in result.items()},
                      "peak_memory_vs_none": {k: round(r["peak_mb"] / none["peak_mb"], 3) for k, r in result.items()},
+                     **({"gpu_peak_vs_none": {k: round(r["gpu_peak_mb"] / none["gpu_peak_mb"], 3) for k, r in result.items()}}
+                        if a.device == "cuda" else {}),
                      # how much of what quantizing saves on the frozen weights shows in the peak
-                     "peak_saving_share": {k: round((none["peak_mb"] - r["peak_mb"]) / (none["base_mb"] - r["base_mb"]), 3)
+                     "peak_saving_share": {k: round((none[peak] - r[peak]) / (none["base_mb"] - r["base_mb"]), 3)
                                            for k, r in result.items() if k != "none"}})
 
 

@@ -108,12 +108,13 @@ def int8_rows(r: dict) -> list[tuple]:
 
 def quant_rows(r: dict) -> list[tuple]:
     """Speed and peak against no quantization; the eval loss at step 0 (not measured on the 1.1B model)."""
-    none = r["runs"]["none"]
-    cell = lambda v: f"{v['tokens_per_s']:.0f} tok/s, {v['peak_mb']:.0f} MB"
+    none, gpu = r["runs"]["none"], "gpu_peak_vs_none" in r  # on a GPU, the peak of GPU memory
+    cell = lambda v: f"{v['tokens_per_s']:.0f} tok/s, {v['gpu_peak_mb' if gpu else 'peak_mb']:.0f} MB"
+    mem = r["gpu_peak_vs_none" if gpu else "peak_memory_vs_none"]
     evals = lambda v: f", eval {v['eval_loss_step_0']:.4f}" if v.get("eval_loss_step_0") is not None else ""
     model = "1.1B" if "llama-1.1b" in r["args"] else "default recipe"
     return [(f"{model}, {kind} vs none", cell(v), cell(none),
-             f"{r['tokens_per_s_vs_none'][kind]:.2f}x, {r['peak_memory_vs_none'][kind]:.2f} mem{evals(v)}")
+             f"{r['tokens_per_s_vs_none'][kind]:.2f}x, {mem[kind]:.2f} {'GPU ' if gpu else ''}mem{evals(v)}")
             for kind, v in r["runs"].items() if kind != "none"]
 
 
@@ -123,7 +124,7 @@ ROWS = {"quant": quant_rows, "train_step": train_step_rows, "long_context": long
 
 
 def machine(line: dict) -> str:
-    return f"{line['cpu']}, {line['cores']} cores, flags {' '.join(line['cpu_flags']) or 'none of note'}; torch {line['torch']}"
+    return f"{line['gpu'] + ' with ' if 'gpu' in line else ''}{line['cpu']}, {line['cores']} cores, flags {' '.join(line['cpu_flags']) or 'none of note'}; torch {line['torch']}"
 
 
 def table(names: tuple[str, ...]) -> str:

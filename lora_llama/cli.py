@@ -46,9 +46,10 @@ def cmd_train(args) -> int:
     result = train_from_recipe(recipe, resume=args.resume, force=args.force)
     if not _rank_0():  # rank 0 reports for the job
         return 0
-    if "eval_loss_start" in result and "eval_loss" in result:
-        print(f"eval loss {result['eval_loss_start']:.4f} (base model) -> {result['eval_loss']:.4f} "
-              f"(adapter, step {result['step']})")
+    for what in ("loss", "reward"):
+        if f"eval_{what}_start" in result and f"eval_{what}" in result:
+            print(f"eval {what} {result[f'eval_{what}_start']:.4f} (base model) -> {result[f'eval_{what}']:.4f} "
+                  f"(adapter, step {result['step']})")
     print(json.dumps(result))
     return 0
 

@@ -254,7 +254,8 @@ def split(records, val_size: float, seed: int):
     n_val = int(round(n * val_size)) if val_size else 0
     if val_size and n_val == 0 and n > 1:
         n_val = 1
-    return records.select(order[n_val:]), records.select(order[:n_val])
+    select = records.select if hasattr(records, "select") else lambda rows: [records[i] for i in rows]  # or a list
+    return select(order[n_val:]), select(order[:n_val])
 
 
 def load_splits(data, seed: int):

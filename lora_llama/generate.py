@@ -14,6 +14,12 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     """Pick the next token id from logits (B, vocab); temperature 0 means greedy."""
     if temperature <= 0:
         return logits.argmax(-1)
+    probs = filtered_logits(logits, temperature, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """float32 logits / temperature, -inf outside the top_k and outside the top_p nucleus."""
     logits = logits.float() / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
@@ -23,8 +29,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set whose mass reaches top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits
 
 
 @torch.inference_mode()

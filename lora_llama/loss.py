@@ -94,8 +94,9 @@ def _logits(lm_head, h):
     return y if lora_a is None else y.addmm_(F.linear(h32, lora_a.float()), lora_b.float().t(), alpha=scale)
 
 
-def _ce_chunk(lm_head, h, t, reduction="sum"):
-    return F.cross_entropy(_logits(lm_head, h), t, reduction=reduction)
+def _ce_chunk(lm_head, h, t, reduction="sum", temperature: float = 1.0):
+    logits = _logits(lm_head, h)
+    return F.cross_entropy(logits if temperature == 1.0 else logits / temperature, t, reduction=reduction)
 
 
 def linear_cross_entropy(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
@@ -135,16 +136,17 @@ def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None):
     return linear_cross_entropy(h, model.lm_head, targets), n
 
 
-def token_logps(model, input_ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps(model, input_ids, labels, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of every target token (N,), the (B, T-1) mask of where they are): what preference
-    objectives sum per row. The logits are built a chunk of targets at a time and recomputed in backward."""
+    objectives sum per row, and GRPO takes per token (from logits / temperature, the distribution sampled).
+    The logits are built a chunk of targets at a time and recomputed in backward: B x T x V never exists."""
     keep = target_mask(labels)
     targets = labels[:, 1:][keep]
     h = model(input_ids, keep=F.pad(keep, (0, 1)), hidden_only=True)  # (N, dim)
     rows = max(1, CHUNK_ELEMENTS // model.lm_head.out_features)
     chunks = [h.sum() * 0.0]  # keeps the graph (and fsdp's hooks) when there is no target
     for i in range(0, h.shape[0], rows):
-        chunk = (model.lm_head, h[i:i + rows], targets[i:i + rows], "none")
+        chunk = (model.lm_head, h[i:i + rows], targets[i:i + rows], "none", temperature)
         chunks.append(-(checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled()
                         else _ce_chunk(*chunk)))
     return (torch.cat(chunks[1:]) if len(chunks) > 1 else h.new_zeros(0, dtype=torch.float32)) + chunks[0], keep

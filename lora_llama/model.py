@@ -60,8 +60,10 @@ class RMSNorm(nn.Module):
 class KVCache:
     """Pre-allocated keys and values for incremental decoding, one pair per layer."""
 
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, device, dtype):
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device, dtype, key_mask: torch.Tensor | None = None):
         shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        # (batch, max_len) bool, False at a row's left padding: rows of several prompt lengths decode together
+        self.key_mask = key_mask
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
         self.pos = 0  # number of positions already stored
@@ -195,7 +197,7 @@ class Llama(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)  # (B, T, dim)
         cos, sin = self.rope(position_ids, x.dtype)
-        mask = self.attention_mask(T, start, x.device, segment_ids)
+        mask = self.attention_mask(T, start, x.device, segment_ids, None if cache is None else cache.key_mask)
         segments = segment_ids if mask is None else None  # packed rows attend runs without a mask
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
@@ -213,20 +215,24 @@ class Llama(nn.Module):
             cache.pos += T
         return self.model.norm(x)
 
-    def attention_mask(self, T: int, start: int, device, segment_ids=None):
+    def attention_mask(self, T: int, start: int, device, segment_ids=None, key_mask=None):
         """Which keys each query sees: None for plain causal attention, for packed rows on the CPU
         (segment_ids (B, T): attend runs each example on its own, without a (T, T) mask), and for one new
         token that sees every key; else (1 or B, 1, T, start + T) bool, built once for all layers: causal,
-        inside the sliding window (Mistral), inside its own example."""
+        inside the sliding window (Mistral), inside its own example, past the row's left padding (key_mask
+        (B, start + T))."""
         window = self.args.sliding_window
         windowed = window is not None and start + T > window
-        if not windowed and (start == 0 or T == 1) and (segment_ids is None or takes_segments(device)):
+        plain = segment_ids is None or takes_segments(device)
+        if not windowed and (start == 0 or T == 1) and plain and key_mask is None:
             return None
         q_pos = torch.arange(start, start + T, device=device)[:, None]
         k_pos = torch.arange(start + T, device=device)[None]
         mask = k_pos <= q_pos  # (T, start + T)
         if windowed:
             mask &= k_pos > q_pos - window
+        if key_mask is not None:  # a padding query sees itself alone: no row without a key (its output is unused)
+            return ((mask & key_mask[:, None, :start + T]) | (k_pos == q_pos))[:, None]  # (B, 1, T, start + T)
         if segment_ids is not None:
             return (mask & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]  # (B, 1, T, T)
         return mask[None, None]
@@ -238,6 +244,6 @@ class Llama(nn.Module):
         h = self.hidden(input_ids, position_ids, segment_ids, cache, keep)
         return h if hidden_only else run_linear(self.lm_head, h)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:
         p = self.model.embed_tokens.weight
-        return KVCache(self.args, batch, max_len, p.device, p.dtype)
+        return KVCache(self.args, batch, max_len, p.device, p.dtype, key_mask)

@@ -21,7 +21,25 @@ PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewar
               "logps/rejected")
 
 
-class SFT:
+class Objective:
+    """What the trainer asks of an objective besides its terms; these defaults suit data that is ready to train
+    on (GRPO overrides them: its batches are rollouts it generates)."""
+    repeats = 1  # optimiser steps per batch of data
+
+    def prepare(self, model, batches: list[dict], step: int, ranks) -> list[dict]:
+        return batches
+
+    def summarize(self, stat_sums: dict, totals: list[int], ranks) -> dict:
+        return {k: v / max(totals[0], 1) for k, v in stat_sums.items()}
+
+    def state(self) -> dict | None:
+        return None
+
+    def load_state(self, state: dict | None, device) -> None:
+        pass
+
+
+class SFT(Objective):
     """Cross-entropy per target token."""
     name, empty, stat_names, n_counts = "sft", EMPTY_EXAMPLE, (), 1
 
@@ -38,7 +56,7 @@ class SFT:
         return [target_loss(model, **batch)[0]], {}
 
 
-class _Preference:
+class _Preference(Objective):
     """Pairs: a batch holds the B chosen rows, then the B rejected ones. A pair counts when both answers
     kept a target token (the filler pair of a rank with nothing to do does not)."""
     empty, stat_names, n_counts = EMPTY_PAIR, PAIR_STATS, 1
@@ -127,8 +145,12 @@ class ORPO(_Preference):
         return [odds_ratio, nll], _pair_stats(self.beta * mean_c, self.beta * mean_r, mean_c, mean_r, valid)
 
 
-def make_objective(train) -> SFT | DPO | ORPO:
-    """The objective a recipe's `train` section names."""
+def make_objective(train, tokenizer=None, eos_ids=()) -> Objective:
+    """The objective a recipe's `train` section names (GRPO samples, so it needs the tokenizer and the EOS ids)."""
+    if train.objective == "grpo":
+        from .grpo import GRPO
+
+        return GRPO(train.grpo, tokenizer, list(eos_ids), train.seed)
     if train.objective == "dpo":
         return DPO(train.dpo.beta, train.dpo.loss)
     if train.objective == "orpo":

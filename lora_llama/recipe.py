@@ -61,9 +61,10 @@ class DataSection(Settings):
     """The training data and how it becomes token ids and labels."""
     source: str = Field("chatterbot-corpus", description="JSON/JSONL/CSV/Parquet/text file, folder, Hub dataset id "
                         "or registered name (chatterbot-corpus, chatterbot-pairs, shakespeare)")
-    format: Literal["text", "alpaca", "chat", "preference", "auto"] = Field(
+    format: Literal["text", "alpaca", "chat", "preference", "prompt", "auto"] = Field(
         "chat", description="text, alpaca (instruction/input/output), chat (messages), preference "
-                            "(prompt/chosen/rejected, for train.objective dpo or orpo), auto (from the columns)")
+                            "(prompt/chosen/rejected, for train.objective dpo or orpo), prompt (a prompt and any "
+                            "columns the rewards read, for train.objective grpo), auto (from the columns)")
     max_seq_len: int = Field(256, gt=1, description="tokens per row; longer examples are cut")
     val_size: float = Field(0.1, ge=0.0, lt=1.0, description="share of the records held out for eval")
     val_source: str | None = Field(None, description="a separate validation source instead of a split")
@@ -72,7 +73,10 @@ class DataSection(Settings):
     fields: dict[str, str] = Field({}, description="standard name -> your column, e.g. {instruction: question}")
     prompt_template: str | None = Field(None, description="alpaca prompt for tokenizers without a chat template "
                                         "({instruction}, {input})")
-    max_examples: int | None = Field(None, gt=0, description="use only the first N records")
+    max_examples: int | None = Field(None, gt=0, description="use only the first N records (reasoning-gym: how many "
+                                     "to generate, default 1000)")
+    task_args: dict[str, Any] = Field({}, description="data.source reasoning-gym:<task>: the task's settings, "
+                                      "e.g. {min_terms: 2, max_terms: 2}")
 
 
 class DPOSettings(Settings):
@@ -85,6 +89,38 @@ class DPOSettings(Settings):
 class ORPOSettings(Settings):
     """Odds-ratio preference optimisation: the chosen answers' NLL plus beta times the odds-ratio term."""
     beta: float = Field(0.1, gt=0, description="weight of the odds-ratio term (the paper's lambda; trl's beta)")
+
+
+class GRPOSettings(Settings):
+    """Group relative policy optimisation on prompts, scored by reward functions (trl's names and meanings)."""
+    group_size: int = Field(8, ge=2, description="completions sampled per prompt (trl's num_generations)")
+    max_new_tokens: int = Field(64, gt=0, description="most tokens a completion gets (trl's max_completion_length)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; log-probabilities use the same")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens with this mass")
+    beta: float = Field(0.0, ge=0, description="weight of the KL to the base (adapter off); 0: no reference pass")
+    use_bias_correction_kl: bool = Field(True, description="multiply the KL term by the ratio: the unbiased "
+                                         "reverse-KL gradient (trl's default)")
+    epsilon: float = Field(0.2, gt=0, description="clip the ratio below at 1 - epsilon (and above, by default)")
+    epsilon_high: float | None = Field(None, gt=0, description="clip above at 1 + epsilon_high (DAPO); null: epsilon")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="normalisation: dapo (completion tokens of the global batch), bnpo (of the micro-batch), "
+                            "grpo (per completion), dr_grpo (completions x max_new_tokens)")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="divide advantages by the group's reward std, the batch's, or not at all")
+    num_iterations: int = Field(1, gt=0, description="optimiser steps on each generation (trl's mu)")
+    mask_truncated: bool = Field(False, description="completions that hit max_new_tokens take no loss")
+    rewards: list[str] = Field(["reasoning_gym"], description="reward functions: path/to/file.py:function, "
+                               "package.module:function, or a built-in (format, reasoning_gym)")
+    reward_weights: list[float] | None = Field(None, description="one weight per reward; null: all 1")
+
+    @model_validator(mode="after")
+    def _weights_fit(self):
+        if not self.rewards:
+            raise ValueError("train.grpo.rewards needs at least one reward function")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"train.grpo.reward_weights has {len(self.reward_weights)} values for "
+                             f"{len(self.rewards)} rewards")
+        return self
 
 
 class TrainSection(Settings):
@@ -115,9 +151,11 @@ class TrainSection(Settings):
     collective_timeout_s: float = Field(600.0, gt=0, description="a process that waits longer on the others raises")
     precision: Literal[PRECISIONS] = Field("auto", description="fp32, bf16-mixed, or auto: bf16-mixed on a GPU with "
                                            "bf16 and on a CPU with AVX512_BF16 or AMX, else fp32")
-    objective: Literal["sft", "dpo", "orpo"] = Field("sft", description="sft, or dpo / orpo on preference pairs")
+    objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
+        "sft", description="sft, dpo / orpo on preference pairs, or grpo on prompts with reward functions")
     dpo: DPOSettings = Field(DPOSettings(), description="settings of train.objective dpo")
     orpo: ORPOSettings = Field(ORPOSettings(), description="settings of train.objective orpo")
+    grpo: GRPOSettings = Field(GRPOSettings(), description="settings of train.objective grpo")
 
     @model_validator(mode="after")
     def _one_length(self):
@@ -148,11 +186,17 @@ class Recipe(Settings):
 
     @model_validator(mode="after")
     def _objective_fits_data(self):
-        preference = self.train.objective != "sft"
+        objective, fmt = self.train.objective, self.data.format
+        if (objective == "grpo") != (fmt == "prompt") and not (objective == "grpo" and fmt == "auto"):
+            raise ValueError(f"train.objective grpo needs data.format prompt (and prompt data needs grpo), "
+                             f"not objective {objective} with format {fmt}")
+        if objective == "grpo" and self.data.packing:
+            raise ValueError("data.packing is not supported with train.objective grpo")
+        preference = objective in ("dpo", "orpo")
         if preference and self.data.format not in ("preference", "auto"):
             raise ValueError(f"train.objective {self.train.objective} needs data.format preference "
                              f"(prompt, chosen, rejected), not {self.data.format}")
-        if not preference and self.data.format == "preference":
+        if objective == "sft" and self.data.format == "preference":
             raise ValueError("data.format preference needs train.objective dpo or orpo")
         if preference and self.data.packing:
             raise ValueError(f"data.packing is not supported with train.objective {self.train.objective}: "

@@ -22,6 +22,7 @@ from .files import shard_files
 from .hub import push, resolve_token
 from .lora import apply_lora
 from .pairs import build_pairs
+from .prompts import build_prompts
 from .precision import base_dtype, resolve_precision
 from .quant import base_weight_bytes
 from .run_folder import ADAPTER, checkpoints, remove_leftovers, run_lock, write_run_recipe
@@ -101,15 +102,19 @@ def _choose_strategy(recipe, ranks: Ranks, device: str) -> str:
         if recipe.model.quantize:
             raise UserError("train.distributed=fsdp cannot shard a quantized base yet; "
                             "use train.distributed=ddp with model.quantize, or fsdp without it")
+        if recipe.train.objective == "grpo":  # each rank's sampling runs its own number of forward passes
+            raise UserError("train.distributed=fsdp does not run train.objective grpo; use ddp")
         if "lm_head" in recipe.lora.targets:  # the chunked loss runs lm_head outside the model's backward
             raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head")
     return strategy
 
 
 def _examples(recipe, tok, log) -> tuple[list[dict], list[dict]]:
-    """(train, val): examples for SFT, pairs for the preference objectives."""
+    """(train, val): examples for SFT, pairs for the preference objectives, prompts for GRPO."""
     if recipe.train.objective == "sft":
         return build_examples(recipe.data, tok, recipe.train.seed)
+    if recipe.train.objective == "grpo":
+        return build_prompts(recipe.data, tok, recipe.train.seed, recipe.train.grpo.max_new_tokens, log)
     return build_pairs(recipe.data, tok, recipe.train.seed, log)
 
 

@@ -17,6 +17,7 @@ from .distributed import (Ranks, check_global_batch, clip_grad_norm, full, full_
 from .errors import UserError
 from .evaluation import evaluate
 from .files import atomic_dir, read_json, write_json
+from .generate import stop_token_ids
 from .lora import lora_state_dict
 from .objectives import make_objective
 from .run_folder import (ADAPTER, CHECKPOINTS, LOSS_PLOT, METRICS, TRAINER_STATE, checkpoints, load_state, plot_losses,
@@ -32,7 +33,8 @@ class Trainer:
                  report=None):
         self.recipe, self.model, self.ranks = recipe, model, ranks
         self.report = report or (lambda message: None)  # one line per event (eval results, a stop)
-        self.objective = make_objective(recipe.train)
+        self.objective = make_objective(recipe.train, tokenizer,
+                                        stop_token_ids(tokenizer, model.args.eos_token_id, model.folder))
         self.sharded = any(hasattr(p, "device_mesh") for p in model.parameters())  # fsdp: blocks are shards
         self.train_examples, self.val_examples, self.out = train, val, Path(out)
         t = recipe.train
@@ -43,7 +45,7 @@ class Trainer:
                                            fused=True)
         # a micro-batch is global: batch_size examples on each rank
         self.batches_per_epoch = math.ceil(len(train) / (t.batch_size * ranks.world))
-        self.total = total_steps(t, self.batches_per_epoch)
+        self.total = total_steps(t, self.batches_per_epoch * self.objective.repeats)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.schedule, t.warmup_steps, self.total))
         self.step = 0
         self.pad_id = tokenizer.pad_token_id
@@ -71,7 +73,9 @@ class Trainer:
         pairs) over all of them on all ranks, and the gradients summed over ranks: one process's update on the
         global batch. Returns the loss, the tokens seen and the objective's statistics (preference: per pair)."""
         ga, obj = self.recipe.train.grad_accum, self.objective
-        batches = [b for b in (self.micro_batch(self.step * ga + k) for k in range(ga)) if b is not None]
+        data_step = self.step // obj.repeats  # GRPO trains num_iterations steps on each generation
+        batches = [b for b in (self.micro_batch(data_step * ga + k) for k in range(ga)) if b is not None]
+        batches = obj.prepare(self.model, batches, self.step, self.ranks)
         local_tokens = sum(int(b["input_ids"].numel()) for b in batches)
         counts = [obj.counts(b) for b in batches]
         *totals, tokens = self.ranks.sum([sum(c[i] for c in counts) for i in range(obj.n_counts)] + [local_tokens])
@@ -100,7 +104,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         loss, *stat_sums = self.ranks.sum([local_loss, *stats.values()])
-        return loss, int(tokens), {k: v / max(totals[0], 1) for k, v in zip(stats, stat_sums)}
+        return loss, int(tokens), obj.summarize(dict(zip(stats, stat_sums)), totals, self.ranks)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -113,7 +117,8 @@ class Trainer:
         if self.ranks.main:
             with atomic_dir(ckpt_dir, force=True) as tmp:
                 save_adapter(self.model, tmp / ADAPTER, force=True, tensors=adapter)
-                save_state(tmp, {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "rng": rng_state()})
+                save_state(tmp, {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
+                                 **({"objective": obj} if (obj := self.objective.state()) else {})})
                 write_json(tmp / TRAINER_STATE, {
                     "step": self.step, "micro_batches_done": self.step * t.grad_accum, "total_steps": self.total,
                     "batch_size": t.batch_size, "grad_accum": t.grad_accum, "world_size": self.ranks.world})
@@ -139,6 +144,7 @@ class Trainer:
             load_optimizer_state(self.optimizer, state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
+            self.objective.load_state(state.get("objective"), self.device)
         except (KeyError, ValueError, RuntimeError, TypeError) as e:
             raise UserError(f"{ckpt_dir}: the trainer state does not fit this run ({type(e).__name__}: {e})") from None
         self.step = step
@@ -160,8 +166,11 @@ class Trainer:
     def run_eval(self) -> dict | None:
         if not self.val_examples:
             return None
-        r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks,
-                     self.objective)
+        if hasattr(self.objective, "evaluate"):  # GRPO: the reward of greedy completions
+            r = self.objective.evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.ranks)
+        else:
+            r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks,
+                         self.objective)
         record = {"step": self.step, **{f"eval_{k}": v for k, v in r.items() if k not in ("tokens", "pairs")}}
         self.log(record)
         return record
@@ -207,9 +216,10 @@ class Trainer:
             plot_losses(self.out / METRICS, self.out / LOSS_PLOT)
         self.ranks.barrier()
         result = {"steps": self.step, "adapter": str(self.out / ADAPTER), **(last_eval or {})}
-        start = [r for r in read_metrics(self.out / METRICS) if r["step"] == 0 and "eval_loss" in r]
-        if start:  # the base model's eval loss, also after a resume
-            result["eval_loss_start"] = start[0]["eval_loss"]
+        for key in ("eval_loss", "eval_reward"):  # the base model's, also after a resume
+            start = [r[key] for r in read_metrics(self.out / METRICS) if r["step"] == 0 and key in r]
+            if start:
+                result[f"{key}_start"] = start[0]
         return result
 
     def _one_step(self, bar, t) -> None:
@@ -232,4 +242,4 @@ class Trainer:
 
 
 def _to(batch: dict, device) -> dict:
-    return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -1,0 +1,74 @@
+"""Batched sampling for reinforcement learning: many prompts, left-padded, continued together with the KV cache
+through the model as it stands (adapters active: no merge, no copy, no second engine).
+
+Each row draws its tokens from a generator of its own (a seed per row, on the CPU), by inverse transform
+sampling: a row's completion depends on its prompt, its seed and the weights, not on which rows share its
+batch, on which rank it runs or on a resume."""
+from __future__ import annotations
+
+import torch
+
+from .generate import filtered_logits
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float | None, generators) -> torch.Tensor:
+    """The next token of each row (B,): greedy at temperature 0, else one uniform draw per row from its generator."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    cdf = filtered_logits(logits, temperature, None, top_p).softmax(-1).cumsum(-1)  # (B, V)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(cdf.device)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1].double()).to(cdf.dtype)[:, None]).squeeze(-1)
+    return picked.clamp(max=cdf.shape[-1] - 1)
+
+
+def left_padded(prompts: list[list[int]], pad_id: int, extra: int, device) -> tuple[torch.Tensor, ...]:
+    """(ids (B, P), position_ids (B, P), key_mask (B, P + extra)): prompts right-aligned, padding masked."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    key_mask = torch.ones((len(prompts), width + extra), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        key_mask[i, :width - len(p)] = False
+    positions = (key_mask[:, :width].long().cumsum(1) - 1).clamp(min=0)
+    return ids.to(device), positions.to(device), key_mask.to(device)
+
+
+@torch.inference_mode()
+def sample_completions(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
+                       temperature: float = 1.0, top_p: float | None = None,
+                       seeds: list[int] | None = None) -> list[list[int]]:
+    """Each prompt's completion (token ids, its first EOS included when it stops before max_new_tokens).
+    seeds: one per row (temperature > 0)."""
+    if not prompts or min(len(p) for p in prompts) == 0:
+        raise ValueError("every prompt needs at least one token")
+    device = next(model.parameters()).device
+    ids, positions, key_mask = left_padded(prompts, pad_id, max_new_tokens, device)
+    generators = [torch.Generator().manual_seed(s) for s in seeds] if temperature > 0 else None
+    was_training = model.training
+    model.eval()
+    try:
+        cache = model.new_cache(len(prompts), key_mask.shape[1], key_mask)
+        last = torch.zeros_like(ids, dtype=torch.bool)
+        last[:, -1] = True
+        logits = model(ids, position_ids=positions, cache=cache, keep=last)  # (B, V): only the last position
+        eos = torch.tensor(sorted(set(eos_ids)), device=device, dtype=torch.long)
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        out, next_pos = [], positions[:, -1] + 1
+        for step in range(max_new_tokens):
+            token = _pick(logits, temperature, top_p, generators).masked_fill(done, pad_id)
+            out.append(token)
+            done |= torch.isin(token, eos)
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            logits = model(token[:, None], position_ids=(next_pos + step)[:, None], cache=cache)[:, -1]
+    finally:
+        model.train(was_training)
+    return [_cut(row, set(eos_ids)) for row in torch.stack(out, 1).tolist()]
+
+
+def _cut(row: list[int], eos: set[int]) -> list[int]:
+    """A row up to and including its first EOS."""
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[:i + 1]
+    return row
