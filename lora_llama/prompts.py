@@ -1,8 +1,8 @@
 """Prompt data for reinforcement learning (`data.format: prompt`).
 
 Each record has a `prompt`: a string, rendered as one user turn with the chat template when the tokenizer has
-one (else tokenized as it is), or a list of chat messages. Its other columns reach the reward functions
-unchanged. `data.source: reasoning-gym:<task>` generates records from a reasoning-gym task instead, seeded by
+one (else tokenized as it is), or a list of chat messages; `data.system_prompt` goes first in each prompt
+that has no system turn. Its other columns reach the reward functions unchanged. `data.source: reasoning-gym:<task>` generates records from a reasoning-gym task instead, seeded by
 train.seed, `data.max_examples` of them (default 1000), with `data.task_args` as the task's settings: the
 question is the prompt, and `answer` and `entry` (the task's whole record) are the columns.
 
@@ -34,27 +34,31 @@ def reasoning_gym_records(task: str, size: int, seed: int, task_args: dict) -> l
     return [{"prompt": e["question"], "answer": str(e["answer"]), "entry": e} for e in dataset]
 
 
-def prompt_ids(tokenizer, prompt, index: int) -> list[int]:
-    """A prompt's token ids, ending where the model's answer begins."""
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-        return encode_rendered(tokenizer, render_chat(tokenizer, normalise_messages(prompt), add_generation_prompt=True))[0]
-    if not isinstance(prompt, str):
+def prompt_ids(tokenizer, prompt, index: int, system_prompt: str | None = None) -> list[int]:
+    """A prompt's token ids, ending where the model's answer begins (after a system turn, when given and the
+    prompt has none)."""
+    if isinstance(prompt, str) and tokenizer.chat_template:
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, str):
+        return tokenizer((system_prompt + "\n\n" if system_prompt else "") + prompt)["input_ids"]
+    if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
         raise UserError(f"prompt record {index}: 'prompt' must be a string or a list of chat messages, "
                         f"not {type(prompt).__name__}")
-    if tokenizer.chat_template:
-        return encode_rendered(tokenizer, render_chat(tokenizer, [{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True))[0]
-    return tokenizer(prompt)["input_ids"]
+    messages = normalise_messages(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return encode_rendered(tokenizer, render_chat(tokenizer, messages, add_generation_prompt=True))[0]
 
 
-def prompt_examples(records, tokenizer, max_prompt_len: int, fields: dict | None = None) -> tuple[list[dict], Counter]:
+def prompt_examples(records, tokenizer, max_prompt_len: int, fields: dict | None = None,
+                    system_prompt: str | None = None) -> tuple[list[dict], Counter]:
     """Every record -> a prompt example, and the count of records skipped (prompts too long or empty)."""
     examples, skipped = [], Counter()
     for i, record in enumerate(records):
         record = rename_fields(dict(record), fields or {})
         if "prompt" not in record:
             raise UserError(f"prompt record {i} has no 'prompt' field (set data.fields to map a column)")
-        ids = prompt_ids(tokenizer, record["prompt"], i)
+        ids = prompt_ids(tokenizer, record["prompt"], i, system_prompt)
         if not ids or len(ids) > max_prompt_len:
             skipped["an empty prompt" if not ids else f"a prompt over {max_prompt_len} tokens"] += 1
             continue
@@ -76,8 +80,9 @@ def build_prompts(data, tokenizer, seed: int, max_new_tokens: int, log=print) ->
     if room < 1:
         raise UserError(f"data.max_seq_len ({data.max_seq_len}) leaves no room for a prompt before "
                         f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens")
-    train, skipped = prompt_examples(train_records, tokenizer, room, data.fields)
-    val, skipped_val = prompt_examples(val_records, tokenizer, room, data.fields) if len(val_records) else ([], Counter())
+    kw = dict(tokenizer=tokenizer, max_prompt_len=room, fields=data.fields, system_prompt=data.system_prompt)
+    train, skipped = prompt_examples(train_records, **kw)
+    val, skipped_val = prompt_examples(val_records, **kw) if len(val_records) else ([], Counter())
     skipped += skipped_val
     if skipped:
         log("warning: skipped " + ", ".join(f"{n} record(s) with {why}" for why, n in skipped.items()))

@@ -75,6 +75,7 @@ class DataSection(Settings):
                                         "({instruction}, {input})")
     max_examples: int | None = Field(None, gt=0, description="use only the first N records (reasoning-gym: how many "
                                      "to generate, default 1000)")
+    system_prompt: str | None = Field(None, description="prompt data: a system turn before each prompt that has none")
     task_args: dict[str, Any] = Field({}, description="data.source reasoning-gym:<task>: the task's settings, "
                                       "e.g. {min_terms: 2, max_terms: 2}")
 
