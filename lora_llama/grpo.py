@@ -137,7 +137,7 @@ class GRPO:
                                                  for p in prompts for j in range(group)]
         completions = sample_completions(model, [r["prompt_ids"] for r in rows], self.s.max_new_tokens, self.eos,
                                          self.tok.pad_token_id, 0.0 if generation is None else self.s.temperature,
-                                         self.s.top_p, seeds)
+                                         self.s.top_p, seeds, group)
         return completions, rows
 
     def rewards_of(self, rows: list[dict], completions: list[list[int]]) -> torch.Tensor:
@@ -176,7 +176,7 @@ class GRPO:
         rolled = [self.rollout(model, b["prompts"], generation) for b in batches]
         self._advantages(rolled, ranks)
         for b in rolled:
-            for k in ("input_ids", "labels"):
+            for k in ("input_ids", "labels", "advantages"):
                 b[k] = b[k].to(device)
             if self.repeats > 1:  # the policy that sampled, for the ratio of the later iterations
                 with torch.no_grad():
@@ -200,7 +200,6 @@ class GRPO:
         for b in rolled:
             rows = b["rewards"].shape[0]
             b["advantages"] = group_advantages(total[start:start + rows], g, self.s.scale_rewards, std)
-            b["advantages"] = b["advantages"].to(b["input_ids"].device)
             start += rows
         per_fn = [_mean_std(*sums[7 + 3 * j:10 + 3 * j]) for j in range(table.shape[1])]
         zero = (std < 1e-8) if self.s.scale_rewards == "batch" else sums[4] / n
@@ -236,11 +235,12 @@ class GRPO:
     # ------------------------------------------------------------------ eval and resume
 
     def evaluate(self, model, prompts: list[dict], batch_size: int, ranks) -> dict:
-        """The mean weighted reward of greedy completions of held-out prompts, and each function's mean."""
-        mine = prompts[ranks.rank::ranks.world]
+        """The mean weighted reward of greedy completions of held-out prompts, and each function's mean; as many
+        prompts decode together as a training step samples completions."""
+        mine, rows_per_batch = prompts[ranks.rank::ranks.world], batch_size * self.s.group_size
         tables = []
-        for i in range(0, len(mine), batch_size):
-            completions, rows = self.complete(model, mine[i:i + batch_size], None)
+        for i in range(0, len(mine), rows_per_batch):
+            completions, rows = self.complete(model, mine[i:i + rows_per_batch], None)
             tables.append(self.rewards_of(rows, completions))
         table = torch.cat(tables) if tables else torch.zeros(0, len(self.rewards))
         sums = ranks.sum([*_moments(weighted_rewards(table, self.weights)),

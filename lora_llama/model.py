@@ -68,6 +68,13 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
         self.pos = 0  # number of positions already stored
 
+    def repeat_rows(self, times: int) -> None:
+        """Each row `times` times in a row: prompts run once, continued by several samples each."""
+        self.k = [k.repeat_interleave(times, 0) for k in self.k]
+        self.v = [v.repeat_interleave(times, 0) for v in self.v]
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask.repeat_interleave(times, 0)
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         end = self.pos + k.shape[2]
         self.k[layer][:, :, self.pos:end] = k

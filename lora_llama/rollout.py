@@ -35,24 +35,28 @@ def left_padded(prompts: list[list[int]], pad_id: int, extra: int, device) -> tu
 
 @torch.inference_mode()
 def sample_completions(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
-                       temperature: float = 1.0, top_p: float | None = None,
-                       seeds: list[int] | None = None) -> list[list[int]]:
+                       temperature: float = 1.0, top_p: float | None = None, seeds: list[int] | None = None,
+                       group: int = 1) -> list[list[int]]:
     """Each prompt's completion (token ids, its first EOS included when it stops before max_new_tokens).
-    seeds: one per row (temperature > 0)."""
+    seeds: one per row (temperature > 0). group: the rows come in runs of `group` equal prompts (GRPO's
+    groups), and each prompt is run through the model once, its keys and values copied to its group."""
     if not prompts or min(len(p) for p in prompts) == 0:
         raise ValueError("every prompt needs at least one token")
     device = next(model.parameters()).device
-    ids, positions, key_mask = left_padded(prompts, pad_id, max_new_tokens, device)
+    ids, positions, key_mask = left_padded(prompts[::group], pad_id, max_new_tokens, device)
     generators = [torch.Generator().manual_seed(s) for s in seeds] if temperature > 0 else None
     was_training = model.training
     model.eval()
     try:
-        cache = model.new_cache(len(prompts), key_mask.shape[1], key_mask)
+        cache = model.new_cache(ids.shape[0], key_mask.shape[1], key_mask)
         last = torch.zeros_like(ids, dtype=torch.bool)
         last[:, -1] = True
         logits = model(ids, position_ids=positions, cache=cache, keep=last)  # (B, V): only the last position
+        if group > 1:
+            cache.repeat_rows(group)
+            logits, positions = logits.repeat_interleave(group, 0), positions.repeat_interleave(group, 0)
         eos = torch.tensor(sorted(set(eos_ids)), device=device, dtype=torch.long)
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
         out, next_pos = [], positions[:, -1] + 1
         for step in range(max_new_tokens):
             token = _pick(logits, temperature, top_p, generators).masked_fill(done, pad_id)

@@ -219,7 +219,8 @@ def tensorboard(out: Path, resumed_step: int):
 
 
 def plot_losses(metrics: Path, png: Path) -> None:
-    """The loss curves; for preference objectives a second panel with the reward accuracy and margin."""
+    """The loss curves; a second panel with the rewards: for preference objectives the reward accuracy and
+    margin, for GRPO the sampled completions' reward and the held-out greedy one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,18 +228,18 @@ def plot_losses(metrics: Path, png: Path) -> None:
 
     rows = read_metrics(metrics)
     curve = lambda key: [(r["step"], r[key]) for r in rows if key in r]
-    rewards = any("rewards/margins" in r for r in rows)
-    fig, axes = plt.subplots(1, 2 if rewards else 1, figsize=(12 if rewards else 7, 4), squeeze=False)
+    preference = any("rewards/margins" in r for r in rows)
+    panel = [k for k in (("rewards/accuracies", "rewards/margins", "eval_rewards/accuracies", "eval_rewards/margins")
+                         if preference else ("reward", "eval_reward")) if curve(k)]
+    fig, axes = plt.subplots(1, 2 if panel else 1, figsize=(12 if panel else 7, 4), squeeze=False)
     ax = axes[0][0]
     for key, style, label in (("loss", "-", "train loss"), ("eval_loss", "o-", "eval loss")):
         if curve(key):
             ax.plot(*zip(*curve(key)), style, label=label, alpha=0.7 if key == "loss" else 1.0)
-    ax.set_ylabel("loss (per pair)" if rewards else "loss (per target token)")
-    if rewards:
-        for key, style in (("rewards/accuracies", "-"), ("rewards/margins", "-"), ("eval_rewards/accuracies", "o-"),
-                           ("eval_rewards/margins", "o-")):
-            if curve(key):
-                axes[0][1].plot(*zip(*curve(key)), style, label=key, alpha=0.7 if style == "-" else 1.0)
+    ax.set_ylabel("loss (per pair)" if preference else "loss" if panel else "loss (per target token)")
+    for key in panel:
+        held_out = key.startswith("eval_")
+        axes[0][1].plot(*zip(*curve(key)), "o-" if held_out else "-", label=key, alpha=1.0 if held_out else 0.7)
     for a in axes[0]:
         a.set_xlabel("step")
         a.legend()

@@ -41,6 +41,15 @@ def test_a_sampled_completion_depends_on_its_seed_not_on_its_batch(tiny_ckpt):
     assert together[2:] == apart and again[0] == together[0] and again[1] != again[0]
 
 
+def test_a_group_runs_its_prompt_once_and_samples_as_rows_do(tiny_ckpt):
+    model = load_model(tiny_ckpt)
+    prompts = [p for p in prompts_of((3, 6), seed=2) for _ in range(3)]
+    seeds = list(range(6))
+    alone = sample_completions(model, prompts, 10, eos_ids=[], pad_id=0, temperature=1.0, seeds=seeds)
+    grouped = sample_completions(model, prompts, 10, eos_ids=[], pad_id=0, temperature=1.0, seeds=seeds, group=3)
+    assert grouped == alone and len({tuple(c) for c in grouped[:3]}) > 1
+
+
 def test_sampling_stops_each_row_at_its_eos(tiny_ckpt):
     model = load_model(tiny_ckpt)
     free = sample_completions(model, prompts_of((4, 4)), 12, eos_ids=[], pad_id=0, temperature=0)

@@ -162,3 +162,25 @@ def test_a_reward_that_raises_stops_the_run_with_exit_2_and_keeps_checkpoints(ti
 def test_grpo_recipe_errors_are_one_line(overrides, words):
     with pytest.raises(UserError, match=words):
         load_recipe(None, overrides)
+
+
+@pytest.mark.distributed
+def test_grpo_on_two_processes_equals_one(tiny_ckpt, tmp_path):
+    """Each process samples its own prompts' groups; advantages and the dapo token count are global."""
+    from test_distributed import assert_same_runs, torchrun
+
+    base = grpo_recipe(tiny_ckpt, tmp_path)  # writes the prompt and reward files
+    rewards = tmp_path / "rewards.py"
+    common = [f"model.source={tiny_ckpt}", f"data.source={tmp_path / 'p.jsonl'}", "data.format=prompt",
+              "data.val_size=0.25", "data.max_seq_len=48", "train.objective=grpo",
+              f"train.grpo.rewards=[{rewards}:low_ids]", "train.grpo.group_size=4", "train.grpo.max_new_tokens=8",
+              "train.grpo.beta=0.05", "train.grpo.scale_rewards=batch", "train.precision=fp32", "model.device=cpu",
+              "train.warmup_steps=0", "train.lr=1e-3", "train.max_steps=3", "train.eval_every=3",
+              "lora.targets=[q,v,lm_head]", "train.collective_timeout_s=60"]
+    recipe = str(tmp_path / "empty.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    assert base.train.objective == "grpo"
+    assert main(["train", recipe, *common, "train.batch_size=2", f"output.dir={tmp_path / 'one'}"]) == 0
+    code, out, err = torchrun(["train", recipe, *common, "train.batch_size=1", f"output.dir={tmp_path / 'two'}"])
+    assert code == 0, err[-3000:]
+    assert_same_runs(tmp_path / "one", tmp_path / "two", ("loss", "reward", "reward_std", "kl", "eval_reward"))

@@ -1,0 +1,106 @@
+"""GRPO through `lora-llama train` on recipes/smollm2-grpo-cpu.yaml's settings, and trl's GRPOTrainer with peft on
+the same model, prompts, reward and settings, each in its own process in one run: seconds per step (sampling
+and the update), completions/s, completion tokens/s and peak resident memory (ru_maxrss; on a GPU also the
+peak of CUDA memory). The first step (compilation, caches) is left out of the medians.
+The figures go to bench/results/grpo.jsonl.
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+from bench.common import ROOT, cpu_line, record, scratch_dir
+
+RECIPE = ROOT / "recipes" / "smollm2-grpo-cpu.yaml"
+OURS = """
+import json, resource, sys, time, torch
+from lora_llama import trainer
+from lora_llama.cli import main
+times, original = [], trainer.Trainer.train_step
+def timed(self):
+    start = time.perf_counter()
+    out = original(self)
+    times.append(time.perf_counter() - start)
+    return out
+trainer.Trainer.train_step = timed
+code = main(sys.argv[1:])
+rows = [json.loads(l) for l in open(sys.argv[-2].split("=", 1)[1] + "/metrics.jsonl") if '"loss"' in l]
+print(json.dumps({"step_s": times, "mean_length": [r["completions/mean_length"] for r in rows],
+                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0}))
+sys.exit(code)
+"""
+
+
+def overrides(a) -> list[str]:
+    """The recipe as both libraries run it: --source and --data (prompts, scored by the format reward) replace the
+    model and the task (a GPU machine without the embedded model or reasoning-gym)."""
+    extra = [f"model.source={a.source}"] if a.source else []
+    extra += [f"data.source={a.data}", "train.grpo.rewards=[format]"] if a.data else []
+    return extra + ["data.val_size=0", f"model.device={a.device}", *a.overrides]
+
+
+def ours(a, out) -> dict:
+    args = ["train", str(RECIPE), f"train.max_steps={a.steps}", "train.eval_every=100000", "train.save_every=100000",
+            f"train.precision={a.precision}", *overrides(a), f"output.dir={out}", "--force"]
+    r = subprocess.run([sys.executable, "-c", OURS, *args], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"lora-llama failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def peer(a) -> dict | None:
+    r = subprocess.run([sys.executable, "-m", "bench.grpo_trl", "--steps", str(a.steps), "--precision", a.precision,
+                        "--device", a.device, *overrides(a)], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        print(f"trl GRPOTrainer could not run: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def figures(run: dict, completions: int) -> dict:
+    steps = run["step_s"][1:] or run["step_s"]
+    lengths = run["mean_length"][1:] or run["mean_length"]
+    step_s = statistics.median(steps)
+    return {"step_s": round(step_s, 3), "completions_per_s": round(completions / step_s, 2),
+            "completion_tokens_per_s": round(statistics.mean(lengths) * completions / statistics.mean(steps), 1),
+            "mean_length": round(statistics.mean(lengths), 1), "peak_mb": round(run["peak_mb"]),
+            **({"gpu_peak_mb": round(run["gpu_peak_mb"])} if run.get("gpu_peak_mb") else {})}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--no-peer", action="store_true", help="lora-llama only")
+    ap.add_argument("--source", help="another model.source (an HF folder with a chat tokenizer)")
+    ap.add_argument("--data", help="a prompt JSONL instead of the reasoning-gym task (reward: format)")
+    ap.add_argument("overrides", nargs="*", help="more recipe overrides, for both libraries (key.path=value)")
+    a = ap.parse_args()
+    from lora_llama.recipe import load_recipe
+
+    t = load_recipe(str(RECIPE)).train
+    completions = t.batch_size * t.grpo.group_size
+    runs = {"lora-llama": figures(ours(a, scratch_dir("lora-llama-grpo-") / "run"), completions)}
+    trl_run = None if a.no_peer else peer(a)
+    if trl_run:
+        runs["trl+peft"] = figures(trl_run, completions)
+    print(cpu_line())
+    print(f"GRPO, {t.batch_size} prompts x {t.grpo.group_size} completions of up to {t.grpo.max_new_tokens} tokens, "
+          f"{a.precision} on {a.device}, {a.steps} steps (the first left out)")
+    print(f"{'':<12}{'step s':>8}{'compl/s':>9}{'tok/s':>8}{'mean len':>10}{'peak MB':>9}")
+    for name, f in runs.items():
+        print(f"{name:<12}{f['step_s']:>8.2f}{f['completions_per_s']:>9.2f}{f['completion_tokens_per_s']:>8.1f}"
+              f"{f['mean_length']:>10.1f}{f['peak_mb']:>9}")
+    ratios = {}
+    if "trl+peft" in runs:
+        ours_f, trl_f, peak = runs["lora-llama"], runs["trl+peft"], "gpu_peak_mb" if a.device == "cuda" else "peak_mb"
+        ratios = {"step_time_ratio": round(ours_f["step_s"] / trl_f["step_s"], 3),
+                  "peak_memory_ratio": round(ours_f[peak] / trl_f[peak], 3)}  # on a GPU, of GPU memory
+    record("grpo", {"runs": runs, **ratios})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The peer of bench/grpo.py: trl's GRPOTrainer with peft on recipes/smollm2-grpo-cpu.yaml's model, prompts, reward
+and settings (its batch counts completions: batch_size x group_size). Prints one JSON line: the seconds of each
+step, the completions' mean length per step and the peak memory."""
+import argparse
+import json
+import resource
+import time
+
+import torch
+
+from bench.grpo import RECIPE
+
+
+def _prompt(r, prompt):
+    """The prompt as build_prompts renders it: a system turn first when the recipe gives one."""
+    if not r.data.system_prompt:
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return [{"role": "system", "content": r.data.system_prompt}, *messages]
+
+
+def _reward(fn, entries):
+    """A reward that reads the `entry` column gets it by index: arrow would rewrite the entries' tuples."""
+    def reward(prompts, completions, index, **kw):
+        return fn(prompts, completions, **kw, **({"entry": [entries[i] for i in index]} if entries else {}))
+    reward.__name__ = getattr(fn, "__name__", "reward")
+    return reward
+
+
+def trl_trainer(r, steps: int, precision: str, device: str, out: str):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lora_llama.checkpoint import resolve_source
+    from lora_llama.config import HF_NAME
+    from lora_llama.prompts import build_prompts
+    from lora_llama.rewards import load_reward
+
+    source = resolve_source(r.model.source)  # the installed SmolLM2 GGUF is read by transformers' own loader
+    where = dict(gguf_file=source.name) if source.suffix == ".gguf" else {}
+    folder = source.parent if source.suffix == ".gguf" else source
+    tok = AutoTokenizer.from_pretrained(folder, **where)
+    model = AutoModelForCausalLM.from_pretrained(folder, **where, dtype=torch.float32)
+    train, _ = build_prompts(r.data, tok, r.train.seed, r.train.grpo.max_new_tokens, log=lambda *_: None)
+    entries = [p["columns"].get("entry") for p in train] if "entry" in train[0]["columns"] else None
+    rewards = [_reward(load_reward(spec)[1], entries) for spec in r.train.grpo.rewards]
+    g, t = r.train.grpo, r.train
+    cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=t.batch_size * g.group_size, num_generations=g.group_size,
+                     max_completion_length=g.max_new_tokens, temperature=g.temperature, beta=g.beta, epsilon=g.epsilon,
+                     loss_type=g.loss_type, learning_rate=t.lr, lr_scheduler_type="constant", max_steps=steps,
+                     bf16=precision == "bf16-mixed", use_cpu=device == "cpu", report_to=[], logging_steps=1,
+                     save_strategy="no", seed=t.seed)
+    lora = LoraConfig(r=r.lora.r, lora_alpha=r.lora.alpha, lora_dropout=r.lora.dropout,
+                      target_modules=[HF_NAME[x] for x in r.lora.targets], task_type="CAUSAL_LM")
+    data = Dataset.from_list([{"prompt": _prompt(r, p["prompt"]), "index": i} for i, p in enumerate(train)])
+    return GRPOTrainer(model=model, reward_funcs=rewards, args=cfg, train_dataset=data, processing_class=tok,
+                       peft_config=lora)
+
+
+def main():
+    from transformers import TrainerCallback
+
+    from bench.common import scratch_dir
+    from lora_llama.recipe import load_recipe
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides (key.path=value)")
+    a = ap.parse_args()
+    if a.device == "cpu":
+        torch.set_num_threads(2)
+    recipe = load_recipe(str(RECIPE), a.overrides)
+    trainer = trl_trainer(recipe, a.steps, a.precision, a.device, str(scratch_dir("trl-grpo-")))
+    times, lengths = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.start)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    trainer.add_callback(Timer())
+    trainer.train()
+    print(json.dumps({"step_s": times, "mean_length": lengths,
+                      "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0}))
+
+
+if __name__ == "__main__":
+    main()
