@@ -20,12 +20,14 @@ import math
 
 import torch
 
-from .data import collate
+from .data import collate, pack
 from .loss import IGNORE_INDEX, target_mask, token_logps
 from .lora import adapters_disabled
 from .rewards import completion_text, load_reward, score
 from .rollout import sample_completions
 
+# what a rollout batch keeps on the model's device (the rest, rewards and lengths, stays on the CPU)
+ON_DEVICE = ("input_ids", "labels", "advantages", "completion", "position_ids", "segment_ids", "old_logps")
 CLIP_STATS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -107,8 +109,9 @@ class GRPO:
     """The objective the trainer runs for train.objective grpo (the interface of objectives.Objective)."""
     name, n_counts = "grpo", 1
 
-    def __init__(self, settings, tokenizer, eos_ids: list[int], seed: int):
+    def __init__(self, settings, tokenizer, eos_ids: list[int], seed: int, packing: bool = False, max_seq_len: int = 0):
         self.s, self.tok, self.eos, self.seed = settings, tokenizer, list(eos_ids), seed
+        self.packing, self.max_seq_len = packing, max_seq_len  # data.packing: completions packed into rows
         self.rewards = dict(load_reward(spec) for spec in settings.rewards)
         self.weights = torch.tensor(settings.reward_weights or [1.0] * len(self.rewards))
         self.repeats = settings.num_iterations  # optimiser steps per generation (trl's μ)
@@ -126,8 +129,8 @@ class GRPO:
 
     def counts(self, batch: dict) -> list[int]:
         if self.s.loss_type == "dapo":
-            return [int(target_mask(batch["labels"]).sum())]
-        return [1 if self.s.loss_type == "bnpo" else batch["input_ids"].shape[0]]
+            return [int(self._targets(batch).sum())]
+        return [1 if self.s.loss_type == "bnpo" else int(batch["completions"])]
 
     def complete(self, model, prompts: list[dict], generation: int | None) -> tuple[list[list[int]], list[dict]]:
         """group_size sampled completions per prompt (greedy, one each, when generation is None: eval)."""
@@ -159,11 +162,32 @@ class GRPO:
             ids = row["prompt_ids"] + c
             examples.append({"input_ids": ids, "labels": [IGNORE_INDEX] * len(row["prompt_ids"])
                              + ([IGNORE_INDEX] * len(c) if masked else c)})
-        batch = collate(examples, self.tok.pad_token_id)
+        batch = self._rows(examples)
         batch["rewards"] = self.rewards_of(rows, completions)
         batch["lengths"] = torch.tensor([len(c) for c in completions], dtype=torch.float32)
         batch["truncated"] = torch.tensor(truncated, dtype=torch.float32)
         return batch
+
+    def _rows(self, examples: list[dict]) -> dict:
+        """The completions as a batch, one per row or packed (data.packing) several to a row, each attending
+        only to itself; `completion` (B, T) says which completion each position belongs to."""
+        if not self.packing:
+            batch = collate(examples, self.tok.pad_token_id)
+            batch["completion"] = torch.arange(len(examples))[:, None].expand_as(batch["input_ids"]).clone()
+        else:
+            packed = pack(examples, self.max_seq_len)
+            batch = collate(packed, self.tok.pad_token_id)
+            firsts = torch.tensor([0] + [r["segment_ids"][-1] + 1 for r in packed]).cumsum(0)[:-1]
+            batch["completion"] = (firsts[:, None] + batch["segment_ids"]).clamp(0, len(examples) - 1)  # padding: any
+        batch["completions"] = torch.tensor(len(examples))
+        return batch
+
+    def _logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logps(model, batch["input_ids"], batch["labels"], self.s.temperature, batch.get("position_ids"),
+                           batch.get("segment_ids"))
+
+    def _targets(self, batch: dict) -> torch.Tensor:
+        return target_mask(batch["labels"], batch.get("segment_ids"))
 
     # ------------------------------------------------------------------ a step
 
@@ -176,11 +200,12 @@ class GRPO:
         rolled = [self.rollout(model, b["prompts"], generation) for b in batches]
         self._advantages(rolled, ranks)
         for b in rolled:
-            for k in ("input_ids", "labels", "advantages"):
-                b[k] = b[k].to(device)
+            for k in ON_DEVICE:
+                if k in b:
+                    b[k] = b[k].to(device)
             if self.repeats > 1:  # the policy that sampled, for the ratio of the later iterations
                 with torch.no_grad():
-                    b["old_logps"] = token_logps(model, b["input_ids"], b["labels"], self.s.temperature)[0].detach()
+                    b["old_logps"] = self._logps(model, b)[0].detach()
         self.cache = (generation, rolled)
         return rolled
 
@@ -211,17 +236,17 @@ class GRPO:
 
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
         s = self.s
-        logps, keep = token_logps(model, batch["input_ids"], batch["labels"], s.temperature)
-        rows = keep.nonzero()[:, 0]
-        advantages = batch["advantages"][rows]
+        logps, keep = self._logps(model, batch)
+        owner = batch["completion"][:, 1:][keep]  # the completion of each target token
+        advantages = batch["advantages"][owner]
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()
         ref = None
         if s.beta:
             with torch.no_grad(), adapters_disabled(model):
-                ref = token_logps(model, batch["input_ids"], batch["labels"], s.temperature)[0]
+                ref = self._logps(model, batch)[0]
         loss, stats = per_token_loss(logps, old, advantages, s.epsilon, s.epsilon_high or s.epsilon, s.beta, ref,
                                      s.use_bias_correction_kl)
-        return [reduce_loss(loss, rows, keep.shape[0], s.loss_type, s.max_new_tokens)], stats
+        return [reduce_loss(loss, owner, int(batch["completions"]), s.loss_type, s.max_new_tokens)], stats
 
     def summarize(self, stat_sums: dict, totals: list[int], ranks) -> dict:
         """Token means of the clip and KL sums, with the rollout metrics."""
@@ -229,7 +254,7 @@ class GRPO:
         return {**self.rollout_stats, **{k: v / max(tokens, 1) for k, v in stat_sums.items()}}
 
     def _global_tokens(self, ranks) -> int:
-        local = sum(int(target_mask(b["labels"]).sum()) for b in (self.cache[1] if self.cache else []))
+        local = sum(int(self._targets(b).sum()) for b in (self.cache[1] if self.cache else []))
         return int(ranks.sum([local])[0])
 
     # ------------------------------------------------------------------ eval and resume
@@ -257,5 +282,5 @@ class GRPO:
     def load_state(self, state: dict | None, device) -> None:
         if state:
             self.rollout_stats = state["stats"]
-            self.cache = (state["generation"], [{k: v.to(device) if k in ("input_ids", "labels", "advantages", "old_logps")
-                                                 else v for k, v in b.items()} for b in state["batches"]])
+            self.cache = (state["generation"], [{k: v.to(device) if k in ON_DEVICE else v for k, v in b.items()}
+                                                for b in state["batches"]])

@@ -136,13 +136,14 @@ def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None):
     return linear_cross_entropy(h, model.lm_head, targets), n
 
 
-def token_logps(model, input_ids, labels, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps(model, input_ids, labels, temperature: float = 1.0, position_ids=None,
+                segment_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of every target token (N,), the (B, T-1) mask of where they are): what preference
     objectives sum per row, and GRPO takes per token (from logits / temperature, the distribution sampled).
     The logits are built a chunk of targets at a time and recomputed in backward: B x T x V never exists."""
-    keep = target_mask(labels)
+    keep = target_mask(labels, segment_ids)
     targets = labels[:, 1:][keep]
-    h = model(input_ids, keep=F.pad(keep, (0, 1)), hidden_only=True)  # (N, dim)
+    h = model(input_ids, position_ids, segment_ids, keep=F.pad(keep, (0, 1)), hidden_only=True)  # (N, dim)
     rows = max(1, CHUNK_ELEMENTS // model.lm_head.out_features)
     chunks = [h.sum() * 0.0]  # keeps the graph (and fsdp's hooks) when there is no target
     for i in range(0, h.shape[0], rows):

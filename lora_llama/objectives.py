@@ -145,12 +145,13 @@ class ORPO(_Preference):
         return [odds_ratio, nll], _pair_stats(self.beta * mean_c, self.beta * mean_r, mean_c, mean_r, valid)
 
 
-def make_objective(train, tokenizer=None, eos_ids=()) -> Objective:
-    """The objective a recipe's `train` section names (GRPO samples, so it needs the tokenizer and the EOS ids)."""
+def make_objective(train, tokenizer=None, eos_ids=(), data=None) -> Objective:
+    """The objective a recipe's `train` section names (GRPO samples, so it needs the tokenizer, the EOS ids
+    and the `data` section's packing)."""
     if train.objective == "grpo":
         from .grpo import GRPO
 
-        return GRPO(train.grpo, tokenizer, list(eos_ids), train.seed)
+        return GRPO(train.grpo, tokenizer, list(eos_ids), train.seed, data.packing, data.max_seq_len)
     if train.objective == "dpo":
         return DPO(train.dpo.beta, train.dpo.loss)
     if train.objective == "orpo":

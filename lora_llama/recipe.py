@@ -68,7 +68,8 @@ class DataSection(Settings):
     max_seq_len: int = Field(256, gt=1, description="tokens per row; longer examples are cut")
     val_size: float = Field(0.1, ge=0.0, lt=1.0, description="share of the records held out for eval")
     val_source: str | None = Field(None, description="a separate validation source instead of a split")
-    packing: bool = Field(False, description="pack several examples into each row; attention stays inside each")
+    packing: bool = Field(False, description="pack several examples (GRPO: completions) into each row; attention "
+                          "stays inside each")
     train_on_prompt: bool = Field(False, description="also take the loss on prompt tokens")
     fields: dict[str, str] = Field({}, description="standard name -> your column, e.g. {instruction: question}")
     prompt_template: str | None = Field(None, description="alpaca prompt for tokenizers without a chat template "
@@ -191,8 +192,6 @@ class Recipe(Settings):
         if (objective == "grpo") != (fmt == "prompt") and not (objective == "grpo" and fmt == "auto"):
             raise ValueError(f"train.objective grpo needs data.format prompt (and prompt data needs grpo), "
                              f"not objective {objective} with format {fmt}")
-        if objective == "grpo" and self.data.packing:
-            raise ValueError("data.packing is not supported with train.objective grpo")
         preference = objective in ("dpo", "orpo")
         if preference and self.data.format not in ("preference", "auto"):
             raise ValueError(f"train.objective {self.train.objective} needs data.format preference "

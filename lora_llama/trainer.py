@@ -34,7 +34,7 @@ class Trainer:
         self.recipe, self.model, self.ranks = recipe, model, ranks
         self.report = report or (lambda message: None)  # one line per event (eval results, a stop)
         self.objective = make_objective(recipe.train, tokenizer,
-                                        stop_token_ids(tokenizer, model.args.eos_token_id, model.folder))
+                                        stop_token_ids(tokenizer, model.args.eos_token_id, model.folder), recipe.data)
         self.sharded = any(hasattr(p, "device_mesh") for p in model.parameters())  # fsdp: blocks are shards
         self.train_examples, self.val_examples, self.out = train, val, Path(out)
         t = recipe.train

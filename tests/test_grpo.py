@@ -114,7 +114,8 @@ def _rollout_batch(prompts, completions, advantages):
     for i, (p, c) in enumerate(zip(prompts, completions)):
         ids[i, :len(p) + len(c)] = torch.tensor(p + c)
         labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
-    return {"input_ids": ids, "labels": labels, "advantages": advantages}
+    return {"input_ids": ids, "labels": labels, "advantages": advantages, "completions": torch.tensor(len(prompts)),
+            "completion": torch.arange(len(prompts))[:, None].expand_as(ids).clone()}
 
 
 def _trl_inputs(prompts, completions, advantages, max_new):
@@ -173,3 +174,25 @@ def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, corr
     assert set(grads) == set(trl_grads) and len(grads) == 28
     for k in grads:
         assert torch.allclose(grads[k], trl_grads[k], atol=1e-5, rtol=1e-4), k
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_packed_completions_train_as_separate_rows(tiny_ckpt, tmp_path, loss_type):
+    """data.packing: several completions to a row, each attending to itself; loss and gradients unchanged."""
+    settings = GRPOSettings(group_size=2, max_new_tokens=9, loss_type=loss_type, beta=0.04, rewards=["format"])
+    prompts, completions = prompts_of((3, 5, 5, 2), seed=3), prompts_of((9, 4, 7, 1), seed=4)
+    examples = [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c} for p, c in zip(prompts, completions)]
+    results = []
+    for packing in (False, True):
+        model = _policy(tiny_ckpt, tmp_path / str(packing))
+        grpo = GRPO(settings, make_tokenizer(), [2], seed=0, packing=packing, max_seq_len=24)
+        batch = grpo._rows(examples)
+        batch["advantages"] = torch.tensor([1.3, -0.7, 0.4, -1.0])
+        model.train()
+        terms, _ = grpo.terms(model, batch)
+        (terms[0] / grpo.counts(batch)[0]).backward()
+        results.append((batch["input_ids"].shape[0], float(terms[0].detach()) / grpo.counts(batch)[0],
+                        {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (rows, loss, grads), (packed_rows, packed_loss, packed_grads) = results
+    assert packed_rows < rows and abs(loss - packed_loss) < 1e-5
+    assert all(torch.allclose(grads[k], packed_grads[k], atol=1e-5, rtol=1e-4) for k in grads)

@@ -39,9 +39,9 @@ def metrics(folder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantize", [None, "nf4"])
-def test_grpo_raises_the_held_out_greedy_reward(tiny_ckpt, tmp_path, quantize):
-    extra = [f"model.quantize={quantize}"] if quantize else []
+@pytest.mark.parametrize("setting", [None, "model.quantize=nf4", "data.packing=true"])
+def test_grpo_raises_the_held_out_greedy_reward(tiny_ckpt, tmp_path, setting):
+    extra = [setting] if setting else []
     result = train_from_recipe(grpo_recipe(tiny_ckpt, tmp_path, *extra), log=lambda *_: None)
     print(f"eval reward {result['eval_reward_start']:.3f} -> {result['eval_reward']:.3f}")
     assert result["eval_reward"] > result["eval_reward_start"] + 0.2
