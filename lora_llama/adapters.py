@@ -14,7 +14,8 @@ from .config import DECODER_TARGETS, HF_NAME
 from .recipe import lora_settings
 from .errors import UserError
 from .files import atomic_dir, read_json, write_json
-from .lora import adapter_settings, apply_lora, lora_state_dict
+from .lora import adapter_settings, apply_lora, lora_modules, lora_state_dict
+from .lora_init import plain_adapter
 from .registry import base_model_id
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -22,22 +23,32 @@ PEFT_PREFIX = "base_model.model."
 
 
 def save_adapter(model, out: str | os.PathLike, base_model: str | None = None, force: bool = False,
-                 tensors: dict | None = None) -> Path:
+                 tensors: dict | None = None, plain: bool = True) -> Path:
     """Write the model's adapter in PEFT format (adapter_config.json + adapter_model.safetensors), atomically.
-    tensors: the adapter's tensors under native names when the model's own are shards (gathered by the caller)."""
+    tensors: the adapter's tensors under native names when the model's own are shards (gathered by the caller).
+    plain: a PiSSA / OLoRA adapter is written as the plain rank-2r LoRA adapter of the original base (peft and
+    merges load it on the base as published); without, as trained, for the residual base (checkpoints)."""
     from safetensors.torch import save_file
 
     settings = adapter_settings(model)
     if settings is None:
         raise UserError("the model has no LoRA adapter to save")
+    tensors = tensors or lora_state_dict(model)
+    r, alpha, init = settings.r, settings.alpha, settings.init_lora_weights
+    initial = {f"{path}.lora_{x}.weight": getattr(m, f"lora_{x}0") for path, m in lora_modules(model).items()
+               if hasattr(m, "lora_A0") for x in "AB"}
+    if plain and initial:
+        tensors, alpha, r = plain_adapter(tensors, initial, alpha, r, settings.rslora)
+        init = True
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.r, "lora_alpha": settings.alpha,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
         "lora_dropout": settings.dropout, "target_modules": sorted(HF_NAME[t] for t in settings.targets),
         "layers_to_transform": settings.layers, "use_rslora": settings.rslora, "bias": "none",
-        "base_model_name_or_path": base_model or (model.source and base_model_id(model.source)), "use_dora": False,
-        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "base_model_name_or_path": base_model or (model.source and base_model_id(model.source)),
+        "use_dora": settings.use_dora,
+        "fan_in_fan_out": False, "init_lora_weights": init, "inference_mode": True, "modules_to_save": None,
     }
-    tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in (tensors or lora_state_dict(model)).items()}
+    tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     with atomic_dir(out, force=force) as tmp:
         write_json(tmp / ADAPTER_CONFIG, config)
         save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
@@ -52,8 +63,6 @@ def read_adapter_config(folder: str | os.PathLike):
     cfg = read_json(folder / ADAPTER_CONFIG)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{folder}: peft_type {cfg['peft_type']!r} is not supported (only LORA)")
-    if cfg.get("use_dora"):
-        raise UserError(f"{folder}: DoRA adapters (use_dora: true) are not supported")
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             raise UserError(f"{folder}: per-module {key} is not supported")
@@ -78,6 +87,7 @@ def read_adapter_config(folder: str | os.PathLike):
         raise UserError(f"{folder}: r must be a positive integer, got {r!r}")
     return lora_settings(r=r, alpha=cfg.get("lora_alpha", 8), dropout=cfg.get("lora_dropout", 0.0),
                          targets=[by_hf[t] for t in targets], rslora=bool(cfg.get("use_rslora", False)),
+                         use_dora=bool(cfg.get("use_dora", False)), init_lora_weights=cfg.get("init_lora_weights", True),
                          layers=[layers] if isinstance(layers, int) else layers), cfg
 
 
@@ -94,8 +104,9 @@ def read_adapter_tensors(folder: str | os.PathLike) -> dict:
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {path}: truncated or not a safetensors file ({e})") from None
     for key, t in loaded.items():
-        if not t.is_floating_point() or t.dim() != 2 or not torch.isfinite(t).all():
-            raise UserError(f"{path}: {key} is not a finite 2-D float matrix (NaN, inf or a wrong type)")
+        dims = 1 if key.endswith(".lora_magnitude_vector") else 2
+        if not t.is_floating_point() or t.dim() != dims or not torch.isfinite(t).all():
+            raise UserError(f"{path}: {key} is not a finite {dims}-D float tensor (NaN, inf or a wrong type)")
     # PEFT writes `...lora_A.weight`; some tools keep the adapter name: `...lora_A.default.weight`
     return {k.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight"): v for k, v in loaded.items()}
 
@@ -131,13 +142,15 @@ def load_adapter(model, folder: str | os.PathLike) -> dict:
 
 
 def adapter_deltas(folder: str | os.PathLike) -> tuple[dict, float, dict]:
-    """({base weight name: (A, B)}, scale, adapter_config) of a PEFT adapter, for merges."""
+    """({base weight name: (A, B, DoRA magnitude or None)}, scale, adapter_config) of a PEFT adapter, for merges."""
     settings, cfg = read_adapter_config(folder)
     pairs: dict[str, dict] = {}
     for key, t in read_adapter_tensors(folder).items():
-        module, _, kind = key.rpartition(".lora_")  # e.g. model.layers.0.self_attn.q_proj, A.weight
+        module, _, kind = key.rpartition(".lora_")  # e.g. model.layers.0.self_attn.q_proj, A.weight / magnitude_vector
         pairs.setdefault(module + ".weight", {})[kind[0]] = t
-    incomplete = [k for k, v in pairs.items() if set(v) != {"A", "B"}]
+    want = {"A", "B", "m"} if settings.use_dora else {"A", "B"}
+    incomplete = [k for k, v in pairs.items() if set(v) != want]
     if incomplete:
-        raise UserError(f"{Path(folder) / ADAPTER_WEIGHTS}: {incomplete[0]} has only one of lora_A / lora_B")
-    return {k: (v["A"], v["B"]) for k, v in pairs.items()}, settings.scale, cfg
+        raise UserError(f"{Path(folder) / ADAPTER_WEIGHTS}: {incomplete[0]} lacks one of "
+                        f"{', '.join(sorted(want - set(pairs[incomplete[0]]))) or 'its tensors'}")
+    return {k: (v["A"], v["B"], v.get("m")) for k, v in pairs.items()}, settings.scale, cfg

@@ -236,6 +236,9 @@ def export_lora_gguf(adapter: str | os.PathLike, out: str | os.PathLike, base: s
     if not Path(adapter).is_dir():
         raise UserError(f"adapter folder not found: {adapter}")
     deltas, scale, cfg = adapter_deltas(adapter)
+    if cfg.get("use_dora"):
+        raise UserError("a DoRA adapter has no llama.cpp LoRA form (its magnitudes rescale whole rows); "
+                        "export the merged model instead")
     base = base or (cfg.get("base_model_name_or_path") and local_model_name(cfg["base_model_name_or_path"]))
     if not base:
         raise UserError(f"{adapter}: adapter_config.json names no base model; pass --base")
@@ -250,7 +253,7 @@ def export_lora_gguf(adapter: str | os.PathLike, out: str | os.PathLike, base: s
     rank = next(iter(deltas.values()))[0].shape[0]
     writer.add_float32("adapter.lora.alpha", scale * rank)
     tensors = []
-    for key, (A, B) in deltas.items():
+    for key, (A, B, _) in deltas.items():
         name = names.name(key)
         tensors += [(name + ".lora_a", A.float()), (name + ".lora_b", names.layout(key, B.float()))]
     for name, t in tensors:

@@ -9,6 +9,10 @@ exactly the base model. `scale` is alpha/r, or alpha/sqrt(r) with rslora. The
 base layer may be an nn.Linear or a frozen 8-bit / 4-bit `QuantizedLinear`. Merging
 folds ΔW = scale·B·A into W0 (`fold`).
 
+DoRA (`use_dora`) adds a trained magnitude m per output row: W' = m · (W0 + scale·B·A) / ‖W0 + scale·B·A‖,
+the norm taken per row and detached from the gradient (as peft does). The norm comes from r x r and
+out x r products (`row_norms`), never from the (out, in) sum, and W0's own row norms are kept from the start.
+
 On the common path (a frozen base, plain or quantized, and no dropout) a layer offers its products as one
 fused autograd node (`low_rank_node`, run by kernels.py), alone or with the layers that
 share its input (q, k, v; gate, up).
@@ -19,10 +23,10 @@ Module and parameter names follow PEFT (`q_proj.base_layer`, `q_proj.lora_A`,
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .config import TARGET_MODULES
 from .recipe import LoraSettings, lora_scale
@@ -30,20 +34,14 @@ from .errors import UserError
 from .files import read_tensors
 from .gemm import run_linear
 from .kernels import low_rank_linears
+from .lora_init import init_adapter, moves_w0, principal_init
 from .quant import QuantizedLinear
 
 
-def init_lora_a(w: torch.Tensor) -> None:
-    nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # as nn.Linear: a bounded start for A
-
-
-def init_lora_b(w: torch.Tensor) -> None:
-    nn.init.zeros_(w)  # B = 0: the adapted model starts as the base model
-
-
 def fold(w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-         inplace: bool = False) -> torch.Tensor:
-    """W0 + scale·B·A in float32, the one place a merge computes it (negative scale: unmerge).
+         inplace: bool = False, magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """W0 + scale·B·A in float32, the one place a merge computes it (negative scale: unmerge); with a DoRA
+    magnitude, each row then scaled to it: m · (W0 + scale·B·A) / ‖W0 + scale·B·A‖.
 
     inplace: a float32 w0 that the caller owns (a fresh copy read from a shard) is updated
     in place, so no (out, in) temporary is made besides it.
@@ -51,17 +49,36 @@ def fold(w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: fl
     w = w0.float()
     if w is w0 and not inplace:  # .float() of a float32 tensor is the tensor itself
         w = w.clone()
-    return w.addmm_(lora_b.to(w.device, torch.float32), lora_a.to(w.device, torch.float32), alpha=scale)
+    w = w.addmm_(lora_b.to(w.device, torch.float32), lora_a.to(w.device, torch.float32), alpha=scale)
+    if magnitude is not None:
+        w.mul_((magnitude.to(w.device, torch.float32) / w.norm(dim=1))[:, None])
+    return w
+
+
+def row_norms(w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+              w0_squared: torch.Tensor) -> torch.Tensor:
+    """‖W0 + scale·B·A‖ per row (float32) without the (out, in) sum: ‖W0_i‖² (given) + 2·scale·B_i·(W0·Aᵀ)_i
+    + scale²·B_i·(A·Aᵀ)·B_iᵀ. W0·Aᵀ is one (out, in) x (in, r) product in W0's dtype."""
+    a, b = lora_a.float(), lora_b.float()
+    cross = F.linear(lora_a.to(w0.dtype), w0).float().t()  # (out, r)
+    squared = w0_squared + 2 * scale * (cross * b).sum(1) + scale * scale * ((b @ (a @ a.t())) * b).sum(1)
+    return squared.clamp_min(0).sqrt()
+
+
+def dense_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A base layer's weight as a float matrix: a quantized one dequantized (what its products use)."""
+    return base.dequantize(dtype) if type(base) is QuantizedLinear else base.weight
 
 
 class LoRALinear(nn.Module):
     """x ↦ W0·x + scale·B·A·dropout(x), with W0 frozen and only A, B trained."""
 
-    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False):
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False,
+                 use_dora: bool = False, init=True):
         super().__init__()
         self.base_layer = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.r, self.alpha, self.dropout, self.rslora = r, alpha, dropout, rslora
+        self.r, self.alpha, self.dropout, self.rslora, self.use_dora = r, alpha, dropout, rslora, use_dora
         self.scale = lora_scale(r, alpha, rslora)
         w = base.weight
         device = w.device if w.device.type != "meta" else None
@@ -70,10 +87,33 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        init_lora_a(self.lora_A.weight)
-        init_lora_b(self.lora_B.weight)
+        self.init = init
+        if moves_w0(init):
+            self._take_principal_part(init)
+        else:
+            init_adapter(self.lora_A, self.lora_B, init)
+        if use_dora:  # m starts at W0's row norms (B = 0): the adapted model starts as the base model
+            with torch.no_grad():
+                squared = dense_weight(base, torch.float32).float().square().sum(1)
+            self.register_buffer("w0_squared", squared, persistent=False)
+            self.lora_magnitude_vector = nn.Parameter(squared.sqrt().to(dtype))
         self.merged = False  # ΔW folded into the base weight
         self.disabled = False  # the base output only (see `adapters_disabled`)
+
+    @torch.no_grad()
+    def _take_principal_part(self, how: str) -> None:
+        """PiSSA / OLoRA: A, B from W0's principal part, the residual left as the frozen base; A0, B0 kept for
+        the plain form of the saved adapter."""
+        base = self.base_layer
+        if type(base) is not nn.Linear or not base.weight.is_floating_point():
+            raise UserError(f"init_lora_weights {how} needs the base's float weights (a quantized base is quantized "
+                            "after the residual is computed: lora-llama train does that)")
+        a, b, residual = principal_init(base.weight, self.r, self.scale, how)
+        self.lora_A.weight.copy_(a)
+        self.lora_B.weight.copy_(b)
+        base.weight.copy_(residual.to(base.weight.dtype))
+        self.register_buffer("lora_A0", a.to(self.lora_A.weight.dtype), persistent=False)
+        self.register_buffer("lora_B0", b.to(self.lora_B.weight.dtype), persistent=False)
 
     def fused(self, x: torch.Tensor) -> bool:
         """Whether the layer can run as one autograd node: a frozen base (plain in x's dtype, or quantized and
@@ -89,7 +129,7 @@ class LoRALinear(nn.Module):
 
     def low_rank_node(self, x: torch.Tensor) -> tuple | None:
         """(W0, b, A, B, scale) for kernels' fused node, or None when this layer must run on its own."""
-        if self.merged or self.disabled or not self.fused(x):
+        if self.merged or self.disabled or self.use_dora or not self.fused(x):
             return None
         base = self.base_layer
         w0 = base if type(base) is QuantizedLinear else base.weight  # a quantized one dequantizes inside the node
@@ -99,6 +139,8 @@ class LoRALinear(nn.Module):
         if self.merged or self.disabled:
             return run_linear(self.base_layer, x)
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D so the update below is not on a view
+        if self.use_dora:
+            return self._dora(x2).view(*x.shape[:-1], self.out_features)
         node = self.low_rank_node(x2)
         if node is not None:
             (y,) = low_rank_linears(x2, [node])
@@ -113,6 +155,23 @@ class LoRALinear(nn.Module):
             y = y + (self.lora_B(a) * self.scale).to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _dora(self, x: torch.Tensor) -> torch.Tensor:
+        """W0·x + b + (c - 1)·W0·x' + c·scale·B·A·x' with c = m / ‖W0 + scale·B·A‖ (detached) and x' = dropout(x):
+        peft's DoRA, the base product reused when there is no dropout."""
+        base = self.base_layer
+        y = run_linear(base, x)  # (N, out)
+        dropped = self.lora_dropout(x)
+        low_rank = self.lora_B(self.lora_A(dropped.to(self.lora_A.weight.dtype))).float() * self.scale
+        with torch.no_grad():
+            norms = row_norms(dense_weight(base, y.dtype), self.lora_A.weight, self.lora_B.weight, self.scale,
+                              self.w0_squared)
+        c = self.lora_magnitude_vector.float() / norms
+        if dropped is x:
+            w0x = y if base.bias is None else y - base.bias
+        else:
+            w0x = F.linear(dropped, dense_weight(base, y.dtype))
+        return y + ((c - 1) * w0x.float() + c * low_rank).to(y.dtype)
+
     def _float_base_weight(self) -> torch.Tensor:
         w = self.base_layer.weight
         if not isinstance(self.base_layer, nn.Linear) or not w.is_floating_point():
@@ -122,21 +181,27 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Fold ΔW into W0 in place (float32 arithmetic, cast back); forward becomes the base forward."""
+        """Fold ΔW into W0 in place (float32 arithmetic, cast back); forward becomes the base forward. DoRA keeps
+        each row's factor m / ‖W0 + scale·B·A‖ to undo it."""
         if not self.merged:
             w = self._float_base_weight()
-            w.copy_(fold(w, self.lora_A.weight, self.lora_B.weight, self.scale))
+            merged = fold(w, self.lora_A.weight, self.lora_B.weight, self.scale)
+            if self.use_dora:
+                self.row_factor = self.lora_magnitude_vector.float() / merged.norm(dim=1)
+                merged.mul_(self.row_factor[:, None])
+            w.copy_(merged)
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
         if self.merged:
             w = self._float_base_weight()
-            w.copy_(fold(w, self.lora_A.weight, self.lora_B.weight, -self.scale))
+            unscaled = w.float() / self.row_factor[:, None] if self.use_dora else w
+            w.copy_(fold(unscaled, self.lora_A.weight, self.lora_B.weight, -self.scale))
             self.merged = False
 
     def extra_repr(self) -> str:
-        return f"r={self.r}, scale={self.scale:g}"
+        return f"r={self.r}, scale={self.scale:g}" + (", dora" if self.use_dora else "")
 
 
 def target_paths(model, settings: LoraSettings) -> list[str]:
@@ -166,7 +231,7 @@ def apply_lora(model, settings: LoraSettings) -> dict:
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, child, LoRALinear(getattr(parent, child), settings.r, settings.alpha, settings.dropout,
-                                          settings.rslora))
+                                          settings.rslora, settings.use_dora, settings.init_lora_weights))
     return parameter_summary(model)
 
 
@@ -184,7 +249,7 @@ def adapter_settings(model) -> LoraSettings | None:
             layers.add(int(parts[2]))
     m = next(iter(modules.values()))
     every_layer = layers in (set(), set(range(model.args.n_layers)))
-    return LoraSettings(r=m.r, alpha=m.alpha, dropout=m.dropout, rslora=m.rslora,
+    return LoraSettings(r=m.r, alpha=m.alpha, dropout=m.dropout, rslora=m.rslora, use_dora=m.use_dora, init_lora_weights=m.init,
                         targets=[t for t in TARGET_MODULES if t in targets], layers=None if every_layer else sorted(layers))
 
 
@@ -211,8 +276,10 @@ def parameter_summary(model) -> dict:
 
 
 def lora_state_dict(model) -> dict[str, torch.Tensor]:
-    """Native names of the adapter tensors, e.g. `model.layers.0.self_attn.q_proj.lora_A.weight`."""
-    return {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+    """Native names of the adapter tensors, e.g. `model.layers.0.self_attn.q_proj.lora_A.weight` (and DoRA's
+    `...q_proj.lora_magnitude_vector`)."""
+    return {k: v for k, v in model.state_dict().items()
+            if ".lora_A." in k or ".lora_B." in k or k.endswith(".lora_magnitude_vector")}
 
 
 def merge_lora(model) -> None:
@@ -234,7 +301,8 @@ def merge_lora(model) -> None:
                                device=m.lora_A.weight.device, dtype=dtype)
             with torch.no_grad():
                 w0 = originals[f"{path}.weight"].to(merged.weight.device)
-                merged.weight.copy_(fold(w0, m.lora_A.weight, m.lora_B.weight, m.scale))
+                merged.weight.copy_(fold(w0, m.lora_A.weight, m.lora_B.weight, m.scale,
+                                         magnitude=m.lora_magnitude_vector if m.use_dora else None))
                 if base.bias is not None:
                     merged.bias.copy_(base.bias)
             merged.requires_grad_(False)

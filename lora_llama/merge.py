@@ -30,7 +30,7 @@ from .registry import base_model_id
 
 def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
     """Every adapted module exists in the base and every LoRA shape matches its weight."""
-    for name, (A, B) in deltas.items():
+    for name, (A, B, _) in deltas.items():
         source = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes and tied else name
         if source not in shapes:
             raise UserError(f"the adapter targets {name.removesuffix('.weight')}, which the base model does not have")
@@ -103,7 +103,8 @@ class Merger:
             if self.onto == "dequantized" and out_key.rsplit(".", 2)[-2] in DECODER_LINEARS and w.dim() == 2:
                 w = dequantized(w, self.quantize, self.double_quant)
             if out_key in self.deltas:
-                w = fold(w, *self.deltas[out_key], self.scale, inplace=True)
+                A, B, magnitude = self.deltas[out_key]
+                w = fold(w, A, B, self.scale, inplace=True, magnitude=magnitude)
             yield out_key, w.to(target_dtype).contiguous()
 
 

@@ -244,15 +244,18 @@ class _QuantizedProduct(torch.autograd.Function):
 
 
 def quantize_loaded_linears(model, kind: str, double_quant: bool = False) -> None:
-    """Replace every decoder linear whose weight has been loaded (is no longer on `meta`) by its quantized copy."""
+    """Replace every decoder linear whose weight has been loaded (is no longer on `meta`) by its quantized copy;
+    an adapted one keeps its adapter and gets its frozen base quantized."""
     check_kind(kind, REQUANTIZED)
     for block in model.model.layers:
         for parent in (block.self_attn, block.mlp):
             for name in DECODER_LINEARS:
-                lin = getattr(parent, name, None)
+                holder, attr, lin = parent, name, getattr(parent, name, None)
+                if hasattr(lin, "base_layer"):
+                    holder, attr, lin = lin, "base_layer", lin.base_layer
                 if type(lin) is nn.Linear and lin.weight.device.type != "meta" and \
                         (lin.bias is None or lin.bias.device.type != "meta"):
-                    setattr(parent, name, QuantizedLinear.from_linear(lin, kind, double_quant))
+                    setattr(holder, attr, QuantizedLinear.from_linear(lin, kind, double_quant))
 
 
 def tensor_bytes(module: nn.Module) -> int:

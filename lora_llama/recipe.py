@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .config import PRECISIONS, QUANTIZE_KINDS, DType, Target
 from .errors import UserError
+from .lora_init import check_init, moves_w0
 
 
 def lora_scale(r: int, alpha: float, rslora: bool = False) -> float:
@@ -32,6 +33,25 @@ class LoraSettings(Settings):
     targets: list[Target] = Field(["q", "k", "v", "o"], description="linears to adapt: q, k, v, o, gate, up, down, lm_head")
     layers: list[int] | None = Field(None, description="decoder layers to adapt (0-based); null: every layer")
     rslora: bool = Field(False, description="rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r")
+    use_dora: bool = Field(False, description="DoRA: a trained magnitude per output row, the direction W0 + scale·B·A "
+                           "(peft's use_dora)")
+    init_lora_weights: bool | str = Field(True, description="true (Kaiming A, zero B), false, gaussian, pissa, "
+                                          "pissa_niter_N (randomized SVD), olora: peft's names (docs/adapters.md)")
+
+    @field_validator("init_lora_weights")
+    @classmethod
+    def _known_init(cls, v):
+        check_init(v)
+        return v
+
+    @model_validator(mode="after")
+    def _principal_init_fits(self):
+        if moves_w0(self.init_lora_weights) and self.dropout:
+            raise ValueError(f"lora.init_lora_weights {self.init_lora_weights} moves W0's principal part into A and B, "
+                             "which lora.dropout would drop in training: set lora.dropout 0")
+        if moves_w0(self.init_lora_weights) and self.use_dora:
+            raise ValueError(f"lora.init_lora_weights {self.init_lora_weights} with lora.use_dora is not supported")
+        return self
 
     @field_validator("targets")
     @classmethod
@@ -132,6 +152,8 @@ class TrainSection(Settings):
     lr: float = Field(3.0e-4, gt=0, description="AdamW's peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas")
+    loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: B (and DoRA's magnitudes) learn at this "
+                                            "many times lr (peft's create_loraplus_optimizer; 16 is its paper's pick)")
     max_steps: int | None = Field(300, gt=0, description="optimiser steps; null: train.epochs decides")
     epochs: float | None = Field(None, gt=0, description="passes over the training data (used when max_steps is null)")
     warmup_steps: int = Field(10, ge=0, description="linear warmup steps")
@@ -181,9 +203,12 @@ class Recipe(Settings):
     output: OutputSection = OutputSection()
 
     @model_validator(mode="after")
-    def _double_quant_needs_nf4(self):
+    def _quantization_fits(self):
         if self.model.nf4_double_quant and self.model.quantize != "nf4":
             raise ValueError("model.nf4_double_quant needs model.quantize nf4")
+        if moves_w0(self.lora.init_lora_weights) and self.model.quantize == "source":
+            raise ValueError(f"lora.init_lora_weights {self.lora.init_lora_weights} changes the frozen base, which "
+                             "model.quantize source keeps as the file's blocks: use int8 or nf4")
         return self
 
     @model_validator(mode="after")

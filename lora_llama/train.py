@@ -24,7 +24,8 @@ from .lora import apply_lora
 from .pairs import build_pairs
 from .prompts import build_prompts
 from .precision import base_dtype, resolve_precision
-from .quant import base_weight_bytes
+from .lora_init import moves_w0
+from .quant import base_weight_bytes, quantize_loaded_linears
 from .run_folder import ADAPTER, checkpoints, remove_leftovers, run_lock, write_run_recipe
 from .tokens import end_of_turn_id
 from .trainer import Trainer
@@ -121,9 +122,12 @@ def _examples(recipe, tok, log) -> tuple[list[dict], list[dict]]:
 def _adapted_model(recipe, precision: str, device: str):
     """The base in the precision's dtype with the recipe's adapters; returns (model, apply_lora's summary)."""
     m = recipe.model
-    model = load_model(m.source, dtype=base_dtype(precision, torch_dtype(m.dtype)), quantize=m.quantize,
-                       device=device, nf4_double_quant=m.nf4_double_quant)
+    principal = moves_w0(recipe.lora.init_lora_weights)  # PiSSA / OLoRA: the residual is what gets quantized
+    model = load_model(m.source, dtype=base_dtype(precision, torch_dtype(m.dtype)),
+                       quantize=None if principal else m.quantize, device=device, nf4_double_quant=m.nf4_double_quant)
     summary = apply_lora(model, recipe.lora)
+    if principal and m.quantize:
+        quantize_loaded_linears(model, m.quantize, m.nf4_double_quant)
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
     model.offload_activations = recipe.train.offload_activations
     if recipe.train.compile:

@@ -141,7 +141,7 @@ def test_shape_mismatch_names_key_and_shapes(tiny_ckpt, make_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("patch, message", [
-    ({"use_dora": True}, "DoRA"),
+    ({"use_dora": True}, "lacks 8 tensors, first"),  # a DoRA config without its magnitudes
     ({"target_modules": ["q_proj", "conv1"]}, "unknown target module 'conv1'"),
     ({"r": 0}, "r must be a positive integer"),
 ])
