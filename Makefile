@@ -34,8 +34,8 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed"
 
 # every benchmark (each appends a JSON line to bench/results/NAME.jsonl), then the tables in README.md and
-# docs/performance.md regenerated from those files; the whole set takes about an hour on 2 CPU cores
-BENCHES := gemm forward lora_overhead merge int8 train_step long_context distributed
+# docs/performance.md regenerated from those files; the whole set takes about two hours on 2 CPU cores
+BENCHES := gemm forward lora_overhead merge int8 train_step quant grpo dora variants long_context distributed
 bench: setup
 	$(PIP) -e ".[bench]"
 	for b in $(BENCHES); do $(PY) -m bench.$$b || exit 1; done

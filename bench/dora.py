@@ -1,6 +1,6 @@
 """What DoRA costs over LoRA, per library, in one run: lora-llama through `lora-llama train` on the default recipe
 (lora.use_dora false / true; median tokens/s of the logged steps after the first two), and transformers + peft on
-the same model (the embedded SmolLM2 GGUF, read by transformers), batches and adapter settings (LoraConfig
+the same model (the embedded SmolLM2's weights as lora-llama reads them), batches and adapter settings (LoraConfig
 use_dora false / true; median step time). Each configuration runs in its own process; the figures go to
 bench/results/dora.jsonl.
 """
@@ -29,9 +29,9 @@ def peft_worker(use_dora: bool, steps: int) -> None:
 
     torch.set_num_threads(2)
     r = load_recipe(str(RECIPE))
-    gguf = resolve_source(r.model.source)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    folder = resolve_source(r.model.source)  # the GGUF's weights as lora-llama reads them: an HF folder
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=r.lora.r, lora_alpha=r.lora.alpha, use_dora=use_dora,
                                              target_modules=[HF_NAME[t] for t in r.lora.targets]))
     examples = build_examples(r.data, tok, r.train.seed)[0]

@@ -36,11 +36,12 @@ def train(kind: str, out, a, model_args: list[str]) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row and row["step"] > 2]
     start = [row["eval_loss"] for row in rows if row["step"] == 0 and "eval_loss" in row]
+    evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
     base_mb = float(re.search(r"base weights: ([\d.]+) MB", r.stdout)[1])  # the start-up line's frozen weights
     return {"tokens_per_s": statistics.median(steps or [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]),
             "peak_mb": int(r.stdout.split("PEAK_KB")[1].split()[0]) / 1024, "base_mb": base_mb,
             **({"gpu_peak_mb": float(r.stdout.split("GPU_PEAK_MB")[1].split()[0])} if a.device == "cuda" else {}),
-            "eval_loss_step_0": start[0] if start else None}
+            "eval_loss_step_0": start[0] if start else None, "eval_loss_end": evals[-1] if evals else None}
 
 
 def main():

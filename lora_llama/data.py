@@ -8,6 +8,7 @@ example), which the model turns into a block-diagonal causal mask.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 
 from .errors import UserError
@@ -256,6 +257,19 @@ def split(records, val_size: float, seed: int):
         n_val = 1
     select = records.select if hasattr(records, "select") else lambda rows: [records[i] for i in rows]  # or a list
     return select(order[n_val:]), select(order[:n_val])
+
+
+def tokenize_splits(train_records, val_records, tokenize, source: str, what: str, log) -> tuple[list, list]:
+    """(train, val) through tokenize(records) -> (items, Counter of skip reasons); the skipped records are counted
+    in one warning, and a training split left empty is one error."""
+    train, skipped = tokenize(train_records)
+    val, skipped_val = tokenize(val_records) if len(val_records) else ([], Counter())
+    skipped += skipped_val
+    if skipped:
+        log("warning: skipped " + ", ".join(f"{n} record(s) with {why}" for why, n in skipped.items()))
+    if not train:
+        raise UserError(f"data source {source!r} gives no usable {what}")
+    return train, val
 
 
 def load_splits(data, seed: int):

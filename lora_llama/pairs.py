@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .data import EMPTY_EXAMPLE, Tokenize, collate, load_splits, rename_fields
+from .data import EMPTY_EXAMPLE, Tokenize, collate, load_splits, rename_fields, tokenize_splits
 from .errors import UserError
 from .loss import IGNORE_INDEX
 from .tokens import close_with_eos, encode_rendered, normalise_messages, render_chat
@@ -79,14 +79,8 @@ def build_pairs(data, tokenizer, seed: int, log=print) -> tuple[list[dict], list
     train_records, val_records = load_splits(data, seed)
     kw = dict(tokenizer=tokenizer, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt,
               fields=data.fields)
-    train, skipped = tokenize_pairs(train_records, **kw)
-    val, skipped_val = tokenize_pairs(val_records, **kw) if len(val_records) else ([], Counter())
-    skipped += skipped_val
-    if skipped:
-        log("warning: skipped " + ", ".join(f"{n} record(s) with {why}" for why, n in skipped.items()))
-    if not train:
-        raise UserError(f"data source {data.source!r} gives no usable preference pair")
-    return train, val
+    return tokenize_splits(train_records, val_records, lambda records: tokenize_pairs(records, **kw), data.source,
+                           "preference pair", log)
 
 
 def collate_pairs(pairs: list[dict], pad_id: int) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .data import load_splits, rename_fields, split
+from .data import load_splits, rename_fields, split, tokenize_splits
 from .errors import UserError
 from .tokens import encode_rendered, normalise_messages, render_chat
 
@@ -81,11 +81,5 @@ def build_prompts(data, tokenizer, seed: int, max_new_tokens: int, log=print) ->
         raise UserError(f"data.max_seq_len ({data.max_seq_len}) leaves no room for a prompt before "
                         f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens")
     kw = dict(tokenizer=tokenizer, max_prompt_len=room, fields=data.fields, system_prompt=data.system_prompt)
-    train, skipped = prompt_examples(train_records, **kw)
-    val, skipped_val = prompt_examples(val_records, **kw) if len(val_records) else ([], Counter())
-    skipped += skipped_val
-    if skipped:
-        log("warning: skipped " + ", ".join(f"{n} record(s) with {why}" for why, n in skipped.items()))
-    if not train:
-        raise UserError(f"data source {data.source!r} gives no usable prompt")
-    return train, val
+    return tokenize_splits(train_records, val_records, lambda records: prompt_examples(records, **kw), data.source,
+                           "prompt", log)

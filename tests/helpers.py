@@ -111,3 +111,12 @@ def peak_growth(setup: str, work: str, *argv) -> int:
         + "print(json.dumps({'base_kb': base, 'peak_kb': status_kb('VmHWM')}))\n"
     mem = fresh_python(script, *argv)
     return (mem["peak_kb"] - mem["base_kb"]) * 1024
+
+
+def random_lora_b(model, seed: int = 1, std: float = 0.1) -> None:
+    """Every lora_B moved off zero (seeded), so that the adapter changes what the model computes."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import helpers
-from helpers import hf_model
+from helpers import hf_model, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.loss import target_loss
 
@@ -36,11 +36,7 @@ def test_lora_gradients_match_peft_on_cuda(tiny_ckpt, tmp_path):
 
     model = load_model(tiny_ckpt, device="cuda")
     apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    random_lora_b(model, seed=0)
     save_adapter(model, tmp_path / "a")
     x = ids()
     model.train()

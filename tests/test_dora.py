@@ -158,3 +158,15 @@ def test_loraplus_first_step_moves_b_by_ratio_times_lr(tiny_ckpt, tmp_path):
             assert abs(float(plain) / lr - 1) < 0.05 and abs(float(moved[16.0][k]) / (16 * lr) - 1) < 0.05, k
         else:
             assert float(plain) == 0 and float(moved[16.0][k]) == 0, k
+
+
+def test_dora_on_nf4_merges_onto_the_dequantized_weights_it_trained_on(tiny_ckpt, tmp_path):
+    from lora_llama.merge import merge_checkpoint
+
+    trained = dora_model(tiny_ckpt, quantize="nf4")
+    save_adapter(trained, tmp_path / "a")
+    x = ids()
+    merge_checkpoint(str(tiny_ckpt), tmp_path / "a", tmp_path / "m", progress=False, onto="dequantized",
+                     quantize="nf4")
+    with torch.no_grad():
+        assert rel(load_model(tmp_path / "m")(x), trained(x)) < 1e-5

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import hf_model, make_tokenizer
+from helpers import hf_model, make_tokenizer, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.grpo import GRPO, group_advantages
 from lora_llama.loss import IGNORE_INDEX
@@ -80,11 +80,7 @@ def _policy(ckpt, folder):
     model = load_model(ckpt)
     torch.manual_seed(0)
     apply_lora(model, LoraSettings(r=4, alpha=8, targets=TARGETS))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    random_lora_b(model, seed=1)
     save_adapter(model, folder)
     return model
 
