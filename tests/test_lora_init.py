@@ -99,3 +99,23 @@ def test_a_quantized_base_quantizes_the_residual(tiny_ckpt, tmp_path):
 def test_init_recipe_errors_are_one_line(overrides, words):
     with pytest.raises(UserError, match=words):
         load_recipe(None, overrides)
+
+
+def test_a_pissa_run_saves_an_adapter_that_peft_loads_on_the_original_base(tiny_ckpt, tmp_path):
+    from peft import PeftModel
+    from test_train import chat_file, recipe
+
+    from lora_llama.train import train_from_recipe
+
+    r = recipe(tiny_ckpt, chat_file(tmp_path / "d.jsonl"), tmp_path / "run", "lora.init_lora_weights=pissa",
+               "lora.dropout=0", "lora.r=4", "lora.alpha=8", "train.max_steps=3", "train.lr=1e-2")
+    train_from_recipe(r, log=lambda *_: None)
+    ours = load_model(tiny_ckpt)
+    load_adapter(ours, tmp_path / "run" / "adapter")  # the plain form: rank 8 on the original base
+    resumed = load_model(tiny_ckpt)
+    load_adapter(resumed, tmp_path / "run" / "checkpoints" / "step-3" / "adapter")  # as trained, rank 4
+    ref = PeftModel.from_pretrained(hf_model(tiny_ckpt), tmp_path / "run" / "adapter").eval()
+    with torch.no_grad():
+        want = ref(ids()).logits
+        assert rel(ours(ids()), want) < 1e-4 and rel(resumed(ids()), want) < 1e-4
+        assert rel(want, load_model(tiny_ckpt)(ids())) > 1e-3  # the adapter trained
