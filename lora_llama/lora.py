@@ -70,6 +70,27 @@ def dense_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return base.dequantize(dtype) if type(base) is QuantizedLinear else base.weight
 
 
+class _MagnitudeScale(torch.autograd.Function):
+    """DoRA's c·(W0·x + scale·B·A·x) with c = m / norm per output: keeps the sum alone (one (N, out) tensor) for
+    m's gradient, where autograd would keep both terms."""
+
+    @staticmethod
+    def forward(ctx, w0x, low_rank, magnitude, norms):
+        z = w0x.float() + low_rank
+        c = magnitude.float() / norms
+        ctx.save_for_backward(z, c, norms)
+        ctx.dtypes = (w0x.dtype, low_rank.dtype, magnitude.dtype)
+        return z * c
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, c, norms = ctx.saved_tensors
+        g = grad.float()
+        grad_z = g * c
+        grad_m = (g * z).sum(0) / norms
+        return grad_z.to(ctx.dtypes[0]), grad_z.to(ctx.dtypes[1]), grad_m.to(ctx.dtypes[2]), None
+
+
 class LoRALinear(nn.Module):
     """x ↦ W0·x + scale·B·A·dropout(x), with W0 frozen and only A, B trained."""
 
@@ -165,12 +186,12 @@ class LoRALinear(nn.Module):
         with torch.no_grad():
             norms = row_norms(dense_weight(base, y.dtype), self.lora_A.weight, self.lora_B.weight, self.scale,
                               self.w0_squared)
-        c = self.lora_magnitude_vector.float() / norms
-        if dropped is x:
+        if dropped is x:  # y = W0·x + b: the output is b + c·(W0·x + scale·B·A·x)
             w0x = y if base.bias is None else y - base.bias
-        else:
-            w0x = F.linear(dropped, dense_weight(base, y.dtype))
-        return y + ((c - 1) * w0x.float() + c * low_rank).to(y.dtype)
+            scaled = _MagnitudeScale.apply(w0x, low_rank, self.lora_magnitude_vector, norms).to(y.dtype)
+            return scaled if base.bias is None else scaled + base.bias
+        w0x = F.linear(dropped, dense_weight(base, y.dtype))  # y + (c - 1)·W0·x' + c·scale·B·A·x'
+        return y - w0x + _MagnitudeScale.apply(w0x, low_rank, self.lora_magnitude_vector, norms).to(y.dtype)
 
     def _float_base_weight(self) -> torch.Tensor:
         w = self.base_layer.weight
