@@ -33,9 +33,10 @@ CLIP_STATS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Standard deviation over the non-NaN values, with Bessel's correction (NaN for fewer than two), as trl's."""
-    count = (~x.isnan()).sum(dim) if dim is not None else (~x.isnan()).sum()
-    mean = x.nanmean(dim, keepdim=True) if dim is not None else x.nanmean()
-    var = ((x - mean) ** 2).nanmean(dim) if dim is not None else ((x - mean) ** 2).nanmean()
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    count = (~x.isnan()).sum(dim)
+    var = ((x - x.nanmean(dim, keepdim=True)) ** 2).nanmean(dim)
     return torch.where(count > 1, var * count / (count - 1), torch.nan).sqrt()
 
 
@@ -118,6 +119,7 @@ class GRPO:
         self.stat_names = CLIP_STATS + (("kl",) if settings.beta else ())
         self.cache: tuple[int, list[dict]] | None = None
         self.rollout_stats: dict = {}
+        self.tokens = 0  # completion tokens of the generation's global batch: the clip and KL metrics' divisor
 
     # ------------------------------------------------------------------ batches
 
@@ -217,8 +219,10 @@ class GRPO:
         zero_std = torch.isclose(nanstd(total.view(-1, g), 1), torch.zeros(())).sum() * g if rolled else 0
         lengths, truncated = (torch.cat([b[k] for b in rolled]) if rolled else torch.zeros(0)
                               for k in ("lengths", "truncated"))
+        tokens = sum(int(self._targets(b).sum()) for b in rolled)
         sums = ranks.sum([*_moments(total), total.numel(), float(zero_std), float(lengths.sum()), float(truncated.sum()),
-                          *[v for j in range(table.shape[1]) for v in _moments(table[:, j])]])
+                          *[v for j in range(table.shape[1]) for v in _moments(table[:, j])], tokens])
+        self.tokens = int(sums[-1])
         mean, std = _mean_std(*sums[:3])
         n = max(sums[3], 1)  # completions in the global batch
         start = 0
@@ -250,12 +254,7 @@ class GRPO:
 
     def summarize(self, stat_sums: dict, totals: list[int], ranks) -> dict:
         """Token means of the clip and KL sums, with the rollout metrics."""
-        tokens = self._global_tokens(ranks)
-        return {**self.rollout_stats, **{k: v / max(tokens, 1) for k, v in stat_sums.items()}}
-
-    def _global_tokens(self, ranks) -> int:
-        local = sum(int(self._targets(b).sum()) for b in (self.cache[1] if self.cache else []))
-        return int(ranks.sum([local])[0])
+        return {**self.rollout_stats, **{k: v / max(self.tokens, 1) for k, v in stat_sums.items()}}
 
     # ------------------------------------------------------------------ eval and resume
 
@@ -277,10 +276,10 @@ class GRPO:
         """The kept rollouts (num_iterations > 1), so that a resume between generations continues exactly."""
         if self.cache is None or self.repeats == 1:
             return None
-        return {"generation": self.cache[0], "batches": self.cache[1], "stats": self.rollout_stats}
+        return {"generation": self.cache[0], "batches": self.cache[1], "stats": self.rollout_stats, "tokens": self.tokens}
 
     def load_state(self, state: dict | None, device) -> None:
         if state:
-            self.rollout_stats = state["stats"]
+            self.rollout_stats, self.tokens = state["stats"], state["tokens"]
             self.cache = (state["generation"], [{k: v.to(device) if k in ON_DEVICE else v for k, v in b.items()}
                                                 for b in state["batches"]])

@@ -67,7 +67,8 @@ def sample_completions(model, prompts: list[list[int]], max_new_tokens: int, eos
             logits = model(token[:, None], position_ids=(next_pos + step)[:, None], cache=cache)[:, -1]
     finally:
         model.train(was_training)
-    return [_cut(row, set(eos_ids)) for row in torch.stack(out, 1).tolist()]
+    stops = set(eos_ids)
+    return [_cut(row, stops) for row in torch.stack(out, 1).tolist()]
 
 
 def _cut(row: list[int], eos: set[int]) -> list[int]:

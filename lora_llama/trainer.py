@@ -247,9 +247,9 @@ def param_groups(model, lr: float, loraplus_lr_ratio: float | None) -> list[dict
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not loraplus_lr_ratio:
         return [{"params": [p for _, p in named]}]
-    fast = [p for n, p in named if "lora_B" in n or p.dim() == 1]
-    return [{"params": [p for n, p in named if not ("lora_B" in n or p.dim() == 1)]},
-            {"params": fast, "lr": lr * loraplus_lr_ratio}]
+    fast = {n for n, p in named if "lora_B" in n or p.dim() == 1}
+    return [{"params": [p for n, p in named if n not in fast]},
+            {"params": [p for n, p in named if n in fast], "lr": lr * loraplus_lr_ratio}]
 
 
 def _to(batch: dict, device) -> dict:
