@@ -36,10 +36,16 @@ def cmd_train(args) -> int:
     from .recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, before any process starts
-    if args.nproc_per_node and args.nproc_per_node > 1 and "RANK" not in os.environ:
-        from .distributed import launch
+    if "RANK" in os.environ:  # a worker of torchrun's: it ends with its launcher
+        from .distributed import die_with_parent
 
-        return launch(args.nproc_per_node, ["train", args.recipe, *args.overrides] + ["--resume"] * args.resume
+        die_with_parent()
+    elif (args.nproc_per_node or 1) > 1 or args.nnodes > 1:
+        from .distributed import launch, launcher_args
+
+        torchrun = launcher_args(args.nproc_per_node or 1, args.nnodes, args.node_rank, args.rdzv_endpoint,
+                                 str(recipe.output.dir))
+        return launch(torchrun, ["train", args.recipe, *args.overrides] + ["--resume"] * args.resume
                       + ["--force"] * args.force)
     from .train import train_from_recipe
 
@@ -196,6 +202,11 @@ def _add_train(sub):
     t.add_argument("--force", action="store_true", help="start over in an output.dir that holds an earlier run")
     t.add_argument("--nproc-per-node", type=int, metavar="N",
                    help="train on N processes of this machine through torchrun (N GPUs, or N CPU processes with gloo)")
+    t.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines in the job (torchrun's --nnodes)")
+    t.add_argument("--node-rank", type=int, default=0, metavar="R",
+                   help="this machine's place, 0..N-1; node 0 hosts the rendezvous (torchrun's --node-rank)")
+    t.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="node 0's address, the same on every node (torchrun's --rdzv-endpoint, c10d rendezvous)")
     t.set_defaults(func=cmd_train)
 
 
