@@ -6,6 +6,11 @@ format), global batch 4 rows, LoRA r=16 on q,k,v,o,gate,up,down, float32. lora-l
 `lora-llama train` (what users run); its tokens/s is the median over the logged steps after the first.
 The peer is transformers' LlamaForCausalLM + peft in a plain loop (DistributedDataParallel when on 2
 processes) over random rows of the same shape. The figures go to bench/results/distributed.jsonl.
+
+--model llama-1.1b: each rank's peak resident memory (VmHWM) and tokens/s for 1 process and 2 processes x
+ddp / fsdp, on a random Llama-shaped 1.1B model in float32 500 MB shards, unquantized and with int8 / nf4
+bases: the default recipe's data as rows of --seq tokens, global batch 2, --steps steps, no eval. The figures
+go to bench/results/distributed_memory.jsonl.
 """
 import argparse
 import json
@@ -18,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import ROOT, cpu_line, random_checkpoint, record, scratch_dir
+from bench.common import ROOT, cpu_line, llama_1b_checkpoint, random_checkpoint, record, scratch_dir
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -82,15 +87,59 @@ def peer(folder: Path, nproc: int, steps: int, seq: int) -> float:
     return float(out.split("PEER ")[1].split()[0])
 
 
+# each worker runs the CLI and then reports its rank's peak resident memory (ru_maxrss is VmHWM)
+PEAK_WRAPPER = ("import os, resource, sys\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
+                "print('PEAK_KB', os.environ.get('RANK', '0'), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+                "flush=True)\nsys.exit(code)\n")
+
+
+def memory_run(folder: Path, out: Path, nproc: int, strategy: str, quantize: str, a) -> dict:
+    """Per-rank peak MB (the largest rank's) and tokens/s of one `lora-llama train` run on the 1.1B model."""
+    wrapper = out.parent / "peak_wrapper.py"
+    wrapper.write_text(PEAK_WRAPPER)
+    argv = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={folder}", f"output.dir={out}",
+            f"train.max_steps={a.steps}", f"data.max_seq_len={a.seq}", f"train.batch_size={2 // nproc}",
+            "train.grad_accum=1", "data.val_size=0", "train.eval_every=100000", "train.save_every=100000",
+            "train.precision=fp32", f"train.distributed={strategy}", "--force"]
+    argv += [f"model.quantize={quantize}"] if quantize != "none" else []
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(wrapper)]
+           if nproc > 1 else [sys.executable, str(wrapper)]) + argv
+    stdout = run(cmd, threads=2 if nproc == 1 else 1)
+    peaks = [int(line.split()[2]) / 1024 for line in stdout.splitlines() if line.startswith("PEAK_KB")]
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"peak_mb_per_rank": round(max(peaks)), "tokens_per_s": round(statistics.median(
+        r["tokens_per_s"] for r in rows if "tokens_per_s" in r), 1)}
+
+
+def memory_table(a) -> None:
+    print(cpu_line())
+    tmp = scratch_dir("lora-llama-dist-mem-")
+    folder = llama_1b_checkpoint(tmp / "llama-1.1b", dtype=torch.float32)
+    table = {}
+    for quantize in a.quantize:
+        for name, nproc, strategy in [("1 process", 1, "ddp"), ("2 x ddp", 2, "ddp"), ("2 x fsdp", 2, "fsdp")]:
+            r = memory_run(folder, tmp / f"run-{quantize}-{nproc}-{strategy}", nproc, strategy, quantize, a)
+            r["peak_vs_one_process"] = round(r["peak_mb_per_rank"] / table.get((quantize, "1 process"), r)["peak_mb_per_rank"], 3)
+            table[(quantize, name)] = r
+            print(f"{quantize:6s} {name:10s} peak {r['peak_mb_per_rank']:6d} MB per rank "
+                  f"({r['peak_vs_one_process']:.2f}x one process)  {r['tokens_per_s']:7.1f} tokens/s", flush=True)
+    record("distributed_memory", {"model": "random Llama 1.1B, float32", "seq": a.seq, "steps": a.steps,
+                                  "runs": {f"{q} {n}": r for (q, n), r in table.items()}})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--model", default="smollm2-shapes", choices=["smollm2-shapes", "llama-1.1b"])
+    ap.add_argument("--quantize", nargs="+", default=["none", "int8", "nf4"], help="with --model llama-1.1b")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--per-rank", type=int, default=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return peer_worker(a.worker, a.steps, a.per_rank, a.seq)
+    if a.model == "llama-1.1b":
+        return memory_table(a)
     from lora_llama import load_tokenizer
 
     print(cpu_line())

@@ -195,10 +195,11 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
     return model.eval()
 
 
-def gguf_linear_blocks(source, args: ModelArgs) -> dict:
+def gguf_linear_blocks(source, args: ModelArgs, copy: bool = True) -> dict:
     """{module path: (kind, rows of blocks)} for the decoder linears a GGUF base stores as Q8_0, Q4_0 or Q4_1, read
     from the file as they are (other types come from its dequantized copy), found by gguf's own HF -> GGUF name map.
-    llama.cpp stores llama's q and k rows in its interleaved RoPE order: they are put back in HF's order."""
+    llama.cpp stores llama's q and k rows in its interleaved RoPE order: they are put back in HF's order.
+    copy=False: (kind, the file's memory-mapped rows, heads to reorder or None), for `block_rows` to read later."""
     import gguf as gg
     import numpy as np
     import torch
@@ -217,11 +218,21 @@ def gguf_linear_blocks(source, args: ModelArgs) -> dict:
             t = tensors.get(names.get_name(f"{path}.weight", try_suffixes=(".weight",)) or "")
             if t is None or t.tensor_type.name.lower() not in GGUF_BLOCK_BYTES:
                 continue
-            rows = torch.from_numpy(np.array(t.data))  # (out, blocks x bytes), a copy of the quantized bytes only
-            if arch == gg.MODEL_ARCH.LLAMA and target in ("q", "k"):
-                rows = permute_rows(rows, args.n_heads if target == "q" else args.n_kv_heads, inverse=True)
-            found[path] = (t.tensor_type.name.lower(), rows)
+            heads = (args.n_heads if target == "q" else args.n_kv_heads) \
+                if arch == gg.MODEL_ARCH.LLAMA and target in ("q", "k") else None
+            entry = (t.tensor_type.name.lower(), t.data, heads)  # (out, blocks x bytes) of the mapped file
+            found[path] = (entry[0], block_rows(entry)) if copy else entry
     return found
+
+
+def block_rows(entry) -> "torch.Tensor":
+    """A copy of a GGUF tensor's rows of blocks (the quantized bytes only), in HF's row order."""
+    import numpy as np
+    import torch
+
+    _, data, heads = entry
+    rows = torch.from_numpy(np.array(data))
+    return permute_rows(rows, heads, inverse=True) if heads else rows
 
 
 def install_blocks(model, blocks: dict, device) -> None:

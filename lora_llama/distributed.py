@@ -76,16 +76,26 @@ def choose_strategy(requested: str, ranks: Ranks, device: str, weight_bytes: int
     return "fsdp" if weight_bytes > 0.8 * torch.cuda.get_device_properties(device).total_memory else "ddp"
 
 
-def shard_model(model) -> None:
+def shard_model(model, quantized: bool = False) -> None:
     """fsdp: FSDP2 (`fully_shard`) on every decoder block and on the root, so each rank keeps 1/world of
     the frozen weights, of the LoRA parameters and of the optimizer state. The root (embeddings, final
     norm, lm_head) stays gathered from its forward to its backward: the chunked loss reads lm_head's
     weight after the model's forward returns."""
     from torch.distributed.fsdp import fully_shard
 
+    from .quant import QuantizedLinear, shardable
+
+    for module in model.modules() if quantized else ():
+        if isinstance(module, QuantizedLinear):
+            shardable(module)
     for block in model.model.layers:
         fully_shard(block, reshard_after_forward=True)
     fully_shard(model, reshard_after_forward=False)
+
+
+def sharded(model) -> bool:
+    """Whether fsdp has cut the model into shards (its forwards are then collectives)."""
+    return any(hasattr(p, "device_mesh") for p in model.parameters())
 
 
 def sum_shard_gradients(params: list[torch.Tensor], ranks: Ranks) -> None:

@@ -21,6 +21,7 @@ import math
 import torch
 
 from .data import collate, pack
+from .distributed import sharded
 from .loss import IGNORE_INDEX, target_mask, token_logps
 from .lora import adapters_disabled
 from .rewards import completion_text, load_reward, score
@@ -120,6 +121,7 @@ class GRPO:
         self.cache: tuple[int, list[dict]] | None = None
         self.rollout_stats: dict = {}
         self.tokens = 0  # completion tokens of the generation's global batch: the clip and KL metrics' divisor
+        self.any_rank = None  # under fsdp: Ranks.any, so that every rank decodes as many steps
 
     # ------------------------------------------------------------------ batches
 
@@ -142,7 +144,7 @@ class GRPO:
                                                  for p in prompts for j in range(group)]
         completions = sample_completions(model, [r["prompt_ids"] for r in rows], self.s.max_new_tokens, self.eos,
                                          self.tok.pad_token_id, 0.0 if generation is None else self.s.temperature,
-                                         self.s.top_p, seeds, group)
+                                         self.s.top_p, seeds, group, self.any_rank)
         return completions, rows
 
     def rewards_of(self, rows: list[dict], completions: list[list[int]]) -> torch.Tensor:
@@ -198,6 +200,7 @@ class GRPO:
         generation = step // self.repeats
         if self.cache is not None and self.cache[0] == generation:
             return self.cache[1]
+        self.any_rank = ranks.any if sharded(model) else None
         device = next(model.parameters()).device
         rolled = [self.rollout(model, b["prompts"], generation) for b in batches]
         self._advantages(rolled, ranks)
@@ -262,10 +265,14 @@ class GRPO:
         """The mean weighted reward of greedy completions of held-out prompts, and each function's mean; as many
         prompts decode together as a training step samples completions."""
         mine, rows_per_batch = prompts[ranks.rank::ranks.world], batch_size * self.s.group_size
+        self.any_rank = ranks.any if sharded(model) else None
+        # under fsdp every rank decodes as many batches as the one with most (a spare one is thrown away)
+        count = math.ceil(len(prompts) / ranks.world) if self.any_rank else len(mine)
         tables = []
-        for i in range(0, len(mine), rows_per_batch):
-            completions, rows = self.complete(model, mine[i:i + rows_per_batch], None)
-            tables.append(self.rewards_of(rows, completions))
+        for i in range(0, count, rows_per_batch):
+            completions, rows = self.complete(model, mine[i:i + rows_per_batch] or prompts[:1], None)
+            if mine[i:i + rows_per_batch]:
+                tables.append(self.rewards_of(rows, completions))
         table = torch.cat(tables) if tables else torch.zeros(0, len(self.rewards))
         sums = ranks.sum([*_moments(weighted_rewards(table, self.weights)),
                           *[v for j in range(table.shape[1]) for v in _moments(table[:, j])]])

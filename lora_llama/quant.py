@@ -240,6 +240,15 @@ class _QuantizedProduct(torch.autograd.Function):
         return linear(grad, ctx.layer.dequantize(grad.dtype).t()), None, None
 
 
+def shardable(layer: QuantizedLinear) -> None:
+    """Hold the codes and scales laid out by output row as frozen parameters: FSDP2 shards parameters only."""
+    for name in ("codes", "scales"):
+        t = layer._buffers.get(name)
+        if t is not None and t.dim() and t.shape[0] == layer.out_features:
+            del layer._buffers[name]
+            layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+
+
 # ---------------------------------------------------------------------------- the model
 
 

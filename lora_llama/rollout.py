@@ -33,13 +33,20 @@ def left_padded(prompts: list[list[int]], pad_id: int, extra: int, device) -> tu
     return ids.to(device), positions.to(device), key_mask.to(device)
 
 
-@torch.inference_mode()
 def sample_completions(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
                        temperature: float = 1.0, top_p: float | None = None, seeds: list[int] | None = None,
-                       group: int = 1) -> list[list[int]]:
+                       group: int = 1, any_rank=None) -> list[list[int]]:
     """Each prompt's completion (token ids, its first EOS included when it stops before max_new_tokens).
     seeds: one per row (temperature > 0). group: the rows come in runs of `group` equal prompts (GRPO's
-    groups), and each prompt is run through the model once, its keys and values copied to its group."""
+    groups), and each prompt is run through the model once, its keys and values copied to its group.
+    any_rank: under fsdp, whether any rank says yes; decoding goes on while any rank has rows to finish,
+    since every forward gathers weights from all of them."""
+    # fsdp's gathered weights must stay ordinary tensors for its later in-place updates: no_grad, not inference mode
+    with torch.no_grad() if any_rank is not None else torch.inference_mode():
+        return _sample(model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, seeds, group, any_rank)
+
+
+def _sample(model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, seeds, group, any_rank):
     if not prompts or min(len(p) for p in prompts) == 0:
         raise ValueError("every prompt needs at least one token")
     device = next(model.parameters()).device
@@ -62,7 +69,8 @@ def sample_completions(model, prompts: list[list[int]], max_new_tokens: int, eos
             token = _pick(logits, temperature, top_p, generators).masked_fill(done, pad_id)
             out.append(token)
             done |= torch.isin(token, eos)
-            if bool(done.all()) or step == max_new_tokens - 1:
+            finished = bool(done.all()) if any_rank is None else not any_rank(not bool(done.all()))
+            if finished or step == max_new_tokens - 1:
                 break
             logits = model(token[:, None], position_ids=(next_pos + step)[:, None], cache=cache)[:, -1]
     finally:

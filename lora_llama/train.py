@@ -26,6 +26,7 @@ from .prompts import build_prompts
 from .precision import base_dtype, resolve_precision
 from .lora_init import moves_w0
 from .quant import base_weight_bytes, quantize_loaded_linears
+from .shard_load import sharded_adapted_model
 from .run_folder import ADAPTER, checkpoints, remove_leftovers, run_lock, write_run_recipe
 from .tokens import end_of_turn_id
 from .trainer import Trainer
@@ -55,12 +56,19 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     train, val = _examples(recipe, tok, log)
     precision, why = resolve_precision(recipe.train.precision, device)
     allocator = keep_freed_memory() if device == "cpu" else None  # before the model's and the steps' allocations
-    model, summary = _adapted_model(recipe, precision, "cpu" if sharded else device)
-    found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
-    if found:  # the adapter goes in before fsdp cuts it into shards
-        load_adapter_weights(model, found[-1] / ADAPTER)
-    if sharded:
-        shard_model(model)
+    if sharded and _loads_by_rows(recipe):  # each rank reads only its own rows of the base
+        resume_from = found[-1] / ADAPTER if found and not (force and not resume) else None
+        model, summary = sharded_adapted_model(recipe.model.source, recipe.lora, base_dtype(precision, torch_dtype(
+            recipe.model.dtype)), recipe.model.quantize, recipe.model.nf4_double_quant, device, ranks, resume_from)
+        found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
+        _set_model_options(model, recipe)
+    else:
+        model, summary = _adapted_model(recipe, precision, "cpu" if sharded else device)
+        found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
+        if found:  # the adapter goes in before fsdp cuts it into shards
+            load_adapter_weights(model, found[-1] / ADAPTER)
+        if sharded:
+            shard_model(model, quantized=bool(recipe.model.quantize))
     trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log)
     log(f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
@@ -100,11 +108,6 @@ def _choose_strategy(recipe, ranks: Ranks, device: str) -> str:
     weight_bytes = sum(f.stat().st_size for f in shard_files(resolve_source(recipe.model.source)))
     strategy = choose_strategy(recipe.train.distributed, ranks, device, weight_bytes, bool(recipe.model.quantize))
     if ranks.world > 1 and strategy == "fsdp":
-        if recipe.model.quantize:
-            raise UserError("train.distributed=fsdp cannot shard a quantized base yet; "
-                            "use train.distributed=ddp with model.quantize, or fsdp without it")
-        if recipe.train.objective == "grpo":  # each rank's sampling runs its own number of forward passes
-            raise UserError("train.distributed=fsdp does not run train.objective grpo; use ddp")
         if "lm_head" in recipe.lora.targets:  # the chunked loss runs lm_head outside the model's backward
             raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head")
     return strategy
@@ -128,12 +131,21 @@ def _adapted_model(recipe, precision: str, device: str):
     summary = apply_lora(model, recipe.lora)
     if principal and m.quantize:
         quantize_loaded_linears(model, m.quantize, m.nf4_double_quant)
+    _set_model_options(model, recipe)
+    return model, summary
+
+
+def _loads_by_rows(recipe) -> bool:
+    """Whether fsdp can load the base row by row: DoRA's magnitude and PiSSA / OLoRA's split need whole weights."""
+    return not recipe.lora.use_dora and not moves_w0(recipe.lora.init_lora_weights)
+
+
+def _set_model_options(model, recipe) -> None:
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
     model.offload_activations = recipe.train.offload_activations
     if recipe.train.compile:
         for layer in model.model.layers:
             layer.compile()
-    return model, summary
 
 
 def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, force: bool, ranks: Ranks) -> list[Path]:

@@ -13,7 +13,7 @@ import torch
 
 from .adapters import save_adapter
 from .distributed import (Ranks, check_global_batch, clip_grad_norm, full, full_optimizer_state, load_optimizer_state,
-                          replicated, sum_shard_gradients)
+                          replicated, sharded, sum_shard_gradients)
 from .errors import UserError
 from .evaluation import evaluate
 from .files import atomic_dir, read_json, write_json
@@ -35,7 +35,7 @@ class Trainer:
         self.report = report or (lambda message: None)  # one line per event (eval results, a stop)
         self.objective = make_objective(recipe.train, tokenizer,
                                         stop_token_ids(tokenizer, model.args.eos_token_id, model.folder), recipe.data)
-        self.sharded = any(hasattr(p, "device_mesh") for p in model.parameters())  # fsdp: blocks are shards
+        self.sharded = sharded(model)  # fsdp: blocks are shards
         self.train_examples, self.val_examples, self.out = train, val, Path(out)
         t = recipe.train
         self.device = next(model.parameters()).device

@@ -187,13 +187,23 @@ def test_bad_recipe_fails_before_any_process_starts(tmp_path, capsys):
     assert "train.distributed" in err and len(err.strip().splitlines()) == 1
 
 
-def test_fsdp_refuses_int8_and_an_adapted_lm_head_before_training(tiny_ckpt, data, tmp_path):
-    for extra, message in ((["model.quantize=int8"], "cannot shard a quantized base"),
-                           (["lora.targets=[q,v,lm_head]"], "lm_head is not supported")):
-        code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "run", 2, "train.distributed=fsdp", *extra))
-        errors = [l for l in err.splitlines() if l.startswith("lora-llama train: error")]
-        assert code == 2 and len(errors) == 1 and message in errors[0], err[-2000:]
-        assert not (tmp_path / "run" / "checkpoints").exists()
+def test_fsdp_refuses_an_adapted_lm_head_before_training(tiny_ckpt, data, tmp_path):
+    code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "run", 2, "train.distributed=fsdp", "lora.targets=[q,v,lm_head]"))
+    errors = [l for l in err.splitlines() if l.startswith("lora-llama train: error")]
+    assert code == 2 and len(errors) == 1 and "lm_head is not supported" in errors[0], err[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("quantize", ["int8", "nf4", "nf4-double"])
+def test_fsdp_on_a_quantized_base_equals_one_process(tiny_ckpt, data, tmp_path, quantize):
+    """Each rank quantizes only its own rows of the checkpoint; the result is one process's on the same base."""
+    extra = [f"model.quantize={quantize.split('-')[0]}"] + ["model.nf4_double_quant=true"] * ("double" in quantize)
+    assert main(args(tiny_ckpt, data, tmp_path / "one", 4, *extra)) == 0
+    code, out, err = torchrun(args(tiny_ckpt, data, tmp_path / "two", 2, "train.distributed=fsdp", *extra))
+    assert code == 0, err[-3000:]
+    assert_same_runs(tmp_path / "one", tmp_path / "two", ("loss", "eval_loss"))
+    held, whole = map(float, re.search(r"each rank holds ([\d.]+) MB of the base's ([\d.]+) MB", out).groups())
+    assert held < 0.6 * whole, (held, whole)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -45,7 +45,7 @@ def commands() -> list[tuple[str, str]]:
                 continue
             for part in line.split("&&"):
                 words = shlex.split(part)
-                while words and re.match(r"^[A-Z_]+=", words[0]):
+                while words and (re.match(r"^[A-Z_]+=", words[0]) or words[0] == "srun"):  # SLURM's srun runs it
                     words = words[1:]
                 if words:
                     out.append((page, shlex.join(words)))

@@ -59,6 +59,20 @@ def test_sampling_stops_each_row_at_its_eos(tiny_ckpt):
     assert cut[1] == (free[1][:free[1].index(stop) + 1] if stop in free[1] else free[1])
 
 
+def test_rows_decode_on_while_another_rank_says_so_and_come_out_the_same(tiny_ckpt):
+    """fsdp: a rank whose rows are done keeps running forwards until every rank is; its completions do not change."""
+    model = load_model(tiny_ckpt)
+    prompts = prompts_of((4, 5), seed=3)
+    free = sample_completions(model, prompts, 12, eos_ids=[], pad_id=0, temperature=0)
+    stop = [free[0][1], free[1][1]]  # both rows end on their second token
+    calls = []
+    other_rank = lambda mine: calls.append(mine) or len(calls) < 6  # "another rank still decodes", 5 times
+    alone = sample_completions(model, prompts, 12, eos_ids=stop, pad_id=0, temperature=0)
+    synced = sample_completions(model, prompts, 12, eos_ids=stop, pad_id=0, temperature=0, any_rank=other_rank)
+    assert synced == alone and all(len(c) <= 2 for c in alone)
+    assert len(calls) == 6 and calls[2:] == [False] * 4  # asked each step; this rank was done from the second
+
+
 def test_advantages_by_hand():
     nan = math.nan
     rewards = torch.tensor([1.0, 2.0, 3.0, nan, 5.0, 5.0, 5.0, 5.0])

@@ -165,8 +165,10 @@ def test_grpo_recipe_errors_are_one_line(overrides, words):
 
 
 @pytest.mark.distributed
-def test_grpo_on_two_processes_equals_one(tiny_ckpt, tmp_path):
-    """Each process samples its own prompts' groups; advantages and the dapo token count are global."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_grpo_on_two_processes_equals_one(tiny_ckpt, tmp_path, strategy):
+    """Each process samples its own prompts' groups; advantages and the dapo token count are global. Under fsdp
+    every rank decodes until the last rank's rows are done (each forward gathers weights from both)."""
     from test_distributed import assert_same_runs, torchrun
 
     base = grpo_recipe(tiny_ckpt, tmp_path)  # writes the prompt and reward files
@@ -176,7 +178,8 @@ def test_grpo_on_two_processes_equals_one(tiny_ckpt, tmp_path):
               f"train.grpo.rewards=[{rewards}:low_ids]", "train.grpo.group_size=4", "train.grpo.max_new_tokens=8",
               "train.grpo.beta=0.05", "train.grpo.scale_rewards=batch", "train.precision=fp32", "model.device=cpu",
               "train.warmup_steps=0", "train.lr=1e-3", "train.max_steps=3", "train.eval_every=3",
-              "lora.targets=[q,v,lm_head]", "train.collective_timeout_s=60"]
+              "lora.targets=[q,v,lm_head]" if strategy == "ddp" else "lora.targets=[q,v,o]",
+              "train.collective_timeout_s=60", f"train.distributed={strategy}"]
     recipe = str(tmp_path / "empty.yaml")
     (tmp_path / "empty.yaml").write_text("")
     assert base.train.objective == "grpo"
