@@ -16,6 +16,7 @@ from helpers import ROOT
 
 PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
 # commands of other tools that docs show beside ours (run by their own projects, not here)
+SCRIPT_VALUES = {"SLURM_NNODES": "2", "SLURM_NODEID": "0", "HEAD": "node-0"}
 OTHER_TOOLS = {"pip", "llama-cli", "ollama", "cd", "hf"}
 # documented commands that need what a CPU-only machine without the Hub lacks (GPUs, a Hub login, 7-8B weights,
 # a finished GRPO run)
@@ -43,6 +44,8 @@ def commands() -> list[tuple[str, str]]:
             line = line.split(" #")[0].strip()
             if not line or line.startswith("#"):
                 continue
+            for name, value in SCRIPT_VALUES.items():  # the SLURM script's variables, as a job would set them
+                line = line.replace(f"${name}", value)
             for part in line.split("&&"):
                 words = shlex.split(part)
                 while words and (re.match(r"^[A-Z_]+=", words[0]) or words[0] == "srun"):  # SLURM's srun runs it
