@@ -77,10 +77,11 @@ def choose_strategy(requested: str, ranks: Ranks, device: str, weight_bytes: int
 
 
 def shard_model(model, quantized: bool = False) -> None:
-    """fsdp: FSDP2 (`fully_shard`) on every decoder block and on the root, so each rank keeps 1/world of
-    the frozen weights, of the LoRA parameters and of the optimizer state. The root (embeddings, final
-    norm, lm_head) stays gathered from its forward to its backward: the chunked loss reads lm_head's
-    weight after the model's forward returns."""
+    """fsdp: FSDP2 (`fully_shard`) on every decoder block, on an untied embedding and lm_head each, and on the
+    root, so each rank keeps 1/world of the frozen weights, of the LoRA parameters and of the optimizer state,
+    and a whole weight exists only while its module runs: a block during its forward and its backward, the
+    embedding during its lookup, lm_head while the loss reads it (`loss.whole`). Tied, the embedding and
+    lm_head stay with the root, gathered from its forward to its backward."""
     from torch.distributed.fsdp import fully_shard
 
     from .quant import QuantizedLinear, shardable
@@ -90,6 +91,9 @@ def shard_model(model, quantized: bool = False) -> None:
             shardable(module)
     for block in model.model.layers:
         fully_shard(block, reshard_after_forward=True)
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        fully_shard(model.model.embed_tokens, reshard_after_forward=True)  # ids have no gradient: no backward
+        fully_shard(model.lm_head, reshard_after_forward=False)  # freed by the loss, or after its backward
     fully_shard(model, reshard_after_forward=False)
 
 

@@ -8,6 +8,8 @@ Liger's fused linear cross-entropy).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -76,6 +78,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None, None)
 
 
+class _LinearLogProbs(torch.autograd.Function):
+    """log_softmax(h @ W.T / temperature)[t] per row, for a frozen W, in float32: the input's gradient is computed in
+    forward, chunk by chunk, so neither the logits nor W are needed in backward (fsdp frees lm_head right away)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, rows, temperature):
+        w, n = weight.float(), h.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=h.device)
+        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
+        for i in range(0, n, rows):
+            t = targets[i:i + rows]
+            logp = torch.log_softmax(linear(h[i:i + rows].float(), w).div_(temperature), -1)
+            out[i:i + rows] = logp.gather(1, t[:, None]).squeeze(1)
+            if grad_h is not None:  # d logp[t] / d logits = (one-hot(t) - softmax) / temperature
+                d = logp.exp_().neg_()
+                d[torch.arange(len(t), device=t.device), t] += 1
+                grad_h[i:i + rows] = linear(d, w.T).div_(temperature)
+        ctx.save_for_backward(grad_h)
+        ctx.h_dtype = h.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad_h,) = ctx.saved_tensors
+        return (grad_h * grad_out[:, None]).to(ctx.h_dtype) if grad_h is not None else None, None, None, None, None
+
+
 def _logits(lm_head, h):
     """An adapted lm_head's logits in float32, from bf16 activations too: bf16 products round their output to
     8 bits (at |logit| ~ 20, steps of 0.125), which an adapted lm_head's growing logits turn into a worse fit
@@ -102,7 +131,7 @@ def _ce_chunk(lm_head, h, t, reduction="sum", temperature: float = 1.0):
 def linear_cross_entropy(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of lm_head(h) (N, dim) against targets (N,)."""
     rows = max(1, (BF16_CHUNK_ELEMENTS if h.dtype == torch.bfloat16 else CHUNK_ELEMENTS) // lm_head.out_features)
-    if type(lm_head) is nn.Linear and lm_head.bias is None:
+    if isinstance(lm_head, nn.Linear) and lm_head.bias is None:  # an fsdp-sharded nn.Linear is a subclass
         return _LinearCrossEntropy.apply(h, lm_head.weight, targets, rows)
     # an adapted lm_head: recompute each chunk's logits in backward instead of storing them
     total = h.new_zeros((), dtype=torch.float32)
@@ -110,6 +139,20 @@ def linear_cross_entropy(h: torch.Tensor, lm_head: nn.Module, targets: torch.Ten
         chunk = (lm_head, h[i:i + rows], targets[i:i + rows])
         total = total + (checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled() else _ce_chunk(*chunk))
     return total
+
+
+@contextlib.contextmanager
+def whole(module: nn.Module):
+    """fsdp: a module sharded on its own (it has `unshard`) is gathered inside the block and freed after it, so
+    lm_head's whole weight exists only while the loss reads it."""
+    if not hasattr(module, "unshard"):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
 
 
 def target_mask(labels: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,9 +174,8 @@ def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None):
     predicting = F.pad(keep, (0, 1))  # (B, T): the positions whose output predicts a target
     h = model(input_ids, position_ids, segment_ids, keep=predicting, hidden_only=True)  # (N, dim)
     n = targets.numel()
-    if n == 0:
-        return h.sum() * 0.0, 0
-    return linear_cross_entropy(h, model.lm_head, targets), n
+    with whole(model.lm_head):  # on every rank, targets or not: gathering is a collective
+        return (linear_cross_entropy(h, model.lm_head, targets), n) if n else (h.sum() * 0.0, 0)
 
 
 def token_logps(model, input_ids, labels, temperature: float = 1.0, position_ids=None,
@@ -144,10 +186,13 @@ def token_logps(model, input_ids, labels, temperature: float = 1.0, position_ids
     keep = target_mask(labels, segment_ids)
     targets = labels[:, 1:][keep]
     h = model(input_ids, position_ids, segment_ids, keep=F.pad(keep, (0, 1)), hidden_only=True)  # (N, dim)
-    rows = max(1, CHUNK_ELEMENTS // model.lm_head.out_features)
+    lm_head, rows = model.lm_head, max(1, CHUNK_ELEMENTS // model.lm_head.out_features)
     chunks = [h.sum() * 0.0]  # keeps the graph (and fsdp's hooks) when there is no target
-    for i in range(0, h.shape[0], rows):
-        chunk = (model.lm_head, h[i:i + rows], targets[i:i + rows], "none", temperature)
-        chunks.append(-(checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled()
-                        else _ce_chunk(*chunk)))
+    with whole(lm_head):
+        if isinstance(lm_head, nn.Linear) and lm_head.bias is None and not lm_head.weight.requires_grad:
+            return _LinearLogProbs.apply(h, lm_head.weight, targets, rows, temperature) + chunks[0], keep
+        for i in range(0, h.shape[0], rows):  # an adapted lm_head: each chunk's logits recomputed in backward
+            chunk = (model.lm_head, h[i:i + rows], targets[i:i + rows], "none", temperature)
+            chunks.append(-(checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled()
+                            else _ce_chunk(*chunk)))
     return (torch.cat(chunks[1:]) if len(chunks) > 1 else h.new_zeros(0, dtype=torch.float32)) + chunks[0], keep

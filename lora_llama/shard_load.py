@@ -19,31 +19,11 @@ from .checkpoint import block_rows, gguf_linear_blocks, resolve_source
 from .config import ModelArgs
 from .distributed import shard_model
 from .errors import UserError
-from .files import read_config, shard_files
+from .files import CheckpointRows, read_config
 from .lora import apply_lora
 from .model import Llama
 from .quant import (DECODER_LINEARS, GGUF_BLOCK, GGUF_BLOCK_BYTES, NF4_BLOCK, QuantizedLinear, quantize_absmax,
                     quantize_int8, quantize_nf4, shardable)
-
-
-class CheckpointRows:
-    """Rows of a checkpoint's tensors, read without reading the rest: a key's shard found once, kept open."""
-
-    def __init__(self, folder):
-        from safetensors import safe_open
-
-        self.files = {}
-        for f in shard_files(folder):
-            handle = safe_open(f, framework="pt")
-            self.files.update({k: handle for k in handle.keys()})
-
-    def shape(self, key: str) -> list[int]:
-        if key not in self.files:
-            raise UserError(f"checkpoint lacks tensor {key!r}")
-        return self.files[key].get_slice(key).get_shape()
-
-    def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        return self.files[key].get_slice(key)[lo:hi]
 
 
 def sharded_adapted_model(source, lora, dtype, quantize: str | None, double_quant: bool, device, ranks,

@@ -12,7 +12,7 @@ import torch
 
 from . import fused
 from .adapters import load_adapter_weights
-from .allocator import keep_freed_memory
+from .allocator import keep_freed_memory, return_freed_memory
 from .checkpoint import load_model, load_tokenizer, resolve_source
 from .config import torch_dtype
 from .data import build_examples
@@ -55,7 +55,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     tok = load_tokenizer(recipe.model.source)
     train, val = _examples(recipe, tok, log)
     precision, why = resolve_precision(recipe.train.precision, device)
-    allocator = keep_freed_memory() if device == "cpu" else None  # before the model's and the steps' allocations
+    # before the model's and the steps' allocations
+    allocator = (return_freed_memory() if sharded else keep_freed_memory()) if device == "cpu" else None
     if sharded and _loads_by_rows(recipe):  # each rank reads only its own rows of the base
         resume_from = found[-1] / ADAPTER if found and not (force and not resume) else None
         model, summary = sharded_adapted_model(recipe.model.source, recipe.lora, base_dtype(precision, torch_dtype(

@@ -1,4 +1,5 @@
-"""allocator.keep_freed_memory: memory a step frees is reused without page faults; the user's settings win.
+"""allocator: a step's freed memory is reused without page faults (keep_freed_memory), or handed back at once
+under fsdp (return_freed_memory); the user's settings win.
 Each case runs in a fresh Python: the settings are process-wide."""
 import platform
 
@@ -44,3 +45,22 @@ def test_the_users_malloc_settings_are_left_alone():
     kept = run_steps("keep", MALLOC_TRIM_THRESHOLD_="131072")
     assert kept["said"] == "left to the environment (MALLOC_* settings or LD_PRELOAD)"
     assert kept["faults"] > PAGES // 2  # nothing was changed
+
+
+# a block's gathered weights under fsdp: 40 pieces of 12 MB, all freed after the block
+GATHER = r"""
+import json, sys, torch
+from lora_llama.allocator import keep_freed_memory, return_freed_memory
+said = (return_freed_memory if sys.argv[1] == "return" else keep_freed_memory)()
+rss = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) // 1024
+before = rss()
+blocks = [torch.ones(3 << 20) for _ in range(40)]
+del blocks
+print(json.dumps({"said": said, "kept_mb": rss() - before}))
+"""
+
+
+def test_fsdp_settings_hand_freed_memory_back_at_once():
+    returned, kept = fresh_python(GATHER, "return"), fresh_python(GATHER, "keep")
+    assert returned["said"].startswith("glibc returns freed memory") and returned["kept_mb"] < 40
+    assert kept["kept_mb"] > 300  # what the one-process settings would hold on to under fsdp
