@@ -10,7 +10,7 @@ processes) over random rows of the same shape. The figures go to bench/results/d
 --model llama-1.1b: each rank's peak resident memory (VmHWM) and tokens/s for 1 process and 2 processes x
 ddp / fsdp, on a random Llama-shaped 1.1B model in float32 500 MB shards, unquantized and with int8 / nf4
 bases: the default recipe's data as rows of --seq tokens, global batch 2, --steps steps, no eval. The figures
-go to bench/results/distributed_memory.jsonl.
+go to bench/results/distributed.jsonl too.
 """
 import argparse
 import json
@@ -87,10 +87,11 @@ def peer(folder: Path, nproc: int, steps: int, seq: int) -> float:
     return float(out.split("PEER ")[1].split()[0])
 
 
-# each worker runs the CLI and then reports its rank's peak resident memory (ru_maxrss is VmHWM)
-PEAK_WRAPPER = ("import os, resource, sys\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
-                "print('PEAK_KB', os.environ.get('RANK', '0'), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
-                "flush=True)\nsys.exit(code)\n")
+# each worker runs the CLI and then reports its rank's peak resident memory: VmHWM, its own (ru_maxrss would
+# start from the RSS of the process that forked it: Linux keeps it across fork and exec)
+PEAK_WRAPPER = ("import os, sys\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
+                "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]\n"
+                "print('PEAK_KB', os.environ.get('RANK', '0'), hwm, flush=True)\nsys.exit(code)\n")
 
 
 def memory_run(folder: Path, out: Path, nproc: int, strategy: str, quantize: str, a) -> dict:
@@ -123,7 +124,7 @@ def memory_table(a) -> None:
             table[(quantize, name)] = r
             print(f"{quantize:6s} {name:10s} peak {r['peak_mb_per_rank']:6d} MB per rank "
                   f"({r['peak_vs_one_process']:.2f}x one process)  {r['tokens_per_s']:7.1f} tokens/s", flush=True)
-    record("distributed_memory", {"model": "random Llama 1.1B, float32", "seq": a.seq, "steps": a.steps,
+    record("distributed", {"model": "random Llama 1.1B, float32", "seq": a.seq, "steps": a.steps,
                                   "runs": {f"{q} {n}": r for (q, n), r in table.items()}})
 
 

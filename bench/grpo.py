@@ -1,6 +1,6 @@
 """GRPO through `lora-llama train` on recipes/smollm2-grpo-cpu.yaml's settings, and trl's GRPOTrainer with peft on
 the same model, prompts, reward and settings, each in its own process in one run: seconds per step (sampling
-and the update), completions/s, completion tokens/s and peak resident memory (ru_maxrss; on a GPU also the
+and the update), completions/s, completion tokens/s and peak resident memory (VmHWM; on a GPU also the
 peak of CUDA memory). The first step (compilation, caches) is left out of the medians.
 The figures go to bench/results/grpo.jsonl.
 """
@@ -14,7 +14,8 @@ from bench.common import ROOT, cpu_line, record, scratch_dir
 
 RECIPE = ROOT / "recipes" / "smollm2-grpo-cpu.yaml"
 OURS = """
-import json, resource, sys, time, torch
+import json, sys, time, torch
+from bench.common import status_mb
 from lora_llama import trainer
 from lora_llama.cli import main
 times, original = [], trainer.Trainer.train_step
@@ -27,7 +28,7 @@ trainer.Trainer.train_step = timed
 code = main(sys.argv[1:])
 rows = [json.loads(l) for l in open(sys.argv[-2].split("=", 1)[1] + "/metrics.jsonl") if '"loss"' in l]
 print(json.dumps({"step_s": times, "mean_length": [r["completions/mean_length"] for r in rows],
-                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_mb": status_mb("VmHWM"),
                   "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0}))
 sys.exit(code)
 """

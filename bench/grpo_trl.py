@@ -3,11 +3,11 @@ and settings (its batch counts completions: batch_size x group_size). Prints one
 step, the completions' mean length per step and the peak memory."""
 import argparse
 import json
-import resource
 import time
 
 import torch
 
+from bench.common import status_mb
 from bench.grpo import RECIPE
 
 
@@ -91,7 +91,7 @@ def main():
     trainer.add_callback(Timer())
     trainer.train()
     print(json.dumps({"step_s": times, "mean_length": lengths,
-                      "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "peak_mb": status_mb("VmHWM"),
                       "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0}))
 
 

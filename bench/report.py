@@ -69,8 +69,18 @@ def long_context_rows(r: dict) -> list[tuple]:
 
 
 def distributed_rows(r: dict) -> list[tuple]:
+    if "runs" in r:  # --model llama-1.1b: each rank's peak against one process's
+        return distributed_memory_rows(r)
     return [(f"`lora-llama train`, {k}", f"{v['lora_llama']:.0f} tok/s", f"{v['peer']:.0f} tok/s",
              f"{r['ratios_vs_peer'][k]:.2f}x") for k, v in r["tokens_per_s"].items()]
+
+
+def distributed_memory_rows(r: dict) -> list[tuple]:
+    runs = r["runs"]
+    cell = lambda v: f"{v['peak_mb_per_rank']} MB, {v['tokens_per_s']:.1f} tok/s"
+    return [(f"1.1B float32, {name.split()[0]} base: {name.split(' ', 1)[1]}, peak per rank (peer: 1 process)",
+             cell(v), cell(runs[name.split()[0] + " 1 process"]), f"{v['peak_vs_one_process']:.2f} memory")
+            for name, v in runs.items() if "1 process" not in name]
 
 
 def forward_rows(r: dict) -> list[tuple]:

@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn as nn
 
+from .adapters import load_adapter_weights
 from .checkpoint import block_rows, gguf_linear_blocks, resolve_source
 from .config import ModelArgs
 from .distributed import shard_model
@@ -23,7 +24,7 @@ from .files import CheckpointRows, read_config
 from .lora import apply_lora
 from .model import Llama
 from .quant import (DECODER_LINEARS, GGUF_BLOCK, GGUF_BLOCK_BYTES, NF4_BLOCK, QuantizedLinear, quantize_absmax,
-                    quantize_int8, quantize_nf4, shardable)
+                    quantize_int8, quantize_nf4)
 
 
 def sharded_adapted_model(source, lora, dtype, quantize: str | None, double_quant: bool, device, ranks,
@@ -40,13 +41,8 @@ def sharded_adapted_model(source, lora, dtype, quantize: str | None, double_quan
     placeholders(model, quantize, double_quant, blocks)
     summary = apply_lora(model, lora)
     if adapter_dir is not None:
-        from .adapters import load_adapter_weights
-
         load_adapter_weights(model, adapter_dir)
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            shardable(module)
-    shard_model(model)
+    shard_model(model, quantized=bool(quantize))
     fill_shards(model, CheckpointRows(folder), dtype, blocks, device, ranks)
     model.source, model.folder = str(source), folder
     return model.eval(), summary
@@ -61,11 +57,9 @@ def placeholders(model, quantize: str | None, double_quant: bool, blocks: dict) 
         for parent_name, parent in (("self_attn", block.self_attn), ("mlp", block.mlp)):
             for name in DECODER_LINEARS:
                 lin, path = getattr(parent, name, None), f"model.layers.{i}.{parent_name}.{name}"
-                if lin is None:
+                if lin is None or quantize == "source" and path not in blocks:  # a GGUF type kept dequantized
                     continue
                 kind = blocks[path][0] if quantize == "source" else quantize
-                if quantize == "source" and path not in blocks:
-                    continue
                 setattr(parent, name, _meta_layer(lin, kind, double_quant))
 
 
@@ -90,20 +84,28 @@ def _meta_layer(lin: nn.Linear, kind: str, double_quant: bool) -> QuantizedLinea
 
 
 def fill_shards(model, rows: CheckpointRows, dtype, blocks: dict, device, ranks) -> None:
-    """Replace every meta shard by the rows this rank owns, read from the checkpoint; a tied weight stays tied."""
+    """Replace every meta shard by the rows this rank owns, read from the checkpoint (a quantized layer's codes and
+    scales quantized together, once); a tied weight stays tied."""
     done: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules():
+        quantized = None
         for name, p in list(module._parameters.items()):
             if p is None or not _is_meta(p):
                 continue
             if id(p) not in done:
-                local = _local_rows(module, path, name, p, rows, dtype, blocks, ranks)
+                lo, hi = _owned(p, ranks)
+                if isinstance(module, QuantizedLinear) and name != "bias":
+                    quantized = quantized or _quantized(module, path, rows, blocks, lo, hi)
+                    local = quantized[name]
+                else:
+                    key = f"{path.removesuffix('.base_layer')}.{name}"
+                    _check_shape(rows, key, p.shape)
+                    local = rows.rows(key, lo, hi).to(dtype)
                 done[id(p)] = _as_shard(local.to(device), p)
             module._parameters[name] = done[id(p)]
         for name, b in list(module._buffers.items()):
-            if b is not None and b.is_meta:  # double quantization's second level: whole on every rank
-                module._buffers[name] = _double_quant(module, path, rows)[name].to(device)
-    _DQ_CACHE.clear()
+            if b is not None and b.is_meta:  # GGUF's empty scales; double quantization's second level, whole
+                module._buffers[name] = quantized[name].to(device)
 
 
 def _is_meta(p) -> bool:
@@ -116,40 +118,26 @@ def _owned(p, ranks) -> tuple[int, int]:
     return lo, lo + p._local_tensor.shape[0]
 
 
-def _local_rows(module, path: str, name: str, p, rows: CheckpointRows, dtype, blocks, ranks) -> torch.Tensor:
-    lo, hi = _owned(p, ranks)
-    key = f"{path.removesuffix('.base_layer')}.{name}"
-    if not isinstance(module, QuantizedLinear) or name == "bias":
-        _check_shape(rows, key, p.shape)
-        return rows.rows(key, lo, hi).to(dtype)
-    weight_key = f"{path.removesuffix('.base_layer')}.weight"
+def _quantized(module: QuantizedLinear, path: str, rows: CheckpointRows, blocks: dict, lo: int, hi: int) -> dict:
+    """{codes, scales[, absmax2, offset]}: rows lo..hi of a layer's quantized weight. A slice of a whole tensor is
+    cloned, so the whole one is freed."""
+    key = f"{path.removesuffix('.base_layer')}.weight"
     if module.kind in GGUF_BLOCK_BYTES:
-        return block_rows(blocks[weight_key.removesuffix(".weight")])[lo:hi]
-    _check_shape(rows, weight_key, (module.out_features, module.in_features))
+        return {"codes": block_rows(blocks[key.removesuffix(".weight")])[lo:hi].clone(),
+                "scales": torch.empty(0, dtype=torch.float32)}
+    _check_shape(rows, key, (module.out_features, module.in_features))
     if module.kind == "int8":
-        return quantize_int8(rows.rows(weight_key, lo, hi))[name == "scales"]
-    if hasattr(module, "absmax2"):
-        return _double_quant(module, path, rows)[name][lo:hi]
-    return quantize_nf4(rows.rows(weight_key, lo, hi))[name == "scales"]
+        return dict(zip(("codes", "scales"), quantize_int8(rows.rows(key, lo, hi))))
+    if not hasattr(module, "absmax2"):
+        return dict(zip(("codes", "scales"), quantize_nf4(rows.rows(key, lo, hi))))
+    codes, absmax = quantize_nf4(rows.rows(key, 0, module.out_features))  # second-level blocks span rows
+    scales, absmax2, offset = quantize_absmax(absmax)
+    return {"codes": codes[lo:hi].clone(), "scales": scales[lo:hi].clone(), "absmax2": absmax2, "offset": offset}
 
 
 def _check_shape(rows: CheckpointRows, key: str, shape) -> None:
     if list(rows.shape(key)) != list(shape):
         raise UserError(f"{key} has shape {tuple(rows.shape(key))}, config.json implies {tuple(shape)}")
-
-
-_DQ_CACHE: dict = {}
-
-
-def _double_quant(module, path: str, rows: CheckpointRows) -> dict:
-    """nf4 with double quantization of a whole weight: {codes, scales, absmax2, offset}, made once per layer."""
-    if _DQ_CACHE.get("path") != path:
-        key = f"{path.removesuffix('.base_layer')}.weight"
-        codes, absmax = quantize_nf4(rows.rows(key, 0, module.out_features))
-        scales, absmax2, offset = quantize_absmax(absmax)
-        _DQ_CACHE.clear()
-        _DQ_CACHE.update(path=path, codes=codes, scales=scales, absmax2=absmax2, offset=offset)
-    return _DQ_CACHE
 
 
 def _as_shard(local: torch.Tensor, meta_param) -> nn.Parameter:

@@ -187,6 +187,21 @@ def test_bad_recipe_fails_before_any_process_starts(tmp_path, capsys):
     assert "train.distributed" in err and len(err.strip().splitlines()) == 1
 
 
+def test_fsdp_on_a_gguf_files_own_blocks_equals_one_process(tiny_ckpt, data, tmp_path):
+    """model.quantize source: each rank keeps its own rows of the file's Q8_0 blocks (q and k rows put back in HF's
+    order first)."""
+    from lora_llama.export import export_gguf
+
+    gguf = tmp_path / "tiny-q8_0.gguf"
+    export_gguf(str(tiny_ckpt), gguf, out_type="q8_0")
+    assert main(args(gguf, data, tmp_path / "one", 4, "model.quantize=source")) == 0
+    code, out, err = torchrun(args(gguf, data, tmp_path / "two", 2, "train.distributed=fsdp", "model.quantize=source"))
+    assert code == 0, err[-3000:]
+    assert_same_runs(tmp_path / "one", tmp_path / "two", ("loss", "eval_loss"))
+    held, whole = map(float, re.search(r"each rank holds ([\d.]+) MB of the base's ([\d.]+) MB", out).groups())
+    assert held < 0.6 * whole, (held, whole)
+
+
 def test_fsdp_refuses_an_adapted_lm_head_before_training(tiny_ckpt, data, tmp_path):
     code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "run", 2, "train.distributed=fsdp", "lora.targets=[q,v,lm_head]"))
     errors = [l for l in err.splitlines() if l.startswith("lora-llama train: error")]
@@ -194,10 +209,12 @@ def test_fsdp_refuses_an_adapted_lm_head_before_training(tiny_ckpt, data, tmp_pa
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("quantize", ["int8", "nf4", "nf4-double"])
+@pytest.mark.parametrize("quantize", ["int8", "nf4", "nf4-double", "int8-dora"])
 def test_fsdp_on_a_quantized_base_equals_one_process(tiny_ckpt, data, tmp_path, quantize):
-    """Each rank quantizes only its own rows of the checkpoint; the result is one process's on the same base."""
+    """Each rank quantizes only its own rows of the checkpoint; the result is one process's on the same base.
+    DoRA needs whole weights for its magnitude: each rank loads the base whole, then shards it."""
     extra = [f"model.quantize={quantize.split('-')[0]}"] + ["model.nf4_double_quant=true"] * ("double" in quantize)
+    extra += ["lora.use_dora=true"] * ("dora" in quantize)
     assert main(args(tiny_ckpt, data, tmp_path / "one", 4, *extra)) == 0
     code, out, err = torchrun(args(tiny_ckpt, data, tmp_path / "two", 2, "train.distributed=fsdp", *extra))
     assert code == 0, err[-3000:]
@@ -206,13 +223,13 @@ def test_fsdp_on_a_quantized_base_equals_one_process(tiny_ckpt, data, tmp_path, 
     assert held < 0.6 * whole, (held, whole)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_dpo_on_two_processes_equals_one(tiny_ckpt, tmp_path, strategy):
+@pytest.mark.parametrize("objective, strategy", [("dpo", "ddp"), ("dpo", "fsdp"), ("orpo", "fsdp")])
+def test_preference_objectives_on_two_processes_equal_one(tiny_ckpt, tmp_path, objective, strategy):
     """The reference pass (adapter off, no grad) and the per-pair loss over the global batch on two ranks."""
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": q, "chosen": a, "rejected": QA[(i + 5) % len(QA)][1]}) + "\n"
                              for i, (q, a) in enumerate(QA)))
-    dpo = ["train.objective=dpo", "data.format=preference", "train.lr=1e-2"]
+    dpo = [f"train.objective={objective}", "data.format=preference", "train.lr=1e-2"]
     assert main(args(tiny_ckpt, pairs, tmp_path / "one", 4, *dpo)) == 0
     code, _, err = torchrun(args(tiny_ckpt, pairs, tmp_path / "two", 2, f"train.distributed={strategy}", *dpo))
     assert code == 0, err[-3000:]
