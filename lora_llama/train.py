@@ -48,6 +48,9 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=Non
 def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, device: str) -> dict:
     """Inputs are all checked before the run folder is touched."""
     found = _check_run_folder(recipe, out, resume, force)
+    if ranks.main:  # a GGUF source is converted into its cached folder once, by rank 0, while the others wait
+        resolve_source(recipe.model.source)
+    ranks.barrier()
     strategy = _choose_strategy(recipe, ranks, device)
     sharded = ranks.world > 1 and strategy == "fsdp"
     torch.manual_seed(recipe.train.seed)
