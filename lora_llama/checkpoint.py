@@ -225,14 +225,16 @@ def gguf_linear_blocks(source, args: ModelArgs, copy: bool = True) -> dict:
     return found
 
 
-def block_rows(entry) -> "torch.Tensor":
-    """A copy of a GGUF tensor's rows of blocks (the quantized bytes only), in HF's row order."""
+def block_rows(entry, lo: int = 0, hi: int | None = None) -> "torch.Tensor":
+    """A copy of rows lo..hi of a GGUF tensor's rows of blocks (the quantized bytes only), in HF's row order."""
     import numpy as np
     import torch
 
     _, data, heads = entry
-    rows = torch.from_numpy(np.array(data))
-    return permute_rows(rows, heads, inverse=True) if heads else rows
+    if not heads:
+        return torch.from_numpy(np.array(data[lo:hi]))
+    rows = permute_rows(torch.from_numpy(np.array(data)), heads, inverse=True)  # rows move within each head
+    return rows if (lo, hi) == (0, None) else rows[lo:hi].clone()
 
 
 def install_blocks(model, blocks: dict, device) -> None:

@@ -76,7 +76,7 @@ def choose_strategy(requested: str, ranks: Ranks, device: str, weight_bytes: int
     return "fsdp" if weight_bytes > 0.8 * torch.cuda.get_device_properties(device).total_memory else "ddp"
 
 
-def shard_model(model, quantized: bool = False) -> None:
+def shard_model(model) -> None:
     """fsdp: FSDP2 (`fully_shard`) on every decoder block, on an untied embedding and lm_head each, and on the
     root, so each rank keeps 1/world of the frozen weights, of the LoRA parameters and of the optimizer state,
     and a whole weight exists only while its module runs: a block during its forward and its backward, the
@@ -86,7 +86,7 @@ def shard_model(model, quantized: bool = False) -> None:
 
     from .quant import QuantizedLinear, shardable
 
-    for module in model.modules() if quantized else ():
+    for module in model.modules():
         if isinstance(module, QuantizedLinear):
             shardable(module)
     for block in model.model.layers:

@@ -270,8 +270,9 @@ class GRPO:
         count = math.ceil(len(prompts) / ranks.world) if self.any_rank else len(mine)
         tables = []
         for i in range(0, count, rows_per_batch):
-            completions, rows = self.complete(model, mine[i:i + rows_per_batch] or prompts[:1], None)
-            if mine[i:i + rows_per_batch]:
+            batch = mine[i:i + rows_per_batch]
+            completions, rows = self.complete(model, batch or prompts[:1], None)
+            if batch:
                 tables.append(self.rewards_of(rows, completions))
         table = torch.cat(tables) if tables else torch.zeros(0, len(self.rewards))
         sums = ranks.sum([*_moments(weighted_rewards(table, self.weights)),

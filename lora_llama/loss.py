@@ -192,7 +192,7 @@ def token_logps(model, input_ids, labels, temperature: float = 1.0, position_ids
         if isinstance(lm_head, nn.Linear) and lm_head.bias is None and not lm_head.weight.requires_grad:
             return _LinearLogProbs.apply(h, lm_head.weight, targets, rows, temperature) + chunks[0], keep
         for i in range(0, h.shape[0], rows):  # an adapted lm_head: each chunk's logits recomputed in backward
-            chunk = (model.lm_head, h[i:i + rows], targets[i:i + rows], "none", temperature)
+            chunk = (lm_head, h[i:i + rows], targets[i:i + rows], "none", temperature)
             chunks.append(-(checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled()
                             else _ce_chunk(*chunk)))
     return (torch.cat(chunks[1:]) if len(chunks) > 1 else h.new_zeros(0, dtype=torch.float32)) + chunks[0], keep

@@ -42,7 +42,7 @@ def sharded_adapted_model(source, lora, dtype, quantize: str | None, double_quan
     summary = apply_lora(model, lora)
     if adapter_dir is not None:
         load_adapter_weights(model, adapter_dir)
-    shard_model(model, quantized=bool(quantize))
+    shard_model(model)
     fill_shards(model, CheckpointRows(folder), dtype, blocks, device, ranks)
     model.source, model.folder = str(source), folder
     return model.eval(), summary
@@ -123,7 +123,7 @@ def _quantized(module: QuantizedLinear, path: str, rows: CheckpointRows, blocks:
     cloned, so the whole one is freed."""
     key = f"{path.removesuffix('.base_layer')}.weight"
     if module.kind in GGUF_BLOCK_BYTES:
-        return {"codes": block_rows(blocks[key.removesuffix(".weight")])[lo:hi].clone(),
+        return {"codes": block_rows(blocks[key.removesuffix(".weight")], lo, hi),
                 "scales": torch.empty(0, dtype=torch.float32)}
     _check_shape(rows, key, (module.out_features, module.in_features))
     if module.kind == "int8":

@@ -72,7 +72,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         if found:  # the adapter goes in before fsdp cuts it into shards
             load_adapter_weights(model, found[-1] / ADAPTER)
         if sharded:
-            shard_model(model, quantized=bool(recipe.model.quantize))
+            shard_model(model)
     trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log)
     log(f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
