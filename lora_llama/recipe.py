@@ -71,7 +71,8 @@ class ModelSection(Settings):
     dtype: DType = Field("float32", description="the frozen base's dtype under train.precision fp32")
     quantize: Literal[QUANTIZE_KINDS] | None = Field(
         None, description="hold the frozen decoder linears in 8 bits (int8: a scale per row), 4 (nf4: QLoRA's, blocks "
-                          "of 64), or as a GGUF base's own blocks (source: Q8_0, Q4_0, Q4_1)")
+                          "of 64), or as a GGUF base's own blocks (source: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                          "Q4_K, Q5_K, Q6_K)")
     nf4_double_quant: bool = Field(False, description="quantize: nf4 with its per-block absmax in 8 bits too "
                                    "(QLoRA's double quantization: ~0.37 fewer bits a weight)")
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")

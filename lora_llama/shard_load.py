@@ -23,8 +23,8 @@ from .errors import UserError
 from .files import CheckpointRows, read_config
 from .lora import apply_lora
 from .model import Llama
-from .quant import (DECODER_LINEARS, GGUF_BLOCK, GGUF_BLOCK_BYTES, NF4_BLOCK, QuantizedLinear, quantize_absmax,
-                    quantize_int8, quantize_nf4)
+from .gguf_blocks import GGUF_FORMATS, row_bytes
+from .quant import DECODER_LINEARS, NF4_BLOCK, QuantizedLinear, quantize_absmax, quantize_int8, quantize_nf4
 
 
 def sharded_adapted_model(source, lora, dtype, quantize: str | None, double_quant: bool, device, ranks,
@@ -74,7 +74,7 @@ def _meta_layer(lin: nn.Linear, kind: str, double_quant: bool) -> QuantizedLinea
         codes = meta(out, inp // 2, dtype=torch.uint8)
         scales = meta(out, inp // NF4_BLOCK, dtype=torch.uint8 if double_quant else torch.float32)
     else:
-        codes, scales = meta(out, inp // GGUF_BLOCK * GGUF_BLOCK_BYTES[kind], dtype=torch.uint8), meta(0, dtype=torch.float32)
+        codes, scales = meta(out, row_bytes(kind, inp), dtype=torch.uint8), meta(0, dtype=torch.float32)
     bias = lin.bias.detach() if lin.bias is not None else None
     q = QuantizedLinear(inp, out, kind, codes, scales, bias)
     if kind == "nf4" and double_quant:
@@ -122,7 +122,7 @@ def _quantized(module: QuantizedLinear, path: str, rows: CheckpointRows, blocks:
     """{codes, scales[, absmax2, offset]}: rows lo..hi of a layer's quantized weight. A slice of a whole tensor is
     cloned, so the whole one is freed."""
     key = f"{path.removesuffix('.base_layer')}.weight"
-    if module.kind in GGUF_BLOCK_BYTES:
+    if module.kind in GGUF_FORMATS:
         return {"codes": block_rows(blocks[key.removesuffix(".weight")], lo, hi),
                 "scales": torch.empty(0, dtype=torch.float32)}
     _check_shape(rows, key, (module.out_features, module.in_features))

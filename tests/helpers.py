@@ -120,3 +120,56 @@ def random_lora_b(model, seed: int = 1, std: float = 0.1) -> None:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+# the float16 factors' byte offsets in a K super-block, and their size: they keep every weight within ~±0.2
+K_FACTORS = {"Q4_K": ((0, 2), 2e-4), "Q5_K": ((0, 2), 1e-4), "Q6_K": ((208,), 5e-5)}
+
+
+def random_k_blocks(kind: str, rows: int, in_features: int, seed: int = 0):
+    """(rows, bytes) of random K super-blocks: every byte random (each scale, min and code bit pattern occurs) but
+    the float16 factors, drawn from [size / 2, size)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, in_features // weights, size), dtype=np.uint8)
+    offsets, factor = K_FACTORS[kind]
+    for at in offsets:
+        d = (rng.uniform(0.5, 1, (rows, in_features // weights, 1)) * factor).astype(np.float16)
+        blocks[..., at:at + 2] = d.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def gguf_with_blocks(src: Path, out: Path, kinds: dict, seed: int = 0) -> Path:
+    """A copy of the GGUF file `src` whose tensors `blk.N.{part}.weight` hold random blocks of kinds[part] (K
+    formats: random_k_blocks; others: the weights quantized by gguf-py)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(out, reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    for field in reader.fields.values():  # gguf_new_metadata's copy: the writer adds the architecture itself
+        if field.name != gguf.Keys.General.ARCHITECTURE and not field.name.startswith("GGUF."):
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for i, t in enumerate(reader.tensors):
+        kind = kinds.get(t.name.split(".")[-2]) if t.name.startswith("blk.") else None
+        if kind is None:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+            continue
+        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind in K_FACTORS:
+            blocks = random_k_blocks(kind, rows, cols, seed + i)
+        else:
+            w = np.random.default_rng(seed + i).standard_normal((rows, cols)).astype(np.float32) * 0.05
+            blocks = gguf.quants.quantize(w, qtype)
+        writer.add_tensor(t.name, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

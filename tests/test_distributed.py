@@ -17,6 +17,7 @@ from helpers import ROOT, chat_file
 from lora_llama.cli import main
 
 pytestmark = pytest.mark.distributed
+SLOW = pytest.mark.slow  # `make test-slow`: the variants beyond one of each kind
 RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
 # examples of clearly different lengths, so padding differs between one batch of 4 and two of 2.
 # lr 1e-3: Adam turns float-order noise in near-zero gradients into steps of about lr (3e-5 at lr 1e-2)
@@ -93,7 +94,8 @@ def close_adapters(a, b, tol=1e-5):
     return x.keys() == y.keys() and max(float((x[k] - y[k]).abs().max()) for k in x) < tol
 
 
-@pytest.mark.parametrize("strategy, packing", [("ddp", False), ("ddp", True), ("fsdp", False), ("fsdp", True)])
+@pytest.mark.parametrize("strategy, packing", [("ddp", False), pytest.param("ddp", True, marks=SLOW), ("fsdp", False),
+                                               pytest.param("fsdp", True, marks=SLOW)])
 def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path, strategy, packing):
     extra = ["data.packing=true", "data.max_seq_len=48"] if packing else []
     assert main(args(tiny_ckpt, data, tmp_path / "one", 4, *extra)) == 0
@@ -109,6 +111,7 @@ def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path
     assert names(tmp_path / "one") == names(tmp_path / "two")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_killed_job_resumes_on_two_and_on_one_process(tiny_ckpt, data, tmp_path, capsys, strategy):
     args_2 = lambda out: args(tiny_ckpt, data, out, 2, f"train.distributed={strategy}")
@@ -187,13 +190,16 @@ def test_bad_recipe_fails_before_any_process_starts(tmp_path, capsys):
     assert "train.distributed" in err and len(err.strip().splitlines()) == 1
 
 
-def test_fsdp_on_a_gguf_files_own_blocks_equals_one_process(tiny_ckpt, data, tmp_path):
-    """model.quantize source: each rank keeps its own rows of the file's Q8_0 blocks (q and k rows put back in HF's
-    order first)."""
+def test_fsdp_on_a_gguf_files_own_blocks_equals_one_process(data, tmp_path):
+    """model.quantize source: each rank keeps its own rows of the file's blocks, K super-blocks and blocks of 32
+    alike (q and k rows put back in HF's order first)."""
+    from helpers import build_checkpoint, gguf_with_blocks
     from lora_llama.export import export_gguf
 
-    gguf = tmp_path / "tiny-q8_0.gguf"
-    export_gguf(str(tiny_ckpt), gguf, out_type="q8_0")
+    ckpt = build_checkpoint(tmp_path / "ckpt", hidden_size=256, intermediate_size=512)
+    export_gguf(str(ckpt), tmp_path / "f16.gguf", progress=False)
+    gguf = gguf_with_blocks(tmp_path / "f16.gguf", tmp_path / "mixed.gguf",
+                            {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "ffn_down": "Q5_K"})
     assert main(args(gguf, data, tmp_path / "one", 4, "model.quantize=source")) == 0
     code, out, err = torchrun(args(gguf, data, tmp_path / "two", 2, "train.distributed=fsdp", "model.quantize=source"))
     assert code == 0, err[-3000:]
@@ -209,7 +215,7 @@ def test_fsdp_refuses_an_adapted_lm_head_before_training(tiny_ckpt, data, tmp_pa
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("quantize", ["int8", "nf4", "nf4-double", "int8-dora"])
+@pytest.mark.parametrize("quantize", ["int8", *(pytest.param(q, marks=SLOW) for q in ("nf4", "nf4-double", "int8-dora"))])
 def test_fsdp_on_a_quantized_base_equals_one_process(tiny_ckpt, data, tmp_path, quantize):
     """Each rank quantizes only its own rows of the checkpoint; the result is one process's on the same base.
     DoRA needs whole weights for its magnitude: each rank loads the base whole, then shards it."""
@@ -223,7 +229,8 @@ def test_fsdp_on_a_quantized_base_equals_one_process(tiny_ckpt, data, tmp_path, 
     assert held < 0.6 * whole, (held, whole)
 
 
-@pytest.mark.parametrize("objective, strategy", [("dpo", "ddp"), ("dpo", "fsdp"), ("orpo", "fsdp")])
+@pytest.mark.parametrize("objective, strategy", [pytest.param("dpo", "ddp", marks=SLOW), ("dpo", "fsdp"),
+                                                 pytest.param("orpo", "fsdp", marks=SLOW)])
 def test_preference_objectives_on_two_processes_equal_one(tiny_ckpt, tmp_path, objective, strategy):
     """The reference pass (adapter off, no grad) and the per-pair loss over the global batch on two ranks."""
     pairs = tmp_path / "pairs.jsonl"
@@ -246,6 +253,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost_equal_two_processes_of_one_node(tiny_ckpt, data, tmp_path):
     """`--nnodes 2 --node-rank R --rdzv-endpoint` (c10d rendezvous), one process a node, against one node x 2."""
     code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "one-node", 2))
@@ -280,6 +288,7 @@ def workers_of(out: Path) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_killing_the_launcher_ends_every_worker_and_resume_is_exact(tiny_ckpt, data, tmp_path):
     """SIGKILL of `lora-llama train --nproc-per-node 2`: torchrun and both workers gone within 10 s, the run lock
     free, and `--resume` gives the uninterrupted run's adapter."""

@@ -165,7 +165,7 @@ def test_grpo_recipe_errors_are_one_line(overrides, words):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_grpo_on_two_processes_equals_one(tiny_ckpt, tmp_path, strategy):
     """Each process samples its own prompts' groups; advantages and the dapo token count are global. Under fsdp
     every rank decodes until the last rank's rows are done (each forward gathers weights from both)."""
