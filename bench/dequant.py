@@ -4,7 +4,8 @@ per format, against the product it serves.
 One 2048 -> 5632 weight (the 1.1B Llama's gate / up projection): int8 and nf4 (with and without double
 quantization) quantized from it, and each GGUF block format `quantize: source` keeps (K formats as random
 super-blocks of finite factors). For each, the median time of QuantizedLinear.dequantize into the compute
-dtype, and its share of one product x·Wᵀ at 128 and 2048 rows of tokens. The last line is JSON, also appended
+dtype, and its share of one product x·Wᵀ at 128 and 2048 rows of tokens, under the malloc settings of a
+CPU training process (a float32 weight over 32 MB still gets its own mapping, faulted in afresh each time). The last line is JSON, also appended
 to bench/results/dequant.jsonl.
 """
 import argparse
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from bench.common import cpu_line, median_time, record
+from lora_llama.allocator import keep_freed_memory
 from lora_llama.gemm import linear
 from lora_llama.gguf_blocks import GGUF_FORMATS
 from lora_llama.quant import QuantizedLinear
@@ -49,6 +51,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     a = ap.parse_args()
     torch.set_num_threads(2)
+    keep_freed_memory()  # as a CPU training process does
     dtype = getattr(torch, a.dtype)
     print(cpu_line())
     w = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(0)) * 0.02

@@ -16,11 +16,14 @@ K formats each 32 bytes of nibbles hold two sub-blocks, the low nibbles first.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # kind: (weights per block, bytes per block)
 GGUF_FORMATS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
                 "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+EIGHT = tuple(range(8))  # the shifts that take each bit of a byte
 
 
 def row_bytes(kind: str, in_features: int) -> int:
@@ -34,10 +37,15 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.view(torch.float16).float()
 
 
-def _bits(b: torch.Tensor, width: int, shifts) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _shifts(shifts: tuple, device: torch.device) -> torch.Tensor:
+    """(len(shifts), 1) uint8, made once per device: a GPU would copy it from the host (and wait) on every product."""
+    return torch.tensor(shifts, dtype=torch.uint8, device=device)[:, None]
+
+
+def _bits(b: torch.Tensor, width: int, shifts: tuple) -> torch.Tensor:
     """(..., n) bytes -> (..., len(shifts), n): each byte shifted right by each shift, `width` bits kept."""
-    shifts = torch.tensor(shifts, dtype=torch.uint8, device=b.device)[:, None]
-    return (b.unsqueeze(-2) >> shifts) & ((1 << width) - 1)
+    return (b.unsqueeze(-2) >> _shifts(shifts, b.device)) & ((1 << width) - 1)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -47,7 +55,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _fifth_bit(qh: torch.Tensor) -> torch.Tensor:
     """(..., 4) bytes -> (..., 32) 16s: bit j of the little-endian 32-bit word is weight j's fifth bit."""
-    return (_bits(qh, 1, range(8)).transpose(-1, -2).flatten(-2)) << 4
+    return (_bits(qh, 1, EIGHT).transpose(-1, -2).flatten(-2)) << 4
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +95,7 @@ def _q256(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     qs = blocks[..., -128:].unflatten(-1, (4, 32))
     q = _bits(qs, 4, (0, 4)).flatten(-3, -2)  # (…, 8, 32)
     if kind == "q5_k":
-        q = q | (_bits(blocks[..., 16:48], 1, range(8)) << 4)
+        q = q | (_bits(blocks[..., 16:48], 1, EIGHT) << 4)
     return ((d * sc) * q.float() - dmin * mn).flatten(-2)
 
 

@@ -22,6 +22,9 @@ def resolve_precision(setting: str, device: str) -> tuple[str, str]:
     """(fp32 | bf16-mixed, why): `auto` is bf16-mixed on a GPU with bf16 and on a CPU with native bf16."""
     import torch
 
+    if setting == "bf16-mixed" and device == "cpu" and not cpu_bf16_instructions():
+        return setting, "set in the recipe; this CPU lacks AVX512_BF16 and AMX, so its bf16 products are " \
+                        "emulated, many times slower than fp32"
     if setting != "auto":
         return setting, "set in the recipe"
     if device.startswith("cuda"):

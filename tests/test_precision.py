@@ -264,7 +264,7 @@ def test_bf16_mixed_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
     # before the end (near zero, 1% of the loss is below the run-to-run noise of either precision)
     assert fp32 < 0.4 * start
     assert bf16 < 1.01 * fp32 and abs(bf16 / fp32 - 1) < 0.05, (fp32, bf16)  # reaches it: at most 1% worse
-    assert any("precision bf16-mixed (set in the recipe)" in s and "(bfloat16)" in s for s in lines["bf16-mixed"])
+    assert any("precision bf16-mixed (set in the recipe" in s and "(bfloat16)" in s for s in lines["bf16-mixed"])
     assert any("precision fp32" in s for s in lines["fp32"])
     assert any("RMSNorm and SwiGLU run as compiled loops" in s for s in lines["bf16-mixed"])
     assert not any("compiled loops" in s for s in lines["fp32"])
@@ -297,6 +297,8 @@ def test_auto_picks_bf16_only_with_native_instructions(monkeypatch):
     assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed", "auto: this CPU has AVX512_BF16")
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: [])
     assert precision.resolve_precision("auto", "cpu")[0] == "fp32"
+    assert precision.resolve_precision("bf16-mixed", "cpu")[1].startswith("set in the recipe; this CPU lacks")
+    monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: ["AMX_BF16"])
     assert precision.resolve_precision("bf16-mixed", "cpu") == ("bf16-mixed", "set in the recipe")
     assert precision.base_dtype("bf16-mixed", torch.float32) == torch.bfloat16
     assert precision.base_dtype("fp32", torch.float32) == torch.float32
