@@ -30,7 +30,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -m "not slow"
 
-# the slow tests (about 17 minutes): the docs' commands run, kills and resumes across processes, two nodes,
+# the slow tests (about 20 minutes): the docs' commands run, kills and resumes across processes, two nodes,
 # the real model exported, and the variants of each multi-process check beyond one of a kind
 test-slow: setup
 	$(PY) -m pytest -q -m slow

@@ -87,16 +87,16 @@ def _q256(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     if kind == "q6_k":
         low = _bits(blocks[..., 0:128].unflatten(-1, (2, 64)), 4, (0, 4)).flatten(-2).unflatten(-1, (4, 32))
         high = _bits(blocks[..., 128:192].unflatten(-1, (2, 32)), 2, (0, 2, 4, 6))
-        q = ((low | (high << 4)).view(torch.int8).float() - 32).flatten(-3).unflatten(-1, (16, 16))
+        q = (low | (high << 4)).view(torch.int8).float().sub_(32).flatten(-3).unflatten(-1, (16, 16))
         sc = blocks[..., 192:208].view(torch.int8).float().unsqueeze(-1)
-        return (q * (_f16(blocks[..., 208:210]).unsqueeze(-1) * sc)).flatten(-2)
+        return q.mul_(_f16(blocks[..., 208:210]).unsqueeze(-1) * sc).flatten(-2)
     sc, mn = _k_scales(blocks[..., 4:16])
     d, dmin = _f16(blocks[..., 0:2]).unsqueeze(-1), _f16(blocks[..., 2:4]).unsqueeze(-1)
     qs = blocks[..., -128:].unflatten(-1, (4, 32))
     q = _bits(qs, 4, (0, 4)).flatten(-3, -2)  # (…, 8, 32)
     if kind == "q5_k":
         q = q | (_bits(blocks[..., 16:48], 1, EIGHT) << 4)
-    return ((d * sc) * q.float() - dmin * mn).flatten(-2)
+    return q.float().mul_(d * sc).sub_(dmin * mn).flatten(-2)  # in place: one weight-sized float buffer
 
 
 def dequantize_gguf(kind: str, rows: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
