@@ -71,6 +71,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if torch.compiler.is_compiling():
             return _onednn_linear(x, weight, bias)
         return _ONEDNN(x, weight, bias, "none", [], "")  # eager: the custom op's dispatch costs 10-40 µs a call
+    if x.device.type == "cpu" and weight.dtype == torch.bfloat16 and not weight.is_contiguous():
+        # PyTorch's own bf16 kernel for gy·W (W a transposed view) runs ~70x slower than for a row-major weight on
+        # CPUs without a oneDNN bf16 primitive (2048 x 5632, 128 rows, AVX2 EPYC: 11 s vs 0.15 s): copy it first
+        weight = weight.contiguous()
     return F.linear(x, weight, bias)
 
 

@@ -54,6 +54,9 @@ def test_other_cases_take_f_linear_with_the_same_values(calls):
     got = gemm.linear(x.bfloat16(), w.bfloat16())  # bf16-mixed's products: oneDNN, float32 accumulation
     assert len(calls) == (torch.bfloat16 in gemm.ONEDNN_DTYPES) and got.dtype == torch.bfloat16  # AVX2 CPUs: F.linear
     assert (got.double() - x.bfloat16().double() @ w.bfloat16().double().t()).abs().max() < 5e-2
+    gy = torch.randn(20, 16, generator=g).bfloat16()  # bf16's gy·W, W.t() a view: row-major first where F.linear
+    got = gemm.linear(gy, w.bfloat16().t())          # takes it (its kernel for the view is ~70x slower)
+    assert got.dtype == torch.bfloat16 and (got.double() - gy.double() @ w.bfloat16().double()).abs().max() < 5e-2
 
 
 def test_frozen_linear_gives_autograds_values_and_input_gradient_and_keeps_hooks(calls):

@@ -1,6 +1,8 @@
 """Frozen int8 / nf4 base weights, weight-only: the formats against bitsandbytes and a hand computation, the
 layer against a float nn.Linear holding the dequantized weight, training, memory, resume, PEFT, merge."""
 
+import platform
+
 import pytest
 import torch
 
@@ -116,14 +118,38 @@ def test_quantized_run_trains_and_resumes_bit_for_bit(tiny_ckpt, tmp_path, kind)
     settings = (f"model.quantize={kind}", "train.max_steps=12", "train.batch_size=8", "train.lr=1e-2",
                 "lora.targets=[q,k,v,o,gate,up,down]", "train.schedule=constant", "train.eval_every=1000",
                 "train.save_every=6")
-    train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "full", *settings), log=lambda *_: None)
+    said = []
+    train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "full", *settings), log=lambda *a: said.append(" ".join(map(str, a))))
     losses = [m["loss"] for m in metrics(tmp_path / "full") if "loss" in m]
     assert losses[-1] < 0.9 * losses[0]
+    # weights this small do not fragment the heap the trainer keeps for the next step (allocator.py)
+    assert any(line.startswith("allocator: glibc keeps freed memory") for line in said) or \
+        any(line.startswith("allocator: left to the environment") for line in said), said
     train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "cut", *settings[:1], "train.max_steps=6", *settings[2:]),
                       log=lambda *_: None)
     train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "cut", *settings), resume=True, log=lambda *_: None)
     full, cut = (load_file(tmp_path / r / "adapter" / "adapter_model.safetensors") for r in ("full", "cut"))
     assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
+def test_a_base_of_big_quantized_weights_returns_freed_memory(tiny_ckpt, tmp_path, monkeypatch):
+    """Weights that dequantize to more than the bound, freed after each product, are not kept in the heap."""
+    from test_train import chat_file, recipe
+    import lora_llama.train as train
+    from lora_llama.quant import largest_dequantized_bytes
+
+    assert largest_dequantized_bytes(load_model(tiny_ckpt, quantize="int8")) == 4 * 64 * 128  # gate / up / down
+    assert largest_dequantized_bytes(load_model(tiny_ckpt)) == 0
+    monkeypatch.setattr(train, "FRAGMENTING_PIECE", 4 * 64 * 128 - 1)
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                 "GLIBC_TUNABLES", "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
+    said = []
+    settings = ("model.quantize=int8", "train.max_steps=1", "train.eval_every=1000", "train.save_every=1000")
+    train.train_from_recipe(recipe(tiny_ckpt, chat_file(tmp_path / "d.jsonl"), tmp_path / "run", *settings),
+                            log=lambda *a: said.append(" ".join(map(str, a))))
+    assert any(line.startswith("allocator: glibc returns freed memory at once") for line in said), said
 
 
 def test_int8_adapter_in_peft_on_fp32_and_merge_uses_original_weights(tiny_ckpt, tmp_path):
