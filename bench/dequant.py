@@ -2,11 +2,11 @@
 per format, against the product it serves.
 
 One 2048 -> 5632 weight (the 1.1B Llama's gate / up projection): int8 and nf4 (with and without double
-quantization) quantized from it, and each GGUF block format `quantize: source` keeps (K formats as random
-super-blocks of finite factors). For each, the median time of QuantizedLinear.dequantize into the compute
-dtype, and its share of one product x·Wᵀ at 128 and 2048 rows of tokens, under the malloc settings of a
-CPU training process (a float32 weight over 32 MB still gets its own mapping, faulted in afresh each time). The last line is JSON, also appended
-to bench/results/dequant.jsonl.
+quantization) quantized from it, and each GGUF block format `quantize: source` keeps, as random blocks (K
+formats as random super-blocks of finite factors). For each, the median time of QuantizedLinear.dequantize
+into the compute dtype, and its share of one product x·Wᵀ at 128 and 2048 rows of tokens, under the malloc
+settings of a CPU training process (a float32 weight over 32 MB still gets its own mapping, faulted in afresh
+each time). The last line is JSON, also appended to bench/results/dequant.jsonl.
 """
 import argparse
 
@@ -23,17 +23,11 @@ IN, OUT = 2048, 5632
 ROWS = (128, 2048)
 
 
-def gguf_layer(kind: str, w: torch.Tensor) -> QuantizedLinear:
-    from gguf import GGMLQuantizationType, quants
+def gguf_layer(kind: str) -> QuantizedLinear:
+    from tests.helpers import random_blocks
 
-    from tests.helpers import K_FACTORS, random_k_blocks
-
-    name = kind.upper()
-    if name in K_FACTORS:
-        blocks = random_k_blocks(name, OUT, IN)
-    else:
-        blocks = quants.quantize(w.numpy(), GGMLQuantizationType[name])
-    return QuantizedLinear(IN, OUT, kind, torch.from_numpy(np.ascontiguousarray(blocks)), torch.empty(0))
+    blocks = np.ascontiguousarray(random_blocks(kind.upper(), OUT, IN))
+    return QuantizedLinear(IN, OUT, kind, torch.from_numpy(blocks), torch.empty(0))
 
 
 def layers(w: torch.Tensor) -> dict:
@@ -42,7 +36,7 @@ def layers(w: torch.Tensor) -> dict:
         lin.weight.copy_(w)
     out = {"int8": QuantizedLinear.from_linear(lin, "int8"), "nf4": QuantizedLinear.from_linear(lin, "nf4"),
            "nf4 double quant": QuantizedLinear.from_linear(lin, "nf4", double_quant=True)}
-    return out | {kind: gguf_layer(kind, w) for kind in GGUF_FORMATS}
+    return out | {kind: gguf_layer(kind) for kind in GGUF_FORMATS}
 
 
 def main():

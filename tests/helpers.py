@@ -142,9 +142,20 @@ def random_k_blocks(kind: str, rows: int, in_features: int, seed: int = 0):
     return blocks.reshape(rows, -1)
 
 
+def random_blocks(kind: str, rows: int, in_features: int, seed: int = 0):
+    """(rows, bytes) of `kind` blocks: random K super-blocks (random_k_blocks), or random weights (std 0.05)
+    quantized by gguf-py."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    if kind in K_FACTORS:
+        return random_k_blocks(kind, rows, in_features, seed)
+    w = np.random.default_rng(seed).standard_normal((rows, in_features)).astype(np.float32) * 0.05
+    return quants.quantize(w, GGMLQuantizationType[kind])
+
+
 def gguf_with_blocks(src: Path, out: Path, kinds: dict, seed: int = 0) -> Path:
-    """A copy of the GGUF file `src` whose tensors `blk.N.{part}.weight` hold random blocks of kinds[part] (K
-    formats: random_k_blocks; others: the weights quantized by gguf-py)."""
+    """A copy of the GGUF file `src` whose tensors `blk.N.{part}.weight` hold random blocks of kinds[part]."""
     import gguf
     import numpy as np
 
@@ -161,13 +172,7 @@ def gguf_with_blocks(src: Path, out: Path, kinds: dict, seed: int = 0) -> Path:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
             continue
         rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
-        qtype = gguf.GGMLQuantizationType[kind]
-        if kind in K_FACTORS:
-            blocks = random_k_blocks(kind, rows, cols, seed + i)
-        else:
-            w = np.random.default_rng(seed + i).standard_normal((rows, cols)).astype(np.float32) * 0.05
-            blocks = gguf.quants.quantize(w, qtype)
-        writer.add_tensor(t.name, blocks, raw_dtype=qtype)
+        writer.add_tensor(t.name, random_blocks(kind, rows, cols, seed + i), raw_dtype=gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -175,17 +175,9 @@ def test_selective_checkpointing_on_cuda_keeps_attention(tiny_ckpt, dtype):
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_blocks_dequantize_on_the_gpu_as_on_the_cpu(kind):
     """quantize: source dequantizes a GGUF file's blocks where they live: the same weights on either device."""
-    import numpy as np
-    from gguf import GGMLQuantizationType, quants
-
-    from helpers import random_k_blocks
+    from helpers import random_blocks
     from lora_llama.gguf_blocks import dequantize_gguf
 
-    if kind.endswith("_K"):
-        blocks = random_k_blocks(kind, rows=64, in_features=512, seed=2)
-    else:
-        w = np.random.default_rng(2).standard_normal((64, 512)).astype(np.float32) * 0.05
-        blocks = quants.quantize(w, GGMLQuantizationType[kind])
-    rows = torch.from_numpy(blocks)
+    rows = torch.from_numpy(random_blocks(kind, rows=64, in_features=512, seed=2))
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(dequantize_gguf(kind.lower(), rows.cuda(), dtype).cpu(), dequantize_gguf(kind.lower(), rows, dtype))
