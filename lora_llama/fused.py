@@ -8,7 +8,8 @@ faster (paired), the float32 one unchanged, so float32 and other devices keep th
 
 The formulas are the eager kernels' (kernels.py), float32 inside. Each compiles on first use (seconds; inductor keeps
 them on disk for later runs), with dynamic shapes (a new row count is no new compile). Where compiling fails (no C++
-compiler, an unsupported build), a warning says so once and the eager kernels run from then on.
+compiler, an unsupported build), a warning says so once and the eager kernels run from then on. `compiled` also
+serves quant.py, whose dequantization compiles on CUDA.
 """
 from __future__ import annotations
 
@@ -22,38 +23,59 @@ ENABLED = True  # tests switch it off to compare with the eager kernels
 _broken: str | None = None  # why compiling failed, once it has
 
 
+def compiling() -> bool:
+    """Whether compiled formulas run: outside an enclosing torch.compile (which fuses the eager formulas itself),
+    while compiling works."""
+    return ENABLED and _broken is None and not torch.compiler.is_compiling()
+
+
 def active(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled formulas take these tensors: bf16 on the CPU, outside an enclosing torch.compile
-    (which fuses the eager formulas itself), while compiling works."""
-    return (ENABLED and _broken is None and not torch.compiler.is_compiling()
-            and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors))
+    """Whether the compiled bf16 formulas take these tensors: bf16 on the CPU, while compiling works."""
+    return compiling() and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
 
 
-def _compiled(fn):
-    """fn through torch.compile; on a compile failure, the warning once and fn itself (then and from then on)."""
-    compiled = None
+def made_once(make):
+    """make(*args) cached by its (hashable) arguments, for a constant tensor made once per device (a GPU would copy
+    it from the host, and wait, on every call); inside torch.compile, make itself: a constant of the kernel."""
+    cached = functools.lru_cache(maxsize=None)(make)
+
+    @functools.wraps(make)
+    def get(*args):
+        return make(*args) if torch.compiler.is_compiling() else cached(*args)
+    return get
+
+
+def compiled(fn, slower: str, **compile_args):
+    """fn through torch.compile(**compile_args), compiled on first use; on a compile failure, a warning once (saying
+    what runs `slower`) and fn itself, then and from then on, for every compiled formula."""
+    compiled_fn = None
 
     @functools.wraps(fn)
     def run(*args):
         global _broken
-        nonlocal compiled
+        nonlocal compiled_fn
         if _broken is None:
             try:
-                if compiled is None:  # torch.compile imports dynamo (~2 s): only once a bf16 CPU step needs it
-                    # dynamic threads: with dynamic shapes one loop serves every size, and inductor leaves it
-                    # serial for good if the first input was small (a test's tiny model: seen here running
-                    # SwiGLU's backward on one thread of two in later full-size steps, from inductor's disk cache);
-                    # with this the loop always has a parallel region and OpenMP splits it at run time
-                    compiled = torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True})
-                return compiled(*args)
+                if compiled_fn is None:  # torch.compile imports dynamo (~2 s): only once a formula is needed
+                    compiled_fn = torch.compile(fn, **compile_args)
+                with torch._dynamo.config.patch(recompile_limit=64):  # one graph per format and dtype
+                    return compiled_fn(*args)
             except Exception as e:  # inductor's compiler errors have no common base; a real error repeats in fn
                 # dynamo's wrapper reads "backend='inductor' raised:" and then the cause
                 lines = [line for line in str(e).splitlines() if line.strip() and not line.endswith("raised:")]
                 _broken = lines[0][:200] if lines else type(e).__name__
-                warnings.warn(f"compiled bf16 CPU kernels unavailable ({_broken}); using PyTorch's eager kernels "
-                              "(bf16 training runs slower)", stacklevel=2)
+                warnings.warn(f"torch.compile unavailable ({_broken}); using PyTorch's eager kernels ({slower})",
+                              stacklevel=2)
         return fn(*args)
     return run
+
+
+# dynamic threads: with dynamic shapes one loop serves every size, and inductor leaves it serial for good if the
+# first input was small (a test's tiny model: seen here running SwiGLU's backward on one thread of two in later
+# full-size steps, from inductor's disk cache); with this the loop always has a parallel region and OpenMP splits
+# it at run time
+_compiled = functools.partial(compiled, slower="bf16 training on the CPU runs slower", dynamic=True,
+                              options={"cpp.dynamic_threads": True})
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

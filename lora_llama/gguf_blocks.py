@@ -16,9 +16,9 @@ K formats each 32 bytes of nibbles hold two sub-blocks, the low nibbles first.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .fused import made_once
 
 # kind: (weights per block, bytes per block)
 GGUF_FORMATS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
@@ -37,9 +37,9 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.view(torch.float16).float()
 
 
-@functools.lru_cache(maxsize=None)
+@made_once
 def _shifts(shifts: tuple, device: torch.device) -> torch.Tensor:
-    """(len(shifts), 1) uint8, made once per device: a GPU would copy it from the host (and wait) on every product."""
+    """(len(shifts), 1) uint8."""
     return torch.tensor(shifts, dtype=torch.uint8, device=device)[:, None]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from . import fused
 from .config import DECODER_TARGETS, HF_NAME, QUANTIZE_KINDS
 from .errors import UserError
 from .gemm import linear
@@ -101,6 +102,11 @@ def dynamic_map() -> torch.Tensor:
     return torch.tensor(sorted(data + [0, 1.0]), dtype=torch.float32)
 
 
+@fused.made_once
+def _dynamic_map_on(device: torch.device) -> torch.Tensor:
+    return dynamic_map().to(device)
+
+
 def quantize_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """nf4's double quantization: (codes uint8, second-level absmax float32, offset) of absmax - mean(absmax)."""
     offset = absmax.mean()
@@ -111,26 +117,22 @@ def quantize_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def dequantize_absmax(codes: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    values = dynamic_map().to(codes.device)[codes.reshape(-1).long()]
+    values = _dynamic_map_on(codes.device)[codes.reshape(-1).long()]
     values = torch.nn.functional.pad(values, (0, -values.numel() % DOUBLE_QUANT_BLOCK)).view(-1, DOUBLE_QUANT_BLOCK)
     return (values * absmax2[:, None]).view(-1)[:codes.numel()].add_(offset).view(codes.shape)
 
 
+@fused.made_once
 @torch.no_grad()
-def _pair_table(device) -> torch.Tensor:
-    """(256, 2): the two code values of every byte, so one lookup decodes a byte."""
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """(256, 2): the two code values of every byte, so one lookup decodes a byte; made once per device."""
     code = torch.tensor(NF4_CODE, device=device)
     byte = torch.arange(256, device=device)
     return torch.stack([code[byte >> 4], code[byte & 15]], dim=1)
 
 
-_TABLES: dict = {}
-
-
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
-    table = _TABLES.get(packed.device)
-    if table is None:
-        table = _TABLES[packed.device] = _pair_table(packed.device)
+    table = _pair_table(packed.device)
     values = torch.nn.functional.embedding(packed.reshape(-1).int(), table).view(-1)  # (bytes x 2,)
     n = torch.Size(shape).numel()
     if values.numel() % NF4_BLOCK == 0:
@@ -153,6 +155,25 @@ def dequantized(weight: torch.Tensor, kind: str, double_quant: bool = False) -> 
     if double_quant:
         absmax = dequantize_absmax(*quantize_absmax(absmax))
     return dequantize_nf4(codes, absmax, weight.shape)
+
+
+def dequantize_codes(kind: str, codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype,
+                     absmax2: torch.Tensor | None = None, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """The (out, in) = shape weight in `dtype` from a quantized layer's tensors (absmax2 and offset: nf4's double
+    quantization)."""
+    if kind == "int8":
+        return dequantize_int8(codes, scales, dtype)
+    if kind in GGUF_FORMATS:  # the scales live inside the blocks
+        return dequantize_gguf(kind, codes, dtype)
+    absmax = scales if absmax2 is None else dequantize_absmax(scales, absmax2, offset)
+    return dequantize_nf4(codes, absmax, shape, dtype)
+
+
+# On CUDA the eager dequantization is a chain of kernels, each a pass over weight-sized float32 memory; inductor
+# fuses each format into one Triton kernel that reads the codes once and writes the weight in the product's dtype.
+# (The CPU keeps the eager kernels: inductor's C++ loops were faster for some formats and slower for others.)
+_dequantize_compiled = fused.compiled(dequantize_codes, slower="quantized bases dequantize slower on the GPU",
+                                      dynamic=True)
 
 
 # ---------------------------------------------------------------------------- the layer
@@ -183,12 +204,6 @@ class QuantizedLinear(nn.Module):
         q.register_buffer("offset", offset)
         return q
 
-    def absmax(self) -> torch.Tensor:
-        """nf4's per-block absmax, dequantized from 8 bits first under double quantization."""
-        if hasattr(self, "absmax2"):
-            return dequantize_absmax(self.scales, self.absmax2, self.offset)
-        return self.scales
-
     @property
     def weight(self) -> torch.Tensor:
         """The codes: not a float tensor, so nothing mistakes them for a weight to merge into or train."""
@@ -196,11 +211,9 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The (out, in) weight in `dtype`, computed afresh."""
-        if self.kind == "int8":
-            return dequantize_int8(self.codes, self.scales, dtype)
-        if self.kind in GGUF_FORMATS:  # the scales live inside the blocks
-            return dequantize_gguf(self.kind, self.codes, dtype)
-        return dequantize_nf4(self.codes, self.absmax(), (self.out_features, self.in_features), dtype)
+        run = _dequantize_compiled if self.codes.is_cuda and fused.compiling() else dequantize_codes
+        return run(self.kind, self.codes, self.scales, (self.out_features, self.in_features), dtype,
+                   getattr(self, "absmax2", None), getattr(self, "offset", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None

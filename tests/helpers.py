@@ -154,6 +154,22 @@ def random_blocks(kind: str, rows: int, in_features: int, seed: int = 0):
     return quants.quantize(w, GGMLQuantizationType[kind])
 
 
+def quantized_layers(rows: int = 64, in_features: int = 512, seed: int = 2) -> dict:
+    """{name: QuantizedLinear} of every layer kind: int8, nf4, nf4 with double quantization (from random float
+    weights), and each GGUF block format (random blocks)."""
+    from lora_llama.gguf_blocks import GGUF_FORMATS
+    from lora_llama.quant import QuantizedLinear
+
+    linear = torch.nn.Linear(in_features, rows, bias=False)
+    torch.nn.init.normal_(linear.weight, std=0.05, generator=torch.Generator().manual_seed(seed))
+    layers = {"int8": QuantizedLinear.from_linear(linear, "int8"), "nf4": QuantizedLinear.from_linear(linear, "nf4"),
+              "nf4-dq": QuantizedLinear.from_linear(linear, "nf4", double_quant=True)}
+    for kind in GGUF_FORMATS:
+        blocks = torch.from_numpy(random_blocks(kind.upper(), rows, in_features, seed))
+        layers[kind] = QuantizedLinear(in_features, rows, kind, blocks, torch.empty(0))
+    return layers
+
+
 def gguf_with_blocks(src: Path, out: Path, kinds: dict, seed: int = 0) -> Path:
     """A copy of the GGUF file `src` whose tensors `blk.N.{part}.weight` hold random blocks of kinds[part]."""
     import gguf

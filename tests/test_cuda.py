@@ -181,3 +181,18 @@ def test_gguf_blocks_dequantize_on_the_gpu_as_on_the_cpu(kind):
     rows = torch.from_numpy(random_blocks(kind, rows=64, in_features=512, seed=2))
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(dequantize_gguf(kind.lower(), rows.cuda(), dtype).cpu(), dequantize_gguf(kind.lower(), rows, dtype))
+
+
+def test_every_quantized_layer_dequantizes_on_the_gpu_as_on_the_cpu():
+    """On CUDA a layer's weight comes from the compiled formulas (one Triton kernel per format): the CPU's eager
+    weights, up to Triton contracting d·q + m into one rounding (1 float32 ulp)."""
+    from helpers import quantized_layers
+    from lora_llama import fused
+
+    for name, layer in quantized_layers().items():
+        cpu = layer.dequantize(torch.float32)
+        gpu = layer.cuda().dequantize(torch.float32).cpu()
+        torch.testing.assert_close(gpu, cpu, rtol=2 ** -23, atol=2 ** -23 * float(cpu.abs().max()), msg=name)
+        bf16 = layer.dequantize(torch.bfloat16).float().cpu()
+        torch.testing.assert_close(bf16, cpu.bfloat16().float(), rtol=2 ** -7, atol=0, msg=name)
+    assert fused._broken is None

@@ -312,6 +312,25 @@ def test_nf4_double_quant_against_bitsandbytes():
     assert q.scales.dtype == torch.uint8 and torch.equal(q.dequantize(), dequantized(lin.weight, "nf4", True))
 
 
+@pytest.mark.slow
+def test_compiled_dequantization_equals_the_eager_kernels():
+    """What a GPU runs (the formulas through inductor, one graph per format and dtype) gives the eager kernels'
+    weights bit for bit; compiled here for the CPU, as test_cuda compiles them for CUDA."""
+    from torch._dynamo.utils import counters
+
+    from helpers import quantized_layers
+    from lora_llama import fused, quant
+
+    counters.clear()
+    layers = quantized_layers()
+    for name, layer in layers.items():
+        args = (layer.kind, layer.codes, layer.scales, (layer.out_features, layer.in_features))
+        extra = (getattr(layer, "absmax2", None), getattr(layer, "offset", None))
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(quant._dequantize_compiled(*args, dtype, *extra), layer.dequantize(dtype)), (name, dtype)
+    assert fused._broken is None and counters["stats"]["unique_graphs"] >= 2 * len(layers)  # none left eager
+
+
 def test_double_quant_needs_nf4():
     from lora_llama import UserError
     from lora_llama.recipe import load_recipe
