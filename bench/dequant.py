@@ -6,15 +6,16 @@ quantization) quantized from a random one, and each GGUF block format `quantize:
 (K formats as random super-blocks of finite factors). For each, the median time of QuantizedLinear.dequantize
 into the compute dtype, and its share of one product x·Wᵀ at 128 and 2048 rows of tokens. On the CPU, under the
 malloc settings of a CPU training process (a float32 weight over 32 MB still gets its own mapping, faulted in
-afresh each time); with --device cuda, the compiled kernels a GPU runs and the eager ones beside them. The last
-line is JSON, also appended to bench/results/dequant.jsonl.
+afresh each time); with --device cuda, the eager and the compiled kernels of each format, and what a layer runs
+(the compiled one for the formats in quant.COMPILED_ON_CUDA). The last line is JSON, also appended to
+bench/results/dequant.jsonl.
 """
 import argparse
 
 import torch
 
 from bench.common import cpu_line, median_time, record
-from lora_llama import fused
+from lora_llama import quant
 from lora_llama.allocator import keep_freed_memory
 from lora_llama.gemm import linear
 from tests.helpers import quantized_layers
@@ -29,8 +30,10 @@ def timed(fn, device: str, repeats: int) -> float:
     return median_time(lambda: (fn(), sync()), repeats, warmup=2) * 1e3
 
 
-def dequantize_ms(layers: dict, dtype, device: str, repeats: int) -> dict:
-    return {name: round(timed(lambda: layer.dequantize(dtype), device, repeats), 3) for name, layer in layers.items()}
+def dequantize_ms(layers: dict, dtype, device: str, repeats: int, formula) -> dict:
+    """Median milliseconds of formula(*layer.dequantize_args(dtype)) per layer."""
+    return {name: round(timed(lambda: formula(*layer.dequantize_args(dtype)), device, repeats), 3)
+            for name, layer in layers.items()}
 
 
 def main():
@@ -43,22 +46,25 @@ def main():
     keep_freed_memory()  # as a CPU training process does
     dtype, dev = getattr(torch, a.dtype), a.device
     print(cpu_line())
-    w = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(0), device=dev) * 0.02
+    w = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(0)).to(dev) * 0.02
     product_ms = {}
     for n in ROWS:
         x, wd = torch.randn(n, IN, dtype=dtype, device=dev), w.to(dtype)
         product_ms[n] = timed(lambda: linear(x, wd), dev, a.repeats)
     print(f"product x·Wᵀ in {a.dtype} on {dev}: " + ", ".join(f"{n} rows {ms:.2f} ms" for n, ms in product_ms.items()))
     layers = {name: layer.to(dev) for name, layer in quantized_layers(OUT, IN).items()}
-    dequant_ms = dequantize_ms(layers, dtype, dev, a.repeats)  # compiled on CUDA
-    fused.ENABLED = False
-    eager_ms = dequantize_ms(layers, dtype, dev, a.repeats) if dev == "cuda" else dequant_ms
-    print(f"{'format':<10}{'dequantize ms':>14}{'eager ms':>10}" + "".join(f"{f'/ {n}-row product':>18}" for n in ROWS))
+    eager_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant.dequantize_codes)
+    compiled_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant._dequantize_compiled) if dev == "cuda" else {}
+    # what a layer runs: on CUDA, the compiled kernel for the formats in quant.COMPILED_ON_CUDA
+    dequant_ms = {name: compiled_ms[name] if layer.kind in quant.COMPILED_ON_CUDA and compiled_ms else eager_ms[name]
+                  for name, layer in layers.items()}
+    print(f"{'format':<10}{'dequantize ms':>14}{'eager':>8}{'compiled':>10}" + "".join(f"{f'/ {n}-row product':>18}" for n in ROWS))
     for kind, ms in dequant_ms.items():
-        print(f"{kind:<10}{ms:>14.3f}{eager_ms[kind]:>10.3f}" + "".join(f"{ms / product_ms[n]:>18.3f}" for n in ROWS))
+        print(f"{kind:<10}{ms:>14.3f}{eager_ms[kind]:>8.3f}{compiled_ms.get(kind, 0):>10.3f}"
+              + "".join(f"{ms / product_ms[n]:>18.3f}" for n in ROWS))
     record("dequant", {"dtype": a.dtype, "device": dev, "shape": [OUT, IN],
                        "product_ms": {str(n): round(ms, 3) for n, ms in product_ms.items()}, "dequantize_ms": dequant_ms,
-                       **({"eager_dequantize_ms": eager_ms} if dev == "cuda" else {})})
+                       **({"eager_dequantize_ms": eager_ms, "compiled_dequantize_ms": compiled_ms} if compiled_ms else {})})
 
 
 if __name__ == "__main__":

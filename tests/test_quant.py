@@ -324,10 +324,9 @@ def test_compiled_dequantization_equals_the_eager_kernels():
     counters.clear()
     layers = quantized_layers()
     for name, layer in layers.items():
-        args = (layer.kind, layer.codes, layer.scales, (layer.out_features, layer.in_features))
-        extra = (getattr(layer, "absmax2", None), getattr(layer, "offset", None))
         for dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(quant._dequantize_compiled(*args, dtype, *extra), layer.dequantize(dtype)), (name, dtype)
+            assert torch.equal(quant._dequantize_compiled(*layer.dequantize_args(dtype)), layer.dequantize(dtype)), \
+                (name, dtype)
     assert fused._broken is None and counters["stats"]["unique_graphs"] >= 2 * len(layers)  # none left eager
 
 
