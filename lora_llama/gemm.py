@@ -61,6 +61,12 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def copies_transposed(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `linear` copies a transposed view of a weight of this dtype row-major first (bf16 on a CPU without a
+    oneDNN bf16 primitive): a caller that writes the weight itself can write its transpose row-major instead."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and dtype not in ONEDNN_DTYPES
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·weightᵀ + bias, x (..., in), weight (out, in), which may be a transposed view (W.t() for gy·W)."""
     # oneDNN slows down ~100x on a weight whose rows are strided (a view of a wider tensor): those go to F.linear

@@ -164,9 +164,12 @@ def recompute_when_saved(tensor: torch.Tensor, recompute, active: bool = True):
         yield
 
 
-def _weight(source, dtype) -> torch.Tensor:
-    """A frozen weight, or a quantized layer's weight dequantized into dtype just for the product at hand."""
-    return source if isinstance(source, torch.Tensor) else source.dequantize(dtype)
+def _weight(source, dtype, transposed: bool = False) -> torch.Tensor:
+    """A frozen weight (or its transpose), or a quantized layer's weight dequantized into dtype just for the product
+    at hand (`transient_weight`: valid until the next one is made)."""
+    if isinstance(source, torch.Tensor):
+        return source.t() if transposed else source
+    return source.transient_weight(dtype, transposed)
 
 
 class _SharedInputLoRA(torch.autograd.Function):
@@ -175,7 +178,7 @@ class _SharedInputLoRA(torch.autograd.Function):
     Forward reads x once for all A (stacked) and saves only x and a = x·[A_1; A_2; ...]ᵀ.
     Backward does no work for the W_i and writes the whole input gradient into one buffer
     (Σ gy_i·W_i, then += ga·[A_i]), where autograd allocates one per path and adds them.
-    A W_i may be a quantized layer (anything with `dequantize(dtype)`): its weight is dequantized for the
+    A W_i may be a quantized layer (anything with `transient_weight(dtype)`): its weight is dequantized for the
     forward product and again for the input gradient, never kept.
     """
 
@@ -212,7 +215,7 @@ class _SharedInputLoRA(torch.autograd.Function):
                 # B_i: (out_i, r) = gyᵀ·a, as (aᵀ·gy)ᵀ: a product over the N rows goes to oneDNN as small·(big view)ᵀ
                 grads[4 * i + 3] = linear(a[:, cols].t().contiguous(), gy.t()).t().to(lora_b.dtype).mul_(scale)
             if ctx.needs_input_grad[0]:
-                gx = linear(gy, _weight(params[4 * i], dtype).t())  # gy·W_i
+                gx = linear(gy, _weight(params[4 * i], dtype, transposed=True))  # gy·W_i
                 grad_x = gx if grad_x is None else grad_x.add_(gx)
         reached = [gy is not None and need[4 * i + 2] for i, gy in enumerate(grads_y)]
         if any(reached):

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import fused
+from . import fused, workspace
 from .config import DECODER_TARGETS, HF_NAME, QUANTIZE_KINDS
 from .errors import UserError
-from .gemm import linear
+from .gemm import copies_transposed, linear
 from .gguf_blocks import GGUF_FORMATS, dequantize_gguf
 
 DECODER_LINEARS = tuple(HF_NAME[t] for t in DECODER_TARGETS)  # q_proj ... down_proj
@@ -223,6 +223,23 @@ class QuantizedLinear(nn.Module):
         return (self.kind, self.codes, self.scales, (self.out_features, self.in_features), dtype,
                 getattr(self, "absmax2", None), getattr(self, "offset", None))
 
+    def transient_weight(self, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
+        """The weight in `dtype` (or, for gy·W, its transpose) for one product. On the CPU it is written a few rows
+        at a time into this thread's reusable buffer (workspace.py), valid until the next transient weight, and a
+        transpose is written row-major where `linear` would copy it so; elsewhere, and for nf4 laid out flat, it is
+        dequantize()'s fresh tensor (a GPU's caching allocator reuses memory itself)."""
+        kind, codes, scales, shape, dtype, absmax2, offset = self.dequantize_args(dtype)
+        if codes.device.type != "cpu" or codes.dim() != 2 or torch.compiler.is_compiling():
+            w = self.dequantize(dtype)
+            return w.t() if transposed else w
+        if absmax2 is not None:  # one value a block of 64: small
+            scales = dequantize_absmax(scales, absmax2, offset)
+        rows = lambda r0, r1: dequantize_codes(kind, codes[r0:r1], scales[r0:r1], (r1 - r0, shape[1]), dtype)
+        row_major_t = transposed and copies_transposed(dtype, codes.device)
+        out = workspace.buffer(shape[::-1] if row_major_t else shape, dtype, codes.device)
+        workspace.fill_by_rows(out, rows, row_major_t)
+        return out.t() if transposed and not row_major_t else out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return _QuantizedProduct.apply(x, self, bias)
@@ -237,13 +254,13 @@ class _QuantizedProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layer, bias):
         ctx.layer = layer
-        return linear(x, layer.dequantize(x.dtype), bias)
+        return linear(x, layer.transient_weight(x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad):
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        return linear(grad, ctx.layer.dequantize(grad.dtype).t()), None, None
+        return linear(grad, ctx.layer.transient_weight(grad.dtype, transposed=True)), None, None
 
 
 def shardable(layer: QuantizedLinear) -> None:

@@ -312,6 +312,26 @@ def test_nf4_double_quant_against_bitsandbytes():
     assert q.scales.dtype == torch.uint8 and torch.equal(q.dequantize(), dequantized(lin.weight, "nf4", True))
 
 
+@pytest.mark.parametrize("row_major_transpose", [False, True])
+def test_transient_weights_are_the_dequantized_weights_in_one_reused_buffer(monkeypatch, row_major_transpose):
+    """A product's weight is written a few rows at a time into one buffer per thread and dtype: every format's
+    weight and transpose equal dequantize()'s, bit for bit, and the next layer's weight reuses the same memory."""
+    from helpers import quantized_layers
+    from lora_llama import quant, workspace
+
+    monkeypatch.setattr(workspace, "CHUNK_WEIGHTS", 3 * 512)  # 3 rows a chunk: 64 rows take 22 chunks, the last short
+    monkeypatch.setattr(quant, "copies_transposed", lambda dtype, device: row_major_transpose)
+    pointers = set()
+    for name, layer in quantized_layers(rows=64, in_features=512).items():
+        for dtype in (torch.float32, torch.bfloat16):
+            expected = layer.dequantize(dtype)
+            assert torch.equal(layer.transient_weight(dtype), expected), (name, dtype)
+            t = layer.transient_weight(dtype, transposed=True)
+            assert torch.equal(t, expected.t()) and t.is_contiguous() == row_major_transpose, (name, dtype)
+            pointers.add((dtype, t.data_ptr()))
+    assert len(pointers) == 2  # one buffer per dtype, reused by every layer
+
+
 @pytest.mark.slow
 def test_compiled_dequantization_equals_the_eager_kernels():
     """What a GPU runs (the formulas through inductor, one graph per format and dtype) gives the eager kernels'
