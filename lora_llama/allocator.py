@@ -17,11 +17,9 @@ pieces of a few MB to tens of MB) and freed after the block, and memory kept for
 block's worth of freed pieces, scattered through the heap, on top of the rank's shard: the very memory fsdp is
 run to save. There every block over 1 MB gets its own mapping, returned when freed, and the heap's top is
 returned past 32 MB (1.1B Llama, 2 ranks: per-rank peak 4.7 GB with glibc's defaults, 3.4 GB so).
-A quantized base with big weights is the same case: each product dequantizes a weight (in float32 first) into
-buffers of its own, freed right after, and weight-sized buffers of several sizes kept in the heap fragment it
-(1.1B Llama, int8, bf16-mixed, 2 x 64 tokens: one step adds 1.5 GB to the loaded model with the settings above,
-nothing with these; peak 3.4 -> 2.0 GB). Small weights do not (SmolLM2-135M's, 3.5 MB at most in float32: peak
-0.95 of the unquantized run's, and its speed, with the settings above), hence a bound on the largest one.
+Loading is the same case (a shard read whole, weights converted or quantized one at a time), so a process loads
+its model with these settings and keeps freed memory only from its first step on. A quantized base's products
+leave nothing weight-sized behind either: their weights are dequantized into one reusable buffer (workspace.py).
 """
 from __future__ import annotations
 
@@ -34,7 +32,6 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 256 << 20
 RETURN = ((M_MMAP_THRESHOLD, 1 << 20), (M_TRIM_THRESHOLD, 32 << 20), (M_TOP_PAD, 0))
-FRAGMENTING_PIECE = 8 << 20  # a quantized base whose largest weight dequantizes (in float32) to more returns memory
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
                   "GLIBC_TUNABLES")
 
@@ -47,9 +44,9 @@ def keep_freed_memory() -> str:
 
 
 def return_freed_memory() -> str:
-    """For fsdp and quantized bases: freed memory goes back to the OS at once, so the weight-sized pieces a step frees
-    (gathered blocks, dequantized weights) never stay resident."""
-    return _apply(RETURN, "glibc returns freed memory at once (weight-sized pieces a step frees do not stay resident)")
+    """For loading and fsdp: freed memory goes back to the OS at once, so the weight-sized pieces a step frees
+    (converted or quantized weights, gathered blocks) never stay resident."""
+    return _apply(RETURN, "glibc returns freed memory at once (weight-sized pieces freed do not stay resident)")
 
 
 def _apply(settings, done: str) -> str:

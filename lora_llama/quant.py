@@ -290,11 +290,6 @@ def quantize_loaded_linears(model, kind: str, double_quant: bool = False) -> Non
                     setattr(holder, attr, QuantizedLinear.from_linear(lin, kind, double_quant))
 
 
-def largest_dequantized_bytes(model) -> int:
-    """Bytes of the biggest float32 weight a quantized layer of `model` dequantizes for a product (0 without any)."""
-    return max((4 * m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantizedLinear)), default=0)
-
-
 def tensor_bytes(module: nn.Module) -> int:
     """Bytes a module holds in its own parameters and buffers (codes and scales, for a quantized layer)."""
     own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))

@@ -12,7 +12,7 @@ import torch
 
 from . import fused
 from .adapters import load_adapter_weights
-from .allocator import FRAGMENTING_PIECE, keep_freed_memory, return_freed_memory
+from .allocator import keep_freed_memory, return_freed_memory
 from .checkpoint import load_model, load_tokenizer, resolve_source
 from .config import torch_dtype
 from .data import build_examples
@@ -25,7 +25,7 @@ from .pairs import build_pairs
 from .prompts import build_prompts
 from .precision import base_dtype, resolve_precision
 from .lora_init import moves_w0
-from .quant import base_weight_bytes, largest_dequantized_bytes, quantize_loaded_linears
+from .quant import base_weight_bytes, quantize_loaded_linears
 from .shard_load import sharded_adapted_model
 from .run_folder import ADAPTER, checkpoints, remove_leftovers, run_lock, write_run_recipe
 from .tokens import end_of_turn_id
@@ -58,8 +58,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     tok = load_tokenizer(recipe.model.source)
     train, val = _examples(recipe, tok, log)
     precision, why = resolve_precision(recipe.train.precision, device)
-    # before the model's and the steps' allocations
-    allocator = (return_freed_memory() if sharded else keep_freed_memory()) if device == "cpu" else None
+    # loading's weight-sized temporaries (conversions, quantization) go back at once; the steps' memory is kept below
+    allocator = return_freed_memory() if device == "cpu" else None
     if sharded and _loads_by_rows(recipe):  # each rank reads only its own rows of the base
         resume_from = found[-1] / ADAPTER if found and not (force and not resume) else None
         model, summary = sharded_adapted_model(recipe.model.source, recipe.lora, base_dtype(precision, torch_dtype(
@@ -73,8 +73,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
             load_adapter_weights(model, found[-1] / ADAPTER)
         if sharded:
             shard_model(model)
-    if allocator and not sharded and largest_dequantized_bytes(model) > FRAGMENTING_PIECE:
-        allocator = return_freed_memory()  # big dequantized weights, freed each product, would fragment a kept heap
+    if allocator and not sharded:
+        allocator = keep_freed_memory()
     trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log)
     log(f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
