@@ -10,9 +10,10 @@
 
 A `QuantizedLinear` keeps its codes and scales as plain buffers, so they move between devices, save to
 safetensors and shard on dim 0 like any tensor. Its weight is dequantized just in time, in the input's
-dtype, for each product: in forward, and again in backward for the input gradient, so no dequantized
-copy outlives the product that used it and nothing but the input is saved for backward. The model is
-quantized while it loads, one shard at a time, so the full-precision model never exists.
+dtype, for each product: in forward, and again in backward for the input gradient, so nothing but the input
+is saved for backward. On the CPU a big weight is written into one reusable buffer (workspace.py), so no
+product allocates weight-sized memory. The model is quantized while it loads, one shard at a time, so the
+full-precision model never exists.
 """
 from __future__ import annotations
 
@@ -226,10 +227,11 @@ class QuantizedLinear(nn.Module):
     def transient_weight(self, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
         """The weight in `dtype` (or, for gy·W, its transpose) for one product. On the CPU it is written a few rows
         at a time into this thread's reusable buffer (workspace.py), valid until the next transient weight, and a
-        transpose is written row-major where `linear` would copy it so; elsewhere, and for nf4 laid out flat, it is
-        dequantize()'s fresh tensor (a GPU's caching allocator reuses memory itself)."""
+        transpose is written row-major where `linear` would copy it so. Elsewhere (a GPU's caching allocator reuses
+        memory itself), for small weights and for nf4 laid out flat, it is dequantize()'s fresh tensor."""
         kind, codes, scales, shape, dtype, absmax2, offset = self.dequantize_args(dtype)
-        if codes.device.type != "cpu" or codes.dim() != 2 or torch.compiler.is_compiling():
+        if codes.device.type != "cpu" or codes.dim() != 2 or torch.compiler.is_compiling() or \
+                shape[0] * shape[1] <= workspace.WHOLE_WEIGHTS:
             w = self.dequantize(dtype)
             return w.t() if transposed else w
         if absmax2 is not None:  # one value a block of 64: small

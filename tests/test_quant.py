@@ -339,6 +339,7 @@ def test_transient_weights_are_the_dequantized_weights_in_one_reused_buffer(monk
     from lora_llama import quant, workspace
 
     monkeypatch.setattr(workspace, "CHUNK_WEIGHTS", 3 * 512)  # 3 rows a chunk: 64 rows take 22 chunks, the last short
+    monkeypatch.setattr(workspace, "WHOLE_WEIGHTS", 0)
     monkeypatch.setattr(quant, "copies_transposed", lambda dtype, device: row_major_transpose)
     pointers = set()
     for name, layer in quantized_layers(rows=64, in_features=512).items():
