@@ -45,9 +45,11 @@ def made_once(make):
     return get
 
 
-def compiled(fn, slower: str, **compile_args):
+def compiled(fn, slower: str, graphs: int | None = None, **compile_args):
     """fn through torch.compile(**compile_args), compiled on first use; on a compile failure, a warning once (saying
-    what runs `slower`) and fn itself, then and from then on, for every compiled formula."""
+    what runs `slower`) and fn itself, then and from then on, for every compiled formula. `graphs`: how many
+    graphs fn may compile (dynamo's recompile limit, 8, raised for each call: the patch costs ~40 µs a call, so
+    only a formula that needs more, one graph per format and dtype, asks for it)."""
     compiled_fn = None
 
     @functools.wraps(fn)
@@ -58,7 +60,9 @@ def compiled(fn, slower: str, **compile_args):
             try:
                 if compiled_fn is None:  # torch.compile imports dynamo (~2 s): only once a formula is needed
                     compiled_fn = torch.compile(fn, **compile_args)
-                with torch._dynamo.config.patch(recompile_limit=64):  # one graph per format and dtype
+                if graphs is None:
+                    return compiled_fn(*args)
+                with torch._dynamo.config.patch(recompile_limit=graphs):
                     return compiled_fn(*args)
             except Exception as e:  # inductor's compiler errors have no common base; a real error repeats in fn
                 # dynamo's wrapper reads "backend='inductor' raised:" and then the cause

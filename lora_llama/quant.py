@@ -178,7 +178,7 @@ def dequantize_codes(kind: str, codes: torch.Tensor, scales: torch.Tensor, shape
 # loops were faster for some formats and slower for others.
 COMPILED_ON_CUDA = frozenset({"q4_k", "q5_k", "q6_k", "q5_0"})
 _dequantize_compiled = fused.compiled(dequantize_codes, slower="quantized bases dequantize slower on the GPU",
-                                      dynamic=True)
+                                      graphs=64, dynamic=True)
 
 
 # ---------------------------------------------------------------------------- the layer
