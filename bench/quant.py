@@ -31,7 +31,7 @@ WRAPPER = ("import sys, torch\nfrom lora_llama.cli import main\ncode = main(sys.
 def train(kind: str, out, a, model_args: list[str]) -> dict:
     args = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"output.dir={out}", f"train.max_steps={a.steps}",
             f"train.precision={a.precision}", "train.eval_every=100000", "train.save_every=100000", "--force"]
-    args += model_args + ([] if kind == "none" else [f"model.quantize={kind}"])
+    args += model_args + [f"model.quantize={'null' if kind == 'none' else kind}"]
     r = subprocess.run([sys.executable, "-c", WRAPPER, *args], cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")

@@ -1,6 +1,6 @@
 """Which precision a run trains in: `fp32`, or `bf16-mixed` (frozen base weights, activations and products in
 bfloat16 with float32 accumulation; norms, softmax and the loss in float32; LoRA A/B and the optimizer state in
-float32), and what `auto` picks on this machine.
+float32), and what `auto` picks on this machine, for the precision and for `model.quantize`.
 """
 from __future__ import annotations
 
@@ -42,3 +42,20 @@ def base_dtype(precision: str, model_dtype):
     import torch
 
     return torch.bfloat16 if precision == "bf16-mixed" else model_dtype
+
+
+def resolve_quantize(setting: str | None, precision: str, device: str, gguf: bool, base_moves: bool):
+    """(quantize kind or None, why). `auto` keeps a GGUF base's own blocks (`source`) where the products run in
+    float32 on the CPU: the same model as its dequantized copy (equal logits), and there faster and smaller,
+    since dequantizing a block costs less than reading float32 weights. Where bf16 products run natively they
+    outpace the dequantization, so bf16-mixed, GPUs, other bases and inits that move the base (PiSSA, OLoRA)
+    train the unquantized copy."""
+    if setting != "auto":
+        return setting, "set in the recipe"
+    if not gguf:
+        return None, "auto: the base is no GGUF file"
+    if base_moves:
+        return None, "auto: lora.init_lora_weights changes the base, which source would keep as the file's blocks"
+    if precision != "fp32" or device != "cpu":
+        return None, f"auto: {precision} on {device} trains the unquantized copy faster"
+    return "source", "auto: float32 on the CPU trains the file's own blocks faster than their float32 copy"

@@ -69,10 +69,11 @@ class ModelSection(Settings):
     """The base model."""
     source: str = Field("smollm2-135m-instruct", description="HF model folder, .gguf file, Hub id or registered name")
     dtype: DType = Field("float32", description="the frozen base's dtype under train.precision fp32")
-    quantize: Literal[QUANTIZE_KINDS] | None = Field(
+    quantize: Literal[("auto", *QUANTIZE_KINDS)] | None = Field(
         None, description="hold the frozen decoder linears in 8 bits (int8: a scale per row), 4 (nf4: QLoRA's, blocks "
                           "of 64), or as a GGUF base's own blocks (source: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-                          "Q4_K, Q5_K, Q6_K)")
+                          "Q4_K, Q5_K, Q6_K); auto: source where a GGUF base trains in fp32 on the CPU (the same "
+                          "model, faster and smaller there), else null")
     nf4_double_quant: bool = Field(False, description="quantize: nf4 with its per-block absmax in 8 bits too "
                                    "(QLoRA's double quantization: ~0.37 fewer bits a weight)")
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")

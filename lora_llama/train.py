@@ -13,7 +13,7 @@ import torch
 from . import fused
 from .adapters import load_adapter_weights
 from .allocator import keep_freed_memory, return_freed_memory
-from .checkpoint import load_model, load_tokenizer, resolve_source
+from .checkpoint import gguf_file, load_model, load_tokenizer, resolve_source
 from .config import torch_dtype
 from .data import build_examples
 from .distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
@@ -23,7 +23,7 @@ from .hub import push, resolve_token
 from .lora import apply_lora
 from .pairs import build_pairs
 from .prompts import build_prompts
-from .precision import base_dtype, resolve_precision
+from .precision import base_dtype, resolve_precision, resolve_quantize
 from .lora_init import moves_w0
 from .quant import base_weight_bytes, quantize_loaded_linears
 from .shard_load import sharded_adapted_model
@@ -51,13 +51,14 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     if ranks.main:  # a GGUF source is converted into its cached folder once, by rank 0, while the others wait
         resolve_source(recipe.model.source)
     ranks.barrier()
+    precision, why = resolve_precision(recipe.train.precision, device)
+    recipe, quantize_why = _quantize_resolved(recipe, precision, device)
     strategy = _choose_strategy(recipe, ranks, device)
     sharded = ranks.world > 1 and strategy == "fsdp"
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model.source)
     train, val = _examples(recipe, tok, log)
-    precision, why = resolve_precision(recipe.train.precision, device)
     # loading's weight-sized temporaries (conversions, quantization) go back at once; the steps' memory is kept below
     allocator = return_freed_memory() if device == "cpu" else None
     if sharded and _loads_by_rows(recipe):  # each rank reads only its own rows of the base
@@ -78,7 +79,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log)
     log(f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
-    _describe_setup(log, recipe, model, precision, why, allocator, device, sharded)
+    _describe_setup(log, recipe, model, (precision, why), quantize_why, allocator, device, sharded)
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
     _warn_if_stop_untrained(log, recipe, model, tok)
     if found:
@@ -108,6 +109,15 @@ def _check_run_folder(recipe, out: Path, resume: bool, force: bool) -> list[Path
     if out.exists() and any(out.iterdir()) and not found and not force:
         raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
     return found
+
+
+def _quantize_resolved(recipe, precision: str, device: str):
+    """(the recipe with model.quantize auto replaced by the kind it picks here, why). The run folder's
+    recipe.yaml records that kind, which `merge --onto dequantized` reads."""
+    m = recipe.model
+    kind, why = resolve_quantize(m.quantize, precision, device, gguf_file(m.source) is not None,
+                                 moves_w0(recipe.lora.init_lora_weights))
+    return recipe.model_copy(update={"model": m.model_copy(update={"quantize": kind})}), why
 
 
 def _choose_strategy(recipe, ranks: Ranks, device: str) -> str:
@@ -169,10 +179,13 @@ def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, forc
     return found
 
 
-def _describe_setup(log, recipe, model, precision: str, why: str, allocator, device: str, sharded: bool) -> None:
-    m = recipe.model
+def _describe_setup(log, recipe, model, precision_why: tuple, quantize_why: str, allocator, device: str,
+                    sharded: bool) -> None:
+    m, (precision, why) = recipe.model, precision_why
     dtype = str(base_dtype(precision, torch_dtype(m.dtype))).removeprefix("torch.")
     log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or dtype}); precision {precision} ({why})")
+    if quantize_why.startswith("auto"):
+        log(f"model.quantize {m.quantize or 'null'} ({quantize_why})")
     if allocator:
         log(f"allocator: {allocator}")
     if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:

@@ -302,3 +302,15 @@ def test_auto_picks_bf16_only_with_native_instructions(monkeypatch):
     assert precision.resolve_precision("bf16-mixed", "cpu") == ("bf16-mixed", "set in the recipe")
     assert precision.base_dtype("bf16-mixed", torch.float32) == torch.bfloat16
     assert precision.base_dtype("fp32", torch.float32) == torch.float32
+
+
+def test_quantize_auto_keeps_a_gguf_bases_blocks_only_for_float32_on_the_cpu():
+    from lora_llama.precision import resolve_quantize
+
+    assert resolve_quantize("auto", "fp32", "cpu", gguf=True, base_moves=False)[0] == "source"
+    for precision, device, gguf, base_moves in [("bf16-mixed", "cpu", True, False), ("fp32", "cuda:0", True, False),
+                                                ("fp32", "cpu", False, False), ("fp32", "cpu", True, True)]:
+        kind, why = resolve_quantize("auto", precision, device, gguf, base_moves)
+        assert kind is None and why.startswith("auto: "), (precision, device, gguf, base_moves)
+    for setting in (None, "int8", "nf4", "source"):
+        assert resolve_quantize(setting, "fp32", "cpu", True, False) == (setting, "set in the recipe")

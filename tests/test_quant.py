@@ -303,6 +303,32 @@ def test_source_keeps_every_block_format_and_gives_the_dequantized_models_logits
         assert torch.equal(source(x), float_model(x))
 
 
+def test_quantize_auto_trains_the_files_blocks_in_fp32_as_the_same_model(mixed_gguf, tmp_path, capsys):
+    """The default recipe's `quantize: auto` on a GGUF base in fp32 on the CPU trains source: the run folder records
+    the kind (merge --onto dequantized reads it), and the eval loss before training equals the unquantized run's."""
+    import json
+
+    import yaml
+
+    from lora_llama.cli import main
+    from test_train import chat_file
+
+    data, losses, logs = chat_file(tmp_path / "d.jsonl"), {}, {}
+    for setting in ("auto", "null"):
+        out = tmp_path / setting
+        assert main(["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={mixed_gguf}",
+                     f"data.source={data}", f"output.dir={out}", f"model.quantize={setting}", "train.precision=fp32",
+                     "model.device=cpu", "train.max_steps=1", "train.batch_size=2", "data.val_size=0.25"]) == 0
+        logs[setting] = capsys.readouterr().out
+        losses[setting] = next(r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                               if r["step"] == 0)
+        kept = yaml.safe_load((out / "recipe.yaml").read_text())["model"]["quantize"]
+        assert kept == ("source" if setting == "auto" else None), kept
+    assert "model.quantize source (auto: float32 on the CPU" in logs["auto"]
+    assert "model.quantize" not in logs["null"]
+    assert losses["auto"] == losses["null"], losses
+
+
 def test_source_needs_a_gguf_base(tiny_ckpt):
     from lora_llama import UserError
 
