@@ -32,7 +32,7 @@ def test_int8_by_hand():
     assert torch.equal(dequantize_int8(q, scale), q.float() * scale[:, None])
 
 
-@pytest.mark.parametrize("shape", [(96, 128), (7, 40), (3, 5)])
+@pytest.mark.parametrize("shape", [(96, 128), (7, 40), (3, 5), (1, 50)])  # (1, 50): an odd count of bytes
 def test_nf4_equals_bitsandbytes(shape):
     bnb = pytest.importorskip("bitsandbytes.functional")
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 0.05
@@ -42,6 +42,9 @@ def test_nf4_equals_bitsandbytes(shape):
     assert torch.equal(codes.reshape(-1), packed.reshape(-1)) and torch.equal(absmax.reshape(-1), state.absmax)
     assert torch.equal(dequantize_nf4(codes, absmax, w.shape), bnb.dequantize_4bit(packed, state))
     assert torch.equal(dequantized(w, "nf4"), bnb.dequantize_4bit(packed, state))
+    shifted = torch.empty(codes.numel() + 1, dtype=torch.uint8)[1:]  # the same bytes at an odd offset
+    shifted.copy_(codes.reshape(-1))
+    assert torch.equal(dequantize_nf4(shifted, absmax, w.shape), bnb.dequantize_4bit(packed, state))
 
 
 def test_nf4_codebook_and_layout_by_hand():
