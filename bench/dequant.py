@@ -3,12 +3,13 @@ per format, against the product it serves.
 
 One 2048 -> 5632 weight (the 1.1B Llama's gate / up projection): int8 and nf4 (with and without double
 quantization) quantized from a random one, and each GGUF block format `quantize: source` keeps, as random blocks
-(K formats as random super-blocks of finite factors). For each, the median time of QuantizedLinear.dequantize
-into the compute dtype, and its share of one product x·Wᵀ at 128 and 2048 rows of tokens. On the CPU, under the
-malloc settings of a CPU training process (a float32 weight over 32 MB still gets its own mapping, faulted in
-afresh each time); with --device cuda, the eager and the compiled kernels of each format, and what a layer runs
-(the compiled one for the formats in quant.COMPILED_ON_CUDA). The last line is JSON, also appended to
-bench/results/dequant.jsonl.
+(K formats as random super-blocks of finite factors). For each, the median time of what a layer runs to get its
+weight in the compute dtype for a product, and its share of one product x·Wᵀ at 128 and 2048 rows of tokens,
+beside the eager kernels dequantizing the whole weight into fresh memory. On the CPU a layer writes the weight a
+few rows at a time into its thread's reusable buffer (QuantizedLinear.transient_weight), under the malloc settings
+of a CPU training process; with --device cuda it runs the compiled kernel for the formats in
+quant.COMPILED_ON_CUDA, and the compiled kernel of every format is timed too. The last line is JSON, also appended
+to bench/results/dequant.jsonl.
 """
 import argparse
 
@@ -54,17 +55,23 @@ def main():
     print(f"product x·Wᵀ in {a.dtype} on {dev}: " + ", ".join(f"{n} rows {ms:.2f} ms" for n, ms in product_ms.items()))
     layers = {name: layer.to(dev) for name, layer in quantized_layers(OUT, IN).items()}
     eager_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant.dequantize_codes)
-    compiled_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant._dequantize_compiled) if dev == "cuda" else {}
-    # what a layer runs: on CUDA, the compiled kernel for the formats in quant.COMPILED_ON_CUDA
-    dequant_ms = {name: compiled_ms[name] if layer.kind in quant.COMPILED_ON_CUDA and compiled_ms else eager_ms[name]
-                  for name, layer in layers.items()}
-    print(f"{'format':<10}{'dequantize ms':>14}{'eager':>8}{'compiled':>10}" + "".join(f"{f'/ {n}-row product':>18}" for n in ROWS))
+    if dev == "cuda":  # what a layer runs: the compiled kernel for the formats in quant.COMPILED_ON_CUDA
+        other = {"compiled_dequantize_ms": dequantize_ms(layers, dtype, dev, a.repeats, quant._dequantize_compiled)}
+        dequant_ms = {name: other["compiled_dequantize_ms"][name] if layer.kind in quant.COMPILED_ON_CUDA
+                      else eager_ms[name] for name, layer in layers.items()}
+    else:  # what a layer runs: the weight written a few rows at a time into the reusable buffer
+        other = {}
+        dequant_ms = {name: round(timed(lambda: layer.transient_weight(dtype), dev, a.repeats), 3)
+                      for name, layer in layers.items()}
+    label, other_ms = next(iter(other.items()), ("", {}))
+    print(f"{'format':<10}{'a layer ms':>12}{'whole eager':>13}{label.split('_')[0]:>10}"
+          + "".join(f"{f'/ {n}-row product':>18}" for n in ROWS))
     for kind, ms in dequant_ms.items():
-        print(f"{kind:<10}{ms:>14.3f}{eager_ms[kind]:>8.3f}{compiled_ms.get(kind, 0):>10.3f}"
+        print(f"{kind:<10}{ms:>12.3f}{eager_ms[kind]:>13.3f}{other_ms.get(kind, 0):>10.3f}"
               + "".join(f"{ms / product_ms[n]:>18.3f}" for n in ROWS))
     record("dequant", {"dtype": a.dtype, "device": dev, "shape": [OUT, IN],
                        "product_ms": {str(n): round(ms, 3) for n, ms in product_ms.items()}, "dequantize_ms": dequant_ms,
-                       **({"eager_dequantize_ms": eager_ms, "compiled_dequantize_ms": compiled_ms} if compiled_ms else {})})
+                       "eager_dequantize_ms": eager_ms, **other})
 
 
 if __name__ == "__main__":

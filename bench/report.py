@@ -138,11 +138,13 @@ def quant_rows(r: dict) -> list[tuple]:
 
 def dequant_rows(r: dict) -> list[tuple]:
     """Per format: the just-in-time dequantization of a 5632 x 2048 weight, and its share of the product it serves
-    (on a GPU, the eager and the compiled kernels' times beside what a layer runs)."""
+    (beside what a layer runs: on a GPU the eager and the compiled kernels' times, on the CPU the eager kernels'
+    into fresh memory)."""
     rows, eager, compiled = list(r["product_ms"]), r.get("eager_dequantize_ms"), r.get("compiled_dequantize_ms")
-    both = lambda kind: f" on {r['device']} (eager {eager[kind]:.2f} ms, compiled {compiled[kind]:.2f})" if eager else ""
+    both = lambda kind: (f" on {r['device']} (eager {eager[kind]:.2f} ms, compiled {compiled[kind]:.2f})" if compiled
+                         else f" (whole, into fresh memory: {eager[kind]:.1f} ms)" if eager else "")
     return [(f"dequantize a {r['shape'][0]} x {r['shape'][1]} {kind} weight into {r['dtype']}{both(kind)}",
-             f"{ms:.2f} ms" if eager else f"{ms:.1f} ms",
+             f"{ms:.2f} ms" if compiled else f"{ms:.1f} ms",
              ", ".join(f"{n}-row product {r['product_ms'][n]:.2f} ms" for n in rows),
              " / ".join(f"{ms / r['product_ms'][n]:.2f}" for n in rows)) for kind, ms in r["dequantize_ms"].items()]
 
