@@ -5,8 +5,8 @@ Dequantizing a whole weight at once allocates weight-sized temporaries (float32 
 for every product and frees them right after. glibc then either keeps them, pieces of several sizes fragmenting
 the heap a training step keeps (a 1.1B Llama on int8: 1.5 GB more resident after one step), or maps each afresh
 and faults in every page of it each time. One buffer that grows to the largest weight and stays, filled in
-chunks whose temporaries take about a megabyte (in cache, and from the heap's small blocks), does neither;
-small weights are dequantized whole.
+chunks whose temporaries take a few megabytes (from pieces of the heap that every chunk reuses), does neither;
+weights of one chunk or less are dequantized whole.
 """
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ from typing import Callable
 
 import torch
 
-CHUNK_WEIGHTS = 1 << 18  # weights a chunk: its float32 temporaries take 1 MB
-# A weight of at most this many is dequantized whole instead: its temporaries (4 MB in float32) come from the heap
-# without fragmenting it (SmolLM2-135M's weights, 3.5 MB, kept its peak at 0.95 of an unquantized run's), and a
-# chunked fill's extra pass would cost more than it saves (576 x 1536, 2-core AVX2 EPYC: int8 0.25 ms whole
-# against 0.55 filled, nf4 1.6 against 2.1).
+# weights a chunk: its float32 temporaries take 2 MB each. Smaller chunks pay each kernel's fixed cost more often
+# (5632 x 2048, 2-core AVX2 EPYC, float32, two runs: q4_K 45-46 ms in chunks of 2^18 weights, 36-37 of 2^19,
+# 32-34 of 2^20; q6_K 30-41 / 27-37 / 23-26; int8 8.3-8.6 / 7.2-8.3 / 7.1); chunks of 2^20 sometimes left 4-12 MB
+# more of the kept heap behind after a round of products
+CHUNK_WEIGHTS = 1 << 19
+# A weight of at most 2^20 weights is dequantized whole instead: its temporaries (4 MB in float32) come from the
+# heap without fragmenting it (SmolLM2-135M's weights, 3.5 MB, kept its peak at 0.95 of an unquantized run's),
+# and the fill's extra pass cost more than it saved (576 x 1536: int8 0.25 ms whole against 0.55 filled, nf4 1.6
+# against 2.1).
 WHOLE_WEIGHTS = 1 << 20
 _local = threading.local()
 
