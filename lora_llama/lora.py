@@ -291,8 +291,11 @@ def adapters_disabled(model):
 
 
 def parameter_summary(model) -> dict:
+    """Trainable and total parameters; a quantized linear's weight counts as its out x in parameters, as peft
+    counts a 4-bit weight, so a quantized base reports the model's size."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters()) + sum(
+        m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantizedLinear))
     return {"trainable": trainable, "total": total, "percent": round(100 * trainable / total, 4)}
 
 

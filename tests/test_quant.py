@@ -332,6 +332,14 @@ def test_quantize_auto_trains_the_files_blocks_in_fp32_as_the_same_model(mixed_g
     assert losses["auto"] == losses["null"], losses
 
 
+@pytest.mark.parametrize("kind", ["int8", "nf4", "source"])
+def test_a_quantized_base_counts_the_parameters_of_the_float_one(mixed_gguf, kind):
+    """The start-up line's "N parameters, M trainable (P%)": a quantized weight counts as out x in parameters."""
+    settings = LoraSettings(r=4, alpha=8, targets=ALL)
+    float_summary, summary = [apply_lora(load_model(mixed_gguf, quantize=q), settings) for q in (None, kind)]
+    assert summary == float_summary and summary["trainable"] > 0, (summary, float_summary)
+
+
 def test_source_needs_a_gguf_base(tiny_ckpt):
     from lora_llama import UserError
 
