@@ -6,7 +6,7 @@ for every product and frees them right after. glibc then either keeps them, piec
 the heap a training step keeps (a 1.1B Llama on int8: 1.5 GB more resident after one step), or maps each afresh
 and faults in every page of it each time. One buffer that grows to the largest weight and stays, filled in
 chunks whose temporaries take a few megabytes (from pieces of the heap that every chunk reuses), does neither;
-weights of one chunk or less are dequantized whole.
+weights of up to about a million weights are dequantized whole.
 """
 from __future__ import annotations
 
