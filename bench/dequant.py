@@ -56,22 +56,21 @@ def main():
     layers = {name: layer.to(dev) for name, layer in quantized_layers(OUT, IN).items()}
     eager_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant.dequantize_codes)
     if dev == "cuda":  # what a layer runs: the compiled kernel for the formats in quant.COMPILED_ON_CUDA
-        other = {"compiled_dequantize_ms": dequantize_ms(layers, dtype, dev, a.repeats, quant._dequantize_compiled)}
-        dequant_ms = {name: other["compiled_dequantize_ms"][name] if layer.kind in quant.COMPILED_ON_CUDA
-                      else eager_ms[name] for name, layer in layers.items()}
+        compiled_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant._dequantize_compiled)
+        dequant_ms = {name: compiled_ms[name] if layer.kind in quant.COMPILED_ON_CUDA else eager_ms[name]
+                      for name, layer in layers.items()}
     else:  # what a layer runs: the weight written a few rows at a time into the reusable buffer
-        other = {}
+        compiled_ms = {}
         dequant_ms = {name: round(timed(lambda: layer.transient_weight(dtype), dev, a.repeats), 3)
                       for name, layer in layers.items()}
-    label, other_ms = next(iter(other.items()), ("", {}))
-    print(f"{'format':<10}{'a layer ms':>12}{'whole eager':>13}{label.split('_')[0]:>10}"
+    print(f"{'format':<10}{'a layer ms':>12}{'whole eager':>13}{'compiled':>10}"
           + "".join(f"{f'/ {n}-row product':>18}" for n in ROWS))
     for kind, ms in dequant_ms.items():
-        print(f"{kind:<10}{ms:>12.3f}{eager_ms[kind]:>13.3f}{other_ms.get(kind, 0):>10.3f}"
+        print(f"{kind:<10}{ms:>12.3f}{eager_ms[kind]:>13.3f}{compiled_ms.get(kind, 0):>10.3f}"
               + "".join(f"{ms / product_ms[n]:>18.3f}" for n in ROWS))
     record("dequant", {"dtype": a.dtype, "device": dev, "shape": [OUT, IN],
                        "product_ms": {str(n): round(ms, 3) for n, ms in product_ms.items()}, "dequantize_ms": dequant_ms,
-                       "eager_dequantize_ms": eager_ms, **other})
+                       "eager_dequantize_ms": eager_ms, **({"compiled_dequantize_ms": compiled_ms} if compiled_ms else {})})
 
 
 if __name__ == "__main__":
