@@ -101,10 +101,11 @@ class _FrozenLinear(torch.autograd.Function):
 def run_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x), with a plain nn.Linear's products through `linear` when nothing needs its weights' gradients.
 
-    Layers with hooks, under autocast, or of other types (LoRA, quantized) are called as modules.
+    Layers with hooks, under autocast, inside a compiled region (inductor writes their backward) or of other
+    types (LoRA, quantized) are called as modules.
     """
     if (type(layer) is nn.Linear and not (layer._forward_hooks or layer._forward_pre_hooks)
-            and not torch.is_autocast_enabled(x.device.type)):
+            and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling()):
         if not torch.is_grad_enabled():
             return linear(x, layer.weight, layer.bias)
         if not layer.weight.requires_grad and (layer.bias is None or not layer.bias.requires_grad):

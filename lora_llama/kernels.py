@@ -66,6 +66,9 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # inside a compiled block inductor fuses the plain formula, both ways
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
     return _RMSNorm.apply(x, weight, eps)
 
 
@@ -100,6 +103,9 @@ class _Rope(torch.autograd.Function):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, heads, T, head_dim); cos/sin: (B, 1, T, head_dim)."""
+    if torch.compiler.is_compiling():
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
     return _Rope.apply(x, cos, sin)
 
 
@@ -124,6 +130,8 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g)·u; without a graph to record, in place on a fresh silu(g)."""
+    if torch.compiler.is_compiling():
+        return F.silu(g) * u
     return _SwiGLU.apply(g, u) if g.requires_grad or u.requires_grad else F.silu(g).mul_(u)
 
 
@@ -140,7 +148,7 @@ def recompute_when_saved(tensor: torch.Tensor, recompute, active: bool = True):
     For cheap tensors (a norm's output, the SwiGLU product) that LoRA-A layers save for their
     weight gradient: backward calls `recompute()` once, from inputs that are saved anyway.
     """
-    if not (active and torch.is_grad_enabled()):
+    if not (active and torch.is_grad_enabled()) or torch.compiler.is_compiling():  # compiled: the partitioner decides
         yield
         return
     storage, cache = tensor.untyped_storage().data_ptr(), {}
@@ -240,7 +248,9 @@ def project(x: torch.Tensor, layers) -> list[torch.Tensor]:
     them offer one; anything else (plain or quantised layers, dropout, autocast) runs layer by layer.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    nodes = [getattr(m, "low_rank_node", lambda _: None)(x2) for m in layers] if len(layers) > 1 else [None]
+    # compiled, each layer runs its plain formula and inductor writes the backward
+    fusable = len(layers) > 1 and not torch.compiler.is_compiling()
+    nodes = [getattr(m, "low_rank_node", lambda _: None)(x2) for m in layers] if fusable else [None]
     if all(n is not None for n in nodes):
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in low_rank_linears(x2, nodes)]
     return [run_linear(m, x) for m in layers]

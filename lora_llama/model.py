@@ -47,6 +47,11 @@ def offloaded(active: bool, device: torch.device):
     return contextlib.nullcontext()
 
 
+def kept(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """x (B, T, ...) at the flat positions keep (N,) of (B, T), as (N, ...); all of x when keep is None."""
+    return x if keep is None else x.flatten(0, 1).index_select(0, keep)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -97,7 +102,7 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, keep=None, segments=None):
-        """(B, T, dim), or (N, dim) at the positions where keep (B, T) is True (every position still attends).
+        """(B, T, dim), or (N, dim) at the flat positions keep (N,) of (B, T) (every position still attends).
         segments (B, T): packed rows, attending within their own example (with mask None)."""
         B, T, _ = x.shape
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))  # one autograd node when all three carry LoRA
@@ -113,7 +118,7 @@ class Attention(nn.Module):
         # mask None with T == 1: one query sees every key
         y = attend(q, k, v, mask, causal=mask is None and T > 1, segments=segments if T > 1 else None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
-        return run_linear(self.o_proj, y if keep is None else y[keep])
+        return run_linear(self.o_proj, kept(y, keep))
 
 
 class FeedForward(nn.Module):
@@ -140,10 +145,10 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache=None, lean: bool = False, keep=None, segments=None):
         """lean: keep the norms' outputs and the SwiGLU product as recipes for backward (training).
-        keep (B, T) bool: return only those positions, (N, dim); the others still serve as keys and values."""
+        keep (N,) flat positions of (B, T): return only those, (N, dim); the others still serve as keys and values."""
         h = self.input_layernorm(x)
         with recompute_when_saved(h, lambda x=x: self.input_layernorm(x), lean):  # x is saved by the norm anyway
-            x = (x if keep is None else x[keep]) + self.self_attn(h, cos, sin, mask, cache, keep, segments)
+            x = kept(x, keep) + self.self_attn(h, cos, sin, mask, cache, keep, segments)
         h = self.post_attention_layernorm(x)
         with recompute_when_saved(h, lambda x=x: self.post_attention_layernorm(x), lean):
             return x + self.mlp(h, lean)
@@ -193,7 +198,8 @@ class Llama(nn.Module):
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
     def hidden(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None, keep=None):
-        """Final normed hidden states (B, T, dim), or (N, dim) at the positions where keep (B, T) is True.
+        """Final normed hidden states (B, T, dim), or (N, dim) at the positions where keep (B, T) is True (or at
+        the flat positions keep (N,) of (B, T): no host sync on a GPU when they were computed before the batch moved).
 
         position_ids (B, T): defaults to 0..T-1 (after the cache's stored positions).
         segment_ids (B, T): for packed rows; tokens attend only within their segment.
@@ -202,6 +208,8 @@ class Llama(nn.Module):
         start = cache.pos if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        if keep is not None and keep.dtype == torch.bool:
+            keep = keep.flatten().nonzero().squeeze(1)  # flat positions: a compiled block sees no data-dependent shape
         x = self.model.embed_tokens(input_ids)  # (B, T, dim)
         cos, sin = self.rope(position_ids, x.dtype)
         mask = self.attention_mask(T, start, x.device, segment_ids, None if cache is None else cache.key_mask)

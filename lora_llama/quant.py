@@ -1,10 +1,6 @@
 """Frozen base linears held in 8 or 4 bits, weight-only: activations are never quantized.
 
-    int8  one scale per output row: scale = absmax(row) / 127, q = round(w / scale) in [-127, 127]
-    nf4   QLoRA's NormalFloat-4 codebook (bitsandbytes' 16 values), blocks of 64 consecutive weights in
-          row-major order with one float32 absmax each; two codes a byte, the first in the high nibble.
-          With double quantization the absmax values, less their mean, are stored in 8 bits (bitsandbytes'
-          dynamic map) in blocks of 256 with one float32 absmax each, as QLoRA does
+    int8, nf4  as bitsandbytes lays them out (quant_formats.py)
     source  a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), kept byte for byte as
           the file has them, in rows of blocks (gguf_blocks.py)
 
@@ -12,10 +8,13 @@ A `QuantizedLinear` keeps its codes and scales as plain buffers, so they move be
 safetensors and shard on dim 0 like any tensor. Its weight is dequantized just in time, in the input's
 dtype, for each product: in forward, and again in backward for the input gradient, so nothing but the input
 is saved for backward. On the CPU a big weight is written into one reusable buffer (workspace.py), so no
-product allocates weight-sized memory. The model is quantized while it loads, one shard at a time, so the
+product allocates weight-sized memory; on CUDA each weight is one kernel where one exists (bitsandbytes' own for
+nf4, compiled formulas for the K formats). Inside a torch.compile'd block the product is one opaque op. The model is quantized while it loads, one shard at a time, so the
 full-precision model never exists.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -25,17 +24,10 @@ from .config import DECODER_TARGETS, HF_NAME, QUANTIZE_KINDS
 from .errors import UserError
 from .gemm import copies_transposed, linear
 from .gguf_blocks import GGUF_FORMATS, dequantize_gguf
+from .quant_formats import (NF4_BLOCK, dequantize_absmax, dequantize_int8, dequantize_nf4, quantize_absmax,
+                            quantize_int8, quantize_nf4)
 
 DECODER_LINEARS = tuple(HF_NAME[t] for t in DECODER_TARGETS)  # q_proj ... down_proj
-INT8_MAX = 127
-NF4_BLOCK = 64
-# bitsandbytes' NF4 codebook (quantiles of N(0, 1), QLoRA), sorted
-NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-            0.7229568362236023, 1.0)
-
-
 REQUANTIZED = ("int8", "nf4")  # quantized from float weights while loading (source keeps a file's own blocks)
 LAYER_KINDS = (*REQUANTIZED, *GGUF_FORMATS)
 
@@ -43,122 +35,6 @@ LAYER_KINDS = (*REQUANTIZED, *GGUF_FORMATS)
 def check_kind(kind: str, kinds=QUANTIZE_KINDS) -> None:
     if kind not in kinds:
         raise UserError(f"unknown quantize {kind!r} (use {' or '.join(kinds)})")
-
-
-# ---------------------------------------------------------------------------- the formats
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 (out, in), scale float32 (out,)) with w ≈ q · scale per row."""
-    w = w.float()
-    scale = w.abs().amax(dim=1) / INT8_MAX
-    q = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    return q.to(torch.int8), scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """q · scale in float32, rounded once into dtype (a mixed int8·float32 multiply runs ~10x slower)."""
-    return q.to(torch.float32).mul_(scale[:, None]).to(dtype)
-
-
-def _blockwise_scaled(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values / their block's absmax clamped to [-1, 1], absmax per block) as bitsandbytes computes them: full
-    blocks multiplied by 1 / absmax, a last partial block divided by its absmax."""
-    full = flat.numel() // block * block
-    blocks = flat[:full].view(-1, block)
-    absmax = blocks.abs().amax(dim=1)
-    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1).view(-1)
-    if full < flat.numel():
-        last = flat[full:].abs().max().clamp(min=1e-38)
-        absmax, scaled = torch.cat([absmax, last[None]]), torch.cat([scaled, (flat[full:] / last).clamp_(-1, 1)])
-    return scaled, absmax
-
-
-def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8, absmax float32) as bitsandbytes' quantize_4bit(blocksize=64, quant_type="nf4") makes them:
-    rows of in/2 bytes and in/64 blocks when in is a multiple of 64 (so both shard on dim 0), else flat."""
-    flat = w.reshape(-1).float()
-    n = flat.numel()
-    scaled, absmax = _blockwise_scaled(flat, NF4_BLOCK)
-    scaled = torch.nn.functional.pad(scaled, (0, n % 2))  # two codes a byte
-    code = torch.tensor(NF4_CODE, device=w.device)
-    idx = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
-    packed = (idx[0::2] << 4) | idx[1::2]
-    if w.dim() == 2 and w.shape[1] % NF4_BLOCK == 0:
-        return packed.view(w.shape[0], -1), absmax.view(w.shape[0], -1)
-    return packed, absmax
-
-
-DOUBLE_QUANT_BLOCK = 256
-
-
-def dynamic_map() -> torch.Tensor:
-    """bitsandbytes' signed 8-bit dynamic map (`create_dynamic_map()`), computed as it computes it: 7 decades of
-    exponent, each with its share of linear fractions, plus 0 and 1, sorted."""
-    data = []
-    for i in range(7):
-        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
-        means = (bounds[:-1] + bounds[1:]) / 2.0
-        data += ((10 ** (-6 + i)) * means).tolist() + (-(10 ** (-6 + i)) * means).tolist()
-    return torch.tensor(sorted(data + [0, 1.0]), dtype=torch.float32)
-
-
-@fused.made_once
-def _dynamic_map_on(device: torch.device) -> torch.Tensor:
-    return dynamic_map().to(device)
-
-
-def quantize_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """nf4's double quantization: (codes uint8, second-level absmax float32, offset) of absmax - mean(absmax)."""
-    offset = absmax.mean()
-    scaled, absmax2 = _blockwise_scaled(absmax.reshape(-1) - offset, DOUBLE_QUANT_BLOCK)
-    code = dynamic_map().to(absmax.device)
-    codes = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
-    return codes.view(absmax.shape), absmax2, offset
-
-
-def dequantize_absmax(codes: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    values = _dynamic_map_on(codes.device)[codes.reshape(-1).long()]
-    values = torch.nn.functional.pad(values, (0, -values.numel() % DOUBLE_QUANT_BLOCK)).view(-1, DOUBLE_QUANT_BLOCK)
-    return (values * absmax2[:, None]).view(-1)[:codes.numel()].add_(offset).view(codes.shape)
-
-
-@fused.made_once
-@torch.no_grad()
-def _pair_table(device: torch.device) -> torch.Tensor:
-    """(256, 2): the two code values of every byte, so one lookup decodes a byte; made once per device."""
-    code = torch.tensor(NF4_CODE, device=device)
-    byte = torch.arange(256, device=device)
-    return torch.stack([code[byte >> 4], code[byte & 15]], dim=1)
-
-
-@fused.made_once
-@torch.no_grad()
-def _word_table(device: torch.device) -> torch.Tensor:
-    """(65536, 4): the four code values of every two bytes, at the bytes read as an int16 word plus 32768."""
-    word = torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16)
-    return _pair_table(device)[word.view(torch.uint8).view(-1, 2).int()].reshape(-1, 4)  # its bytes in memory order
-
-
-def _code_values(packed: torch.Tensor) -> torch.Tensor:
-    """(bytes x 2,) float32: the code values of packed nf4 bytes, in order. A lookup copies a row of the table, and
-    rows of four values a word cost the CPU 1.2-1.4x less than rows of two a byte; an odd count or start takes bytes."""
-    flat = packed.reshape(-1)
-    if flat.numel() % 2 or flat.storage_offset() % 2:
-        return torch.nn.functional.embedding(flat.int(), _pair_table(flat.device)).view(-1)
-    words = flat.view(torch.int16).int().add_(32768)
-    return torch.nn.functional.embedding(words, _word_table(flat.device)).view(-1)
-
-
-def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
-    values = _code_values(packed)
-    n = torch.Size(shape).numel()
-    if values.numel() % NF4_BLOCK == 0:
-        values = values.view(-1, NF4_BLOCK).mul_(absmax.reshape(-1, 1)).view(-1)
-    else:  # a last, partial block
-        values = torch.nn.functional.pad(values, (0, -values.numel() % NF4_BLOCK)).view(-1, NF4_BLOCK)
-        values = values.mul_(absmax.reshape(-1, 1)).view(-1)
-    return values[:n].view(shape).to(dtype)
 
 
 def dequantized(weight: torch.Tensor, kind: str, double_quant: bool = False) -> torch.Tensor:
@@ -233,8 +109,7 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The (out, in) weight in `dtype`, computed afresh."""
-        compiled = self.kind in COMPILED_ON_CUDA and self.codes.is_cuda and fused.compiling()
-        return (_dequantize_compiled if compiled else dequantize_codes)(*self.dequantize_args(dtype))
+        return dequantize_weight(self.dequantize_args(dtype))
 
     def dequantize_args(self, dtype: torch.dtype) -> tuple:
         """The arguments of `dequantize_codes` for this layer's weight in `dtype`."""
@@ -242,25 +117,14 @@ class QuantizedLinear(nn.Module):
                 getattr(self, "absmax2", None), getattr(self, "offset", None))
 
     def transient_weight(self, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
-        """The weight in `dtype` (or, for gy·W, its transpose) for one product. On the CPU it is written a few rows
-        at a time into this thread's reusable buffer (workspace.py), valid until the next transient weight, and a
-        transpose is written row-major where `linear` would copy it so. Elsewhere (a GPU's caching allocator reuses
-        memory itself), for small weights and for nf4 laid out flat, it is dequantize()'s fresh tensor."""
-        kind, codes, scales, shape, dtype, absmax2, offset = self.dequantize_args(dtype)
-        if codes.device.type != "cpu" or codes.dim() != 2 or torch.compiler.is_compiling() or \
-                shape[0] * shape[1] <= workspace.WHOLE_WEIGHTS:
-            w = self.dequantize(dtype)
-            return w.t() if transposed else w
-        if absmax2 is not None:  # one value a block of 64: small
-            scales = dequantize_absmax(scales, absmax2, offset)
-        rows = lambda r0, r1: dequantize_codes(kind, codes[r0:r1], scales[r0:r1], (r1 - r0, shape[1]), dtype)
-        row_major_t = transposed and copies_transposed(dtype, codes.device)
-        out = workspace.buffer(shape[::-1] if row_major_t else shape, dtype, codes.device)
-        workspace.fill_by_rows(out, rows, row_major_t)
-        return out.t() if transposed and not row_major_t else out
+        return transient_weight(self.dequantize_args(dtype), transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if torch.compiler.is_compiling():  # one opaque op in the graph: nothing weight-sized saved for backward
+            kind, codes, scales, _, _, absmax2, offset = self.dequantize_args(x.dtype)
+            return dequantized_linear(x, codes, scales, absmax2, offset, bias, kind, self.out_features,
+                                      self.in_features)
         return _QuantizedProduct.apply(x, self, bias)
 
     def extra_repr(self) -> str:
@@ -280,6 +144,84 @@ class _QuantizedProduct(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None
         return linear(grad, ctx.layer.transient_weight(grad.dtype, transposed=True)), None, None
+
+
+def dequantize_weight(args: tuple) -> torch.Tensor:
+    """The weight `dequantize_args` describes, computed afresh: on CUDA nf4 in bitsandbytes' one kernel (its own
+    format) where it is installed, the formats of COMPILED_ON_CUDA in one compiled kernel, the rest eager."""
+    kind, codes, scales, shape, dtype, absmax2, offset = args
+    if codes.is_cuda and kind == "nf4" and _bitsandbytes() is not None:
+        absmax = scales if absmax2 is None else dequantize_absmax(scales, absmax2, offset)
+        return nf4_by_bitsandbytes(codes, absmax, shape, dtype)
+    compiled = kind in COMPILED_ON_CUDA and codes.is_cuda and fused.compiling()
+    return (_dequantize_compiled if compiled else dequantize_codes)(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _bitsandbytes():
+    """bitsandbytes.functional, or None where it is not installed (imported once, on a GPU's first nf4 weight)."""
+    try:
+        import bitsandbytes.functional as bnb
+    except Exception:  # not installed, or no library for this CUDA: the eager formulas serve
+        return None
+    return bnb
+
+
+def nf4_by_bitsandbytes(codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_nf4 by bitsandbytes' own kernel, which reads the same bytes and absmax values (QLoRA's format)
+    and writes the weight in `dtype` in one pass, without float32 temporaries."""
+    out = torch.empty(shape, dtype=dtype, device=codes.device)
+    return _bitsandbytes().dequantize_4bit(codes.reshape(-1, 1), absmax=absmax.reshape(-1).float(), out=out,
+                                           blocksize=NF4_BLOCK, quant_type="nf4")
+
+
+def transient_weight(args: tuple, transposed: bool = False) -> torch.Tensor:
+    """The weight `dequantize_args` describes (or, for gy·W, its transpose) for one product. On the CPU it is written
+    a few rows at a time into this thread's reusable buffer (workspace.py), valid until the next transient weight,
+    and a transpose is written row-major where `linear` would copy it so. Elsewhere (a GPU's caching allocator
+    reuses memory itself), for small weights and for nf4 laid out flat, it is a fresh tensor."""
+    kind, codes, scales, shape, dtype, absmax2, offset = args
+    if codes.device.type != "cpu" or codes.dim() != 2 or torch.compiler.is_compiling() or \
+            shape[0] * shape[1] <= workspace.WHOLE_WEIGHTS:
+        w = dequantize_weight(args)
+        return w.t() if transposed else w
+    if absmax2 is not None:  # one value a block of 64: small
+        scales = dequantize_absmax(scales, absmax2, offset)
+    rows = lambda r0, r1: dequantize_codes(kind, codes[r0:r1], scales[r0:r1], (r1 - r0, shape[1]), dtype)
+    row_major_t = transposed and copies_transposed(dtype, codes.device)
+    out = workspace.buffer(shape[::-1] if row_major_t else shape, dtype, codes.device)
+    workspace.fill_by_rows(out, rows, row_major_t)
+    return out.t() if transposed and not row_major_t else out
+
+
+# _QuantizedProduct as an op that torch.compile keeps whole (an autograd Function holding a module would break the
+# graph; traced, the dequantized weight would be saved for backward, a weight-sized tensor per layer)
+@torch.library.custom_op("lora_llama::dequantized_linear", mutates_args=())
+def dequantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, absmax2: torch.Tensor | None,
+                       offset: torch.Tensor | None, bias: torch.Tensor | None, kind: str, out_features: int,
+                       in_features: int, transposed: bool = False) -> torch.Tensor:
+    """x·Wᵀ + b, or with `transposed` x·W (the input gradient), W dequantized for this product only."""
+    args = (kind, codes, scales, (out_features, in_features), x.dtype, absmax2, offset)
+    return linear(x, transient_weight(args, transposed), bias)
+
+
+@dequantized_linear.register_fake
+def _(x, codes, scales, absmax2, offset, bias, kind, out_features, in_features, transposed=False):
+    return x.new_empty((*x.shape[:-1], in_features if transposed else out_features))
+
+
+def _save_codes(ctx, inputs, output):
+    x, codes, scales, absmax2, offset, bias, kind, out_features, in_features, _ = inputs
+    ctx.save_for_backward(codes, scales, absmax2, offset)
+    ctx.layout = (kind, out_features, in_features)
+
+
+def _input_gradient(ctx, grad):
+    gx = dequantized_linear(grad, *ctx.saved_tensors, None, *ctx.layout, True) if ctx.needs_input_grad[0] else None
+    return gx, None, None, None, None, None, None, None, None, None
+
+
+dequantized_linear.register_autograd(_input_gradient, setup_context=_save_codes)
 
 
 def shardable(layer: QuantizedLinear) -> None:

@@ -24,7 +24,8 @@ from .files import CheckpointRows, read_config
 from .lora import apply_lora
 from .model import Llama
 from .gguf_blocks import GGUF_FORMATS, row_bytes
-from .quant import DECODER_LINEARS, NF4_BLOCK, QuantizedLinear, quantize_absmax, quantize_int8, quantize_nf4
+from .quant import DECODER_LINEARS, QuantizedLinear
+from .quant_formats import NF4_BLOCK, quantize_absmax, quantize_int8, quantize_nf4
 
 
 def sharded_adapted_model(source, lora, dtype, quantize: str | None, double_quant: bool, device, ranks,

@@ -10,8 +10,9 @@ from helpers import ROOT, hf_model, peak_growth, sharded_checkpoint
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.lora import lora_modules
 from lora_llama.loss import target_loss
-from lora_llama.quant import (NF4_CODE, QuantizedLinear, base_weight_bytes, dequantize_int8, dequantize_nf4,
-                              dequantized, quantize_absmax, quantize_int8, quantize_nf4)
+from lora_llama.quant import QuantizedLinear, base_weight_bytes, dequantized
+from lora_llama.quant_formats import (NF4_CODE, dequantize_int8, dequantize_nf4, quantize_absmax, quantize_int8,
+                                      quantize_nf4)
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -351,7 +352,7 @@ def test_nf4_double_quant_against_bitsandbytes():
     """The absmax values, less their mean, in bitsandbytes' 8-bit dynamic map over blocks of 256: the same offset and
     second-level absmax; each code the map's nearest value (bitsandbytes' CPU kernel picks a neighbour for ~0.2%)."""
     bnb = pytest.importorskip("bitsandbytes.functional")
-    from lora_llama.quant import dynamic_map
+    from lora_llama.quant_formats import dynamic_map
 
     assert torch.equal(dynamic_map(), bnb.create_dynamic_map())
     w = torch.randn(300, 512, generator=torch.Generator().manual_seed(3)) * 0.05  # 2400 blocks: 9 of 256 and a rest
