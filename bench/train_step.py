@@ -121,8 +121,7 @@ def build(kind: str, ckpt: str, opts):
         apply_lora(model, LoraSettings(r=16, alpha=32, targets=opts.targets.split(",")))
         model.gradient_checkpointing = opts.checkpointing
         if opts.compile:  # what `train.compile: true` does; its cost shows in the first step
-            for layer in model.model.layers:
-                layer.compile()
+            model.compile_blocks()
         model.train()
 
         def loss_fn(ids, labels):

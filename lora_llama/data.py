@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from .errors import UserError
-from .loss import IGNORE_INDEX, target_mask
+from .loss import IGNORE_INDEX
 from .registry import REGISTERED_DATA, is_hub_id, registered_data_dir
 from .tokens import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
 
@@ -238,11 +238,6 @@ def collate(examples: list[dict], pad_id: int):
         batch["position_ids"] = pad("position_ids", 0)
         batch["segment_ids"] = pad("segment_ids", -1)
     return batch
-
-
-def count_targets(batch) -> int:
-    """Targets the loss will see (labels shifted by one, padding and prompt excluded)."""
-    return int(target_mask(batch["labels"], batch.get("segment_ids")).sum())
 
 
 def split(records, val_size: float, seed: int):

@@ -156,22 +156,29 @@ def whole(module: nn.Module):
 
 
 def target_mask(labels: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, T-1) bool: which of labels[:, 1:] the loss takes (the one definition; data.count_targets uses it too)."""
+    """(B, T-1) bool: which of labels[:, 1:] the loss takes (the one definition)."""
     keep = labels[:, 1:] != IGNORE_INDEX
     if segment_ids is not None:  # a packed row: the last token of one example does not predict the next
         keep &= segment_ids[:, 1:] == segment_ids[:, :-1]
     return keep
 
 
-def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None):
-    """(summed loss, number of targets): position t predicts labels[t + 1]; -100 is ignored.
+def where_targets(labels: torch.Tensor, segment_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """{"targets": the target ids (N,), "predicting": the flat positions of (B, T) whose outputs predict them (N,)}.
+    Taken where a batch is built, on the host, they let a GPU step run without waiting to learn N."""
+    keep = target_mask(labels, segment_ids)
+    return {"targets": labels[:, 1:][keep], "predicting": F.pad(keep, (0, 1)).flatten().nonzero().squeeze(1)}
+
+
+def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None, targets=None, predicting=None):
+    """(summed loss, number of targets): position t predicts labels[t + 1]; -100 is ignored. targets and
+    predicting: `where_targets(labels, segment_ids)`, when the batch carries them.
 
     Returning the sum lets gradient accumulation divide by the target count of the
     whole accumulated batch instead of averaging per-micro-batch means.
     """
-    keep = target_mask(labels, segment_ids)
-    targets = labels[:, 1:][keep]  # (N,)
-    predicting = F.pad(keep, (0, 1))  # (B, T): the positions whose output predicts a target
+    if targets is None:
+        targets, predicting = where_targets(labels, segment_ids).values()
     h = model(input_ids, position_ids, segment_ids, keep=predicting, hidden_only=True)  # (N, dim)
     n = targets.numel()
     with whole(model.lm_head):  # on every rank, targets or not: gathering is a collective

@@ -171,6 +171,7 @@ class Llama(nn.Module):
         self.gradient_checkpointing = False  # True / "block", or "selective" (attention's outputs kept)
         self.offload_activations = False  # CUDA: saved activations in pinned host memory until backward
         self._rope: dict = {}  # device -> inv_freq, built once per device
+        self._compiled_blocks: list | None = None  # set by compile_blocks
         # where the weights came from (set by load_model): adapters record `source` as their base,
         # a merge of quantised layers re-reads the original weights from `folder`
         self.source: str | None = None
@@ -215,7 +216,9 @@ class Llama(nn.Module):
         mask = self.attention_mask(T, start, x.device, segment_ids, None if cache is None else cache.key_mask)
         segments = segment_ids if mask is None else None  # packed rows attend runs without a mask
         last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
+        # decoding keeps eager blocks: the cache's growing length would make every token a new graph
+        blocks = self._compiled_blocks if self._compiled_blocks and cache is None else self.model.layers
+        for i, layer in enumerate(blocks):
             # the last block's output projection and MLP run at the kept positions only (a loss's targets)
             rows = keep if i == last else None
             with offloaded(self.offload_activations and self.training, x.device):
@@ -229,6 +232,12 @@ class Llama(nn.Module):
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)
+
+    def compile_blocks(self, **options) -> None:
+        """Run each decoder block through torch.compile(**options) in passes without a KV cache (training, eval):
+        one graph per block with its elementwise work fused and its backward written by inductor; every block
+        shares the graphs of the first (parameters are graph inputs)."""
+        self._compiled_blocks = [torch.compile(layer, **options) for layer in self.model.layers]
 
     def attention_mask(self, T: int, start: int, device, segment_ids=None, key_mask=None):
         """Which keys each query sees: None for plain causal attention, for packed rows on the CPU

@@ -11,9 +11,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .data import EMPTY_EXAMPLE, collate, count_targets
+from .data import EMPTY_EXAMPLE, collate
 from .lora import adapters_disabled
-from .loss import target_loss, target_mask, token_logps
+from .loss import target_loss, target_mask, token_logps, where_targets
 from .pairs import EMPTY_PAIR, collate_pairs
 
 # what preference objectives log, summed over pairs then averaged (trl's names)
@@ -44,13 +44,14 @@ class SFT(Objective):
     name, empty, stat_names, n_counts = "sft", EMPTY_EXAMPLE, (), 1
 
     def collate(self, examples: list[dict], pad_id: int) -> dict:
-        return collate(examples, pad_id)
+        batch = collate(examples, pad_id)
+        return {**batch, **where_targets(batch["labels"], batch.get("segment_ids"))}
 
     def length(self, example: dict) -> int:
         return len(example["input_ids"])
 
     def counts(self, batch: dict) -> list[int]:
-        return [count_targets(batch)]
+        return [batch["targets"].numel()]
 
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
         return [target_loss(model, **batch)[0]], {}

@@ -1,6 +1,6 @@
 """Which precision a run trains in: `fp32`, or `bf16-mixed` (frozen base weights, activations and products in
 bfloat16 with float32 accumulation; norms, softmax and the loss in float32; LoRA A/B and the optimizer state in
-float32), and what `auto` picks on this machine, for the precision and for `model.quantize`.
+float32), and what `auto` picks on this machine, for the precision, `model.quantize` and `train.compile`.
 """
 from __future__ import annotations
 
@@ -59,3 +59,17 @@ def resolve_quantize(setting: str | None, precision: str, device: str, gguf: boo
     if precision != "fp32" or device != "cpu":
         return None, f"auto: {precision} on {device}; the file's blocks train faster only in float32 on the CPU"
     return "source", "auto: float32 on the CPU trains the file's own blocks faster than their float32 copy"
+
+
+def resolve_compile(setting: bool | str, device: str, sharded: bool) -> tuple[bool, str]:
+    """(compile the decoder blocks?, why). `auto` compiles on a GPU, where a small model's eager step waits on the
+    host's kernel launches and a large one's on unfused elementwise passes: a compiled block is one graph with its
+    norms, RoPE, SwiGLU and LoRA terms fused (its first step compiles, seconds to minutes). The CPU keeps its
+    hand-written kernels, which save less for backward; fsdp's sharded blocks stay eager."""
+    if setting != "auto":
+        return bool(setting), "set in the recipe"
+    if not device.startswith("cuda"):
+        return False, f"auto: {device} runs the hand-written kernels"
+    if sharded:
+        return False, "auto: fsdp's sharded blocks run eager"
+    return True, "auto: each decoder block one compiled graph on the GPU"

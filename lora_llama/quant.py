@@ -9,8 +9,8 @@ safetensors and shard on dim 0 like any tensor. Its weight is dequantized just i
 dtype, for each product: in forward, and again in backward for the input gradient, so nothing but the input
 is saved for backward. On the CPU a big weight is written into one reusable buffer (workspace.py), so no
 product allocates weight-sized memory; on CUDA each weight is one kernel where one exists (bitsandbytes' own for
-nf4, compiled formulas for the K formats). Inside a torch.compile'd block the product is one opaque op. The model is quantized while it loads, one shard at a time, so the
-full-precision model never exists.
+nf4, compiled formulas for the K formats). Inside a torch.compile'd block the product is one opaque op. The
+model is quantized while it loads, one shard at a time, so the full-precision model never exists.
 """
 from __future__ import annotations
 
@@ -159,20 +159,20 @@ def dequantize_weight(args: tuple) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _bitsandbytes():
-    """bitsandbytes.functional, or None where it is not installed (imported once, on a GPU's first nf4 weight)."""
+    """bitsandbytes' dequantize_4bit op, or None where it is not installed or too old to register its ops with
+    torch (< 0.46); imported once, on a GPU's first nf4 weight."""
     try:
-        import bitsandbytes.functional as bnb
-    except Exception:  # not installed, or no library for this CUDA: the eager formulas serve
+        import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+
+        return torch.ops.bitsandbytes.dequantize_4bit.default
+    except Exception:  # not installed, no library for this CUDA, or no such op: the eager formulas serve
         return None
-    return bnb
 
 
 def nf4_by_bitsandbytes(codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     """dequantize_nf4 by bitsandbytes' own kernel, which reads the same bytes and absmax values (QLoRA's format)
     and writes the weight in `dtype` in one pass, without float32 temporaries."""
-    out = torch.empty(shape, dtype=dtype, device=codes.device)
-    return _bitsandbytes().dequantize_4bit(codes.reshape(-1, 1), absmax=absmax.reshape(-1).float(), out=out,
-                                           blocksize=NF4_BLOCK, quant_type="nf4")
+    return _bitsandbytes()(codes.reshape(-1, 1), absmax.reshape(-1).float(), NF4_BLOCK, "nf4", list(shape), dtype)
 
 
 def transient_weight(args: tuple, transposed: bool = False) -> torch.Tensor:

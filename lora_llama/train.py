@@ -23,7 +23,7 @@ from .hub import push, resolve_token
 from .lora import apply_lora
 from .pairs import build_pairs
 from .prompts import build_prompts
-from .precision import base_dtype, resolve_precision, resolve_quantize
+from .precision import base_dtype, resolve_compile, resolve_precision, resolve_quantize
 from .lora_init import moves_w0
 from .quant import base_weight_bytes, quantize_loaded_linears
 from .shard_load import sharded_adapted_model
@@ -55,6 +55,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     recipe, quantize_why = _quantize_resolved(recipe, precision, device)
     strategy = _choose_strategy(recipe, ranks, device)
     sharded = ranks.world > 1 and strategy == "fsdp"
+    recipe, compile_why = _compile_resolved(recipe, device, sharded)
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model.source)
@@ -79,7 +80,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log)
     log(f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
-    _describe_setup(log, recipe, model, (precision, why), quantize_why, allocator, device, sharded)
+    _describe_setup(log, recipe, model, (precision, why), {"model.quantize": quantize_why, "train.compile": compile_why},
+                    allocator, device, sharded)
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
     _warn_if_stop_untrained(log, recipe, model, tok)
     if found:
@@ -118,6 +120,12 @@ def _quantize_resolved(recipe, precision: str, device: str):
     kind, why = resolve_quantize(m.quantize, precision, device, gguf_file(m.source) is not None,
                                  moves_w0(recipe.lora.init_lora_weights))
     return recipe.model_copy(update={"model": m.model_copy(update={"quantize": kind})}), why
+
+
+def _compile_resolved(recipe, device: str, sharded: bool):
+    """(the recipe with train.compile auto replaced by what it picks here, why)."""
+    on, why = resolve_compile(recipe.train.compile, device, sharded)
+    return recipe.model_copy(update={"train": recipe.train.model_copy(update={"compile": on})}), why
 
 
 def _choose_strategy(recipe, ranks: Ranks, device: str) -> str:
@@ -159,9 +167,8 @@ def _loads_by_rows(recipe) -> bool:
 def _set_model_options(model, recipe) -> None:
     model.gradient_checkpointing = recipe.train.gradient_checkpointing
     model.offload_activations = recipe.train.offload_activations
-    if recipe.train.compile:
-        for layer in model.model.layers:
-            layer.compile()
+    if recipe.train.compile:  # resolved by _train: auto is true or false by now
+        model.compile_blocks()
 
 
 def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, force: bool, ranks: Ranks) -> list[Path]:
@@ -179,13 +186,16 @@ def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, forc
     return found
 
 
-def _describe_setup(log, recipe, model, precision_why: tuple, quantize_why: str, allocator, device: str,
+def _describe_setup(log, recipe, model, precision_why: tuple, reasons: dict[str, str], allocator, device: str,
                     sharded: bool) -> None:
+    """reasons: why each setting named (model.quantize, train.compile) has its value; those `auto` picked are said."""
     m, (precision, why) = recipe.model, precision_why
     dtype = str(base_dtype(precision, torch_dtype(m.dtype))).removeprefix("torch.")
     log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or dtype}); precision {precision} ({why})")
-    if quantize_why.startswith("auto"):
-        log(f"model.quantize {m.quantize or 'null'} ({quantize_why})")
+    values = {"model.quantize": m.quantize or "null", "train.compile": str(recipe.train.compile).lower()}
+    for key, reason in reasons.items():
+        if reason.startswith("auto"):
+            log(f"{key} {values[key]} ({reason})")
     if allocator:
         log(f"allocator: {allocator}")
     if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:

@@ -54,7 +54,7 @@ class Trainer:
     # ---------------------------------------------------------------- data order
 
     def micro_batch(self, index: int) -> dict | None:
-        """This rank's share of the index-th global micro-batch: a fresh seeded shuffle each epoch, so a
+        """This rank's share of the index-th global micro-batch, on the host: a fresh seeded shuffle each epoch, so a
         position is all resume needs, and the order is the one-process order whatever the number of ranks.
         None when the last micro-batch of an epoch leaves this rank nothing."""
         bs = self.recipe.train.batch_size
@@ -64,7 +64,7 @@ class Trainer:
         chosen = [self.train_examples[j] for j in self.ranks.share(order[i * glob:(i + 1) * glob].tolist(), bs)]
         if not chosen and self.sharded:  # fsdp's gathers are collectives: every rank runs every micro-batch
             chosen = [self.objective.empty]
-        return _to(self.objective.collate(chosen, self.pad_id), self.device) if chosen else None
+        return self.objective.collate(chosen, self.pad_id) if chosen else None  # on the host: counted there
 
     # ---------------------------------------------------------------- one optimiser step
 
@@ -77,20 +77,19 @@ class Trainer:
         batches = [b for b in (self.micro_batch(data_step * ga + k) for k in range(ga)) if b is not None]
         batches = obj.prepare(self.model, batches, self.step, self.ranks)
         local_tokens = sum(int(b["input_ids"].numel()) for b in batches)
-        counts = [obj.counts(b) for b in batches]
+        counts = [obj.counts(b) for b in batches]  # before the batches move: counting on a GPU would wait for it
         *totals, tokens = self.ranks.sum([sum(c[i] for c in counts) for i in range(obj.n_counts)] + [local_tokens])
-        local_loss, bad, stats = 0.0, None, dict.fromkeys(obj.stat_names, 0.0)
+        losses, stats = [], dict.fromkeys(obj.stat_names, 0.0)
         for batch in batches:
-            terms, batch_stats = obj.terms(self.model, batch)
+            terms, batch_stats = obj.terms(self.model, _to(batch, self.device))
             loss = sum(t / max(n, 1) for t, n in zip(terms, totals))
-            if not torch.isfinite(loss):
-                bad = float(loss.detach())
-                break
             loss.backward()
-            local_loss += float(loss.detach())
+            losses.append(loss.detach())
             stats = {k: stats[k] + batch_stats[k] for k in stats}
-        if self.ranks.any(bad is not None):  # every rank stops before the update, together
-            raise UserError(f"non-finite loss ({bad if bad is not None else 'on another rank'}) at step {self.step + 1}; "
+        local_loss = float(torch.stack(losses).sum()) if losses else 0.0  # the step's one wait for the device
+        bad = not math.isfinite(local_loss)
+        if self.ranks.any(bad):  # every rank stops before the update, together
+            raise UserError(f"non-finite loss ({local_loss if bad else 'on another rank'}) at step {self.step + 1}; "
                             f"stopped before the update. The last good checkpoint is kept in {self.out / 'checkpoints'}")
         self.ranks.sum_gradients(replicated(self.params) if self.sharded else self.params)  # fsdp reduces its own
         if self.sharded:

@@ -199,8 +199,7 @@ def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, vari
         model.gradient_checkpointing = on and variant in ("checkpointing", "offload")
         model.offload_activations = on and variant == "offload"
         if on and variant == "compile":
-            for layer in model.model.layers:
-                layer.compile()
+            model.compile_blocks()
         model.train()
         loss, n = target_loss(model, ids(), ids())
         (loss / n).backward()

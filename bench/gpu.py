@@ -1,0 +1,335 @@
+"""One GPU, one call: the LoRA / QLoRA training step of lora-llama against transformers+peft (SDPA) and
+transformers+peft with liger-kernel's Llama kernels, at the sizes people fine-tune on one GPU.
+
+Random Llama-shaped models in bf16 (each written once as an HF folder), rows of `seq` tokens every one a target,
+LoRA r=16 alpha=32 dropout 0 on all seven linears, AdamW, no activation checkpointing:
+
+    8b       Llama-3.1-8B shapes, 2 x 2048, bf16 base
+    8b-nf4   the same on an nf4 base; the peer is peft on bitsandbytes' 4-bit nf4 (bf16 compute)
+    1b       Llama-3.2-1B shapes, 8 x 2048
+    135m     SmolLM2-135M shapes, 4 x 512
+
+lora-llama runs through `lora-llama train` on a recipe (bf16-mixed, train.compile auto); its tokens/s is the median of
+the logged steps after the warm-up ones (the first compiles). The peers run a plain loop (autocast bf16, fused
+AdamW), their fastest form. Every run is a process of its own, so each peak of GPU memory
+(torch.cuda.max_memory_allocated) is that run's alone. MFU = model FLOPs a step / step time / the bf16 matmul peak
+measured first on the same GPU, where model FLOPs count the forward and the input gradient of every frozen linear
+and of lm_head (4 x tokens x parameters) and causal attention forward and backward (3 x 2 x B x layers x heads x
+T^2 x head_dim); the LoRA products are left out (under 1%).
+
+Each run appends one JSON line to bench/results/gpu.jsonl, and to `--out` (default $OUT, the device tool's folder
+that comes back) as it ends, so a call cut short keeps what finished; a summary line per configuration gives the
+ratios. `bench/gpu_wheels.sh` fetches the wheels a bare GPU image lacks; docs/performance.md shows the command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import ROOT, record, scratch_dir
+
+LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                  rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+LLAMA32_1B = dict(LLAMA31_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                  tie_word_embeddings=True,
+                  rope_scaling=dict(LLAMA31_8B["rope_scaling"], factor=32.0))
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+# name: (model shapes, batch, seq, quantize, seconds a run may take: load, compile and steps)
+# a smoke test of the bench itself on the CPU (`--device cpu --configs tiny`), not a measurement
+TINY = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+CONFIGS = {"8b": (LLAMA31_8B, 2, 2048, None, 170), "8b-nf4": (LLAMA31_8B, 2, 2048, "nf4", 170),
+           "1b": (LLAMA32_1B, 8, 2048, None, 100), "135m": (SMOLLM2_135M, 4, 512, None, 80),
+           "tiny": (TINY, 2, 64, None, 300), "tiny-nf4": (TINY, 2, 64, "nf4", 300)}
+MODEL_OF = {c: c.removesuffix("-nf4") for c in CONFIGS}  # configurations sharing one random model
+PEERS = ("transformers+peft", "transformers+peft+liger")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# ---------------------------------------------------------------------------- the inputs
+
+
+def random_model(folder: Path, shapes: dict, device: str) -> Path:
+    """A random bf16 LlamaForCausalLM (std 0.02, norms 1) written as an HF folder in 5 GB shards, made on the GPU
+    tensor by tensor (an 8B model in seconds, never whole in host memory twice), with a small byte-level BPE
+    tokenizer whose ids fit the vocabulary."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers import make_tokenizer
+
+    config = LlamaConfig(**shapes)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    shard, size, index = {}, 0, {}
+    g = torch.Generator(device).manual_seed(0)
+    names = [n for n in skeleton.state_dict() if not (shapes.get("tie_word_embeddings") and n == "lm_head.weight")]
+    for i, name in enumerate(names):
+        shape = skeleton.get_parameter(name).shape
+        t = torch.ones(shape, device=device) if name.endswith("norm.weight") else \
+            torch.randn(shape, device=device, generator=g).mul_(0.02)
+        shard[name] = t.to(torch.bfloat16).cpu()
+        size += shard[name].numel() * 2
+        if size > 5e9 or i == len(names) - 1:  # a shard written as soon as it is full
+            file = f"model-{len(set(index.values())) + 1:05d}.safetensors"
+            save_file(shard, folder / file, metadata={"format": "pt"})
+            index.update(dict.fromkeys(shard, file))
+            shard, size = {}, 0
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    config.save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def documents(path: Path, folder: Path, rows: int, seq: int) -> list[list[int]]:
+    """`rows` documents of random words, each longer than `seq` tokens, as a JSONL `text` file for lora-llama; and the
+    first `seq` token ids of each (BOS first, as lora-llama's text rows begin) for the peers."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    rng = random.Random(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "paris", "question", "world", "fine"]
+    texts, ids = [], []
+    for _ in range(rows):
+        text = " ".join(rng.choice(words) for _ in range(seq * 2))
+        texts.append(text)
+        row = tok(text)["input_ids"]
+        ids.append(([tok.bos_token_id] if tok.bos_token_id is not None and row[0] != tok.bos_token_id else []) + row)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return [row[:seq] for row in ids]
+
+
+def model_flops(shapes: dict, batch: int, seq: int) -> float:
+    """FLOPs of a step's model work: forward and input gradient of the frozen linears and lm_head, causal attention
+    forward and backward."""
+    dim, layers, heads = shapes["hidden_size"], shapes["num_hidden_layers"], shapes["num_attention_heads"]
+    head_dim = shapes.get("head_dim") or dim // heads
+    kv = shapes["num_key_value_heads"] * head_dim
+    linears = layers * (dim * heads * head_dim * 2 + 2 * dim * kv + 3 * dim * shapes["intermediate_size"])
+    tokens = batch * seq
+    attention = 3 * 2 * batch * layers * heads * seq * seq * head_dim  # causal: half of QKᵀ and PV's 4·T²·d
+    return 4 * tokens * (linears + dim * shapes["vocab_size"]) + attention
+
+
+# ---------------------------------------------------------------------------- the workers (one process each)
+
+
+def matmul_peak(device: str) -> dict:
+    """bf16 TFLOP/s of an n x n x n product on random data (n = 8192 on a GPU): the mean of 20 after 5 warm-ups."""
+    import torch
+
+    n = 8192 if device == "cuda" else 512
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(5):
+        a @ b
+    synchronize(device)
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    synchronize(device)
+    seconds = (time.perf_counter() - t) / 20
+    return {"matmul_tflops": 2 * n ** 3 / seconds / 1e12,
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else "none (CPU smoke test)"}
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_mb(device: str) -> float:
+    """The run's peak of GPU memory allocated by torch (on the CPU smoke test, the process's resident peak)."""
+    import torch
+
+    from bench.common import status_mb
+
+    return torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else status_mb("VmHWM")
+
+
+def peer(folder: str, rows_file: str, batch: int, quantize: str | None, liger: bool, steps: int, warmup: int,
+         device: str) -> dict:
+    """transformers+peft (optionally with liger-kernel's Llama kernels; on an nf4 base, bitsandbytes' 4-bit layers)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()  # RoPE, RMSNorm, SwiGLU, fused linear cross-entropy
+    extra = {}
+    if quantize == "nf4":
+        extra["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                          bnb_4bit_compute_dtype=torch.bfloat16)
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                             device_map=device, **extra)
+    if quantize == "nf4":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # as lora-llama: none
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    rows = torch.tensor(json.loads(Path(rows_file).read_text()), device=device)
+    reset_peak(device)
+    times = []
+    for i in range(warmup + steps):
+        ids = rows[(i * batch) % len(rows):][:batch]
+        synchronize(device)
+        t = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times[warmup:])
+    return {"step_s": step_s, "first_step_s": times[0], "tokens_per_s": batch * rows.shape[1] / step_s,
+            "gpu_peak_mb": peak_mb(device)}
+
+
+def ours(folder: str, data: str, out: str, batch: int, seq: int, quantize: str | None, steps: int, warmup: int,
+         device: str) -> dict:
+    """`lora-llama train` (this process runs the CLI's main) on a recipe of the same settings."""
+    from lora_llama.cli import main
+
+    args = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={folder}", f"model.device={device}",
+            f"model.quantize={quantize or 'null'}", f"data.source={data}", "data.format=text", f"data.max_seq_len={seq}",
+            "data.val_size=0", "data.packing=false", f"train.batch_size={batch}", "train.grad_accum=1",
+            f"train.max_steps={warmup + steps}", "train.epochs=null", "train.precision=bf16-mixed",
+            "train.compile=auto", "train.eval_every=100000", "train.save_every=100000", "train.log_every=1",
+            "lora.r=16", "lora.alpha=32", "lora.dropout=0.0", "lora.targets=[q,k,v,o,gate,up,down]",
+            f"output.dir={out}", "--force"]
+    reset_peak(device)
+    code = main(args)
+    if code:
+        raise SystemExit(f"lora-llama train exited {code}")
+    logged = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in logged if "tokens_per_s" in r]
+    first = rates[0]
+    rate = statistics.median(rates[warmup:])
+    return {"step_s": batch * seq / rate, "first_step_s": batch * seq / first, "tokens_per_s": rate,
+            "gpu_peak_mb": peak_mb(device)}
+
+
+# ---------------------------------------------------------------------------- the driver
+
+
+def run_worker(kind: str, timeout: float, **kw) -> dict:
+    cmd = [sys.executable, "-m", "bench.gpu", "--worker", kind, "--kw", json.dumps(kw)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {timeout:.0f} s"}
+    if r.returncode:
+        lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+        return {"error": " | ".join(lines[-3:])[-600:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def emit(out: Path | None, figures: dict, smoke: bool) -> None:
+    """bench/results/gpu.jsonl (record; not for a smoke test), and the same line into `out` at once."""
+    if smoke:
+        line = figures
+        print(json.dumps(line), flush=True)
+    else:
+        line = record("gpu", figures)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "gpu.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def summary(config: str, runs: dict, peak_tflops: float, flops: float) -> dict:
+    ours_run = runs.get("lora-llama", {})
+    s = {"kind": "summary", "config": config}
+    if "tokens_per_s" in ours_run:
+        s["mfu"] = round(flops / ours_run["step_s"] / (peak_tflops * 1e12), 3)
+    for name, r in runs.items():
+        if name != "lora-llama" and "tokens_per_s" in r and "tokens_per_s" in ours_run:
+            s[f"tokens_per_s_vs_{name}"] = round(ours_run["tokens_per_s"] / r["tokens_per_s"], 3)
+            s[f"gpu_peak_vs_{name}"] = round(ours_run["gpu_peak_mb"] / r["gpu_peak_mb"], 3)
+    return s
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="8b,8b-nf4,1b,135m", help=f"comma-separated, in order; of {', '.join(CONFIGS)}")
+    ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated; '' for lora-llama alone")
+    ap.add_argument("--steps", type=int, default=6, help="measured steps a run")
+    ap.add_argument("--warmup", type=int, default=3, help="steps before them (lora-llama's first compiles)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="a folder that also gets each line (default: $OUT)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the bench itself")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--kw", help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def main():
+    a = parse_args()
+    if a.worker:
+        fn = {"peak": matmul_peak, "peer": peer, "ours": ours}[a.worker]
+        print(json.dumps(fn(**json.loads(a.kw))), flush=True)
+        return
+    configs = [c for c in a.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        sys.exit(f"unknown configuration {unknown[0]!r} (use {', '.join(CONFIGS)})")
+    out = Path(a.out) if a.out else None
+    tmp = scratch_dir("lora-llama-gpu-bench-")
+    started, smoke = time.perf_counter(), a.device == "cpu"
+    peak = run_worker("peak", 120, device=a.device)
+    emit(out, {"kind": "matmul_peak", **peak}, smoke)
+    models = {}
+    for config in configs:
+        shapes, batch, seq, quantize, timeout = CONFIGS[config]
+        name = MODEL_OF[config]
+        if name not in models:
+            folder = random_model(tmp / name, shapes, a.device)
+            ids = documents(tmp / f"{name}.jsonl", folder, 2 * batch * (a.warmup + a.steps), seq)
+            (tmp / f"{name}-rows.json").write_text(json.dumps(ids))
+            models[name] = folder
+        folder = models[name]
+        common = {"gpu": peak.get("gpu"), "config": config, "batch": batch, "seq": seq, "quantize": quantize, "steps": a.steps,
+                  "warmup": a.warmup, "model_flops_per_step": model_flops(shapes, batch, seq)}
+        runs = {"lora-llama": run_worker("ours", timeout, folder=str(folder), data=str(tmp / f"{name}.jsonl"),
+                                         out=str(tmp / f"run-{config}"), batch=batch, seq=seq, quantize=quantize,
+                                         steps=a.steps, warmup=a.warmup, device=a.device)}
+        emit(out, {"kind": "run", "library": "lora-llama", **common, **runs["lora-llama"]}, smoke)
+        for p in [p for p in a.peers.split(",") if p]:
+            runs[p] = run_worker("peer", timeout, folder=str(folder), rows_file=str(tmp / f"{name}-rows.json"),
+                                 batch=batch, quantize=quantize, liger=p.endswith("liger"), steps=a.steps,
+                                 warmup=a.warmup, device=a.device)
+            emit(out, {"kind": "run", "library": p, **common, **runs[p]}, smoke)
+        if "matmul_tflops" in peak:
+            emit(out, summary(config, runs, peak["matmul_tflops"], common["model_flops_per_step"]), smoke)
+    print(f"bench.gpu: {time.perf_counter() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

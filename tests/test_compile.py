@@ -1,0 +1,139 @@
+"""train.compile: each decoder block one torch.compile graph (fullgraph=True: no graph break) that trains as the eager
+hand-written kernels do, on plain and quantized bases; the quantized product stays one op that saves nothing
+weight-sized; nf4 through bitsandbytes' own kernel; the loss's target positions taken on the host."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import random_lora_b
+from lora_llama import LoraSettings, apply_lora, load_model
+from lora_llama.loss import target_loss, where_targets
+
+ALL = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+def ids(batch=2, seq=24, seed=1):
+    return torch.randint(3, 300, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def adapted(tiny_ckpt, quantize=None, dtype=torch.float32):
+    model = load_model(tiny_ckpt, dtype=dtype, quantize=quantize)
+    torch.manual_seed(0)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+    random_lora_b(model)
+    return model.train()
+
+
+def loss_and_grads(model, labels=None):
+    x = ids()
+    labels = x.clone() if labels is None else labels
+    loss, n = target_loss(model, x, labels)
+    (loss / n).backward()
+    return float(loss), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("quantize,dtype,backend", [
+    (None, torch.float32, "inductor"),  # what runs on a GPU, with the CPU's inductor: Triton there, C++ here
+    ("int8", torch.float32, "aot_eager"),  # the graph and its autograd without code generation (seconds)
+    (None, torch.bfloat16, "aot_eager"),
+    pytest.param("nf4", torch.float32, "inductor", marks=pytest.mark.slow),
+    pytest.param("int8", torch.bfloat16, "inductor", marks=pytest.mark.slow),
+])
+def test_compiled_blocks_are_whole_graphs_that_train_as_the_eager_kernels(tiny_ckpt, quantize, dtype, backend):
+    torch._dynamo.reset()
+    labels = ids()
+    labels[:, :9] = -100  # a prompt: the last block runs at the target positions only
+    eager_loss, eager = loss_and_grads(adapted(tiny_ckpt, quantize, dtype), labels)
+    model = adapted(tiny_ckpt, quantize, dtype)
+    model.compile_blocks(fullgraph=True, backend=backend)  # a graph break raises
+    loss, grads = loss_and_grads(model, labels)
+    assert grads.keys() == eager.keys() and len(grads) == 2 * 7 * 2
+    tol = 1e-5 if dtype == torch.float32 else 5e-2  # bf16: products rounded to 8 bits, in another order
+    assert abs(loss - eager_loss) <= tol * abs(eager_loss)
+    assert all(rel(grads[k], eager[k]) < tol for k in grads), max((rel(grads[k], eager[k]), k) for k in grads)
+
+
+def test_decoding_keeps_the_eager_blocks(tiny_ckpt):
+    """A KV cache's growing length would make each token a new graph: generation runs the eager blocks."""
+    from lora_llama.generate import generate
+
+    torch._dynamo.reset()
+    model = adapted(tiny_ckpt).eval()
+    want = generate(model, ids(1, 5)[0].tolist(), max_new_tokens=6)
+    calls = []
+    model.compile_blocks(backend=lambda gm, inputs: calls.append(gm) or gm.forward)
+    assert generate(model, ids(1, 5)[0].tolist(), max_new_tokens=6) == want and not calls
+    with torch.no_grad():
+        model(ids())
+    assert calls  # the same model's passes without a cache do run compiled
+
+
+@pytest.mark.parametrize("kind,traced", [("nf4", False), ("int8", False), ("int8", True)],
+                         ids=["nf4-op", "int8-op", "int8-traced-formula"])
+def test_a_compiled_quantized_product_saves_no_weight_for_backward(tiny_ckpt, monkeypatch, kind, traced):
+    """The dequantized weight is made again in backward, never kept: only the plain formula traced into the graph
+    (the variant, so this check can fail) saves (out, in) float weights."""
+    from lora_llama.quant import QuantizedLinear
+
+    if traced:
+        monkeypatch.setattr(QuantizedLinear, "forward", lambda self, x: F.linear(x, self.dequantize(x.dtype), self.bias))
+    torch._dynamo.reset()
+    model = adapted(tiny_ckpt, kind)
+    model.compile_blocks(fullgraph=True, backend="aot_eager")
+    weights = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    saved = []
+
+    def pack(t):
+        if t.is_floating_point():  # the codes and scales are inputs: saving them costs nothing
+            saved.append(tuple(t.shape))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, n = target_loss(model, ids(), ids())
+    kept_weights = [s for s in saved if s in weights or s[::-1] in weights]
+    assert saved and (kept_weights if traced else not kept_weights), kept_weights
+
+
+def test_nf4_through_bitsandbytes_kernel_equals_ours():
+    """On CUDA nf4 weights dequantize in bitsandbytes' own op (here its CPU implementation of the same op)."""
+    pytest.importorskip("bitsandbytes")
+    from lora_llama.quant import nf4_by_bitsandbytes
+    from lora_llama.quant_formats import dequantize_absmax, dequantize_nf4, quantize_absmax, quantize_nf4
+
+    for shape in [(96, 128), (5, 50)]:  # rows of blocks, and a flat layout with a last partial block
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        codes, absmax = quantize_nf4(w)
+        for absmax_used in (absmax, dequantize_absmax(*quantize_absmax(absmax))):  # plain, double quantization
+            for dtype in (torch.float32, torch.bfloat16):
+                got = nf4_by_bitsandbytes(codes, absmax_used, shape, dtype)
+                assert got.dtype == dtype and torch.equal(got, dequantize_nf4(codes, absmax_used, shape, dtype))
+
+
+def test_target_positions_taken_on_the_host_give_the_same_loss(tiny_ckpt):
+    """SFT batches carry where_targets' ids and flat positions (no GPU wait to learn their number); the loss and
+    its gradients equal those from the labels alone, also for packed rows."""
+    model = adapted(tiny_ckpt)
+    x, labels = ids(), ids()
+    labels[0, :7], labels[1, 20:] = -100, -100
+    segments = torch.tensor([[0] * 10 + [1] * 14, [0] * 24])
+    positions = torch.stack([torch.cat([torch.arange(10), torch.arange(14)]), torch.arange(24)])
+    for extra in ({}, {"segment_ids": segments, "position_ids": positions}):
+        want, n = target_loss(model, x, labels, **extra)
+        where = where_targets(labels, extra.get("segment_ids"))
+        assert where["targets"].numel() == n and where["predicting"].dtype == torch.long
+        got, m = target_loss(model, x, labels, **extra, **where)
+        assert m == n and torch.equal(got, want)
+
+
+def test_compile_auto_is_on_for_gpus_unless_fsdp_shards():
+    from lora_llama.precision import resolve_compile
+
+    assert resolve_compile("auto", "cuda", sharded=False)[0] is True
+    assert resolve_compile("auto", "cuda:1", sharded=False)[0] is True
+    assert resolve_compile("auto", "cuda", sharded=True)[0] is False
+    assert resolve_compile("auto", "cpu", sharded=False)[0] is False
+    assert resolve_compile(True, "cpu", sharded=False) == (True, "set in the recipe")
+    assert resolve_compile(False, "cuda", sharded=False) == (False, "set in the recipe")
