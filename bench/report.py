@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # which benchmarks each page shows, in this order
 PAGES = {"README.md": ("train_step", "quant", "long_context", "merge"),
-         "docs/performance.md": ("train_step", "quant", "grpo", "dora", "variants", "distributed", "long_context",
+         "docs/performance.md": ("gpu", "train_step", "quant", "grpo", "dora", "variants", "distributed", "long_context",
                                  "forward", "gemm", "lora_overhead", "merge", "int8", "dequant")}
 # pages whose table keeps to the CPU runs on the default models (a product page's short lines); the GPU rows and
 # the other models' (`--model`) are in docs/performance.md
@@ -56,6 +56,21 @@ def train_step_rows(r: dict) -> list[tuple]:
     if "tokens_per_s_ratio_vs_own_fp32" in r:
         rows.append(("bf16-mixed against each library's own fp32 step", f"{r['tokens_per_s_ratio_vs_own_fp32']:.2f}x",
                      "", f"{r['tokens_per_s_ratio_vs_peer_fp32']:.2f}x the peer's fp32"))
+    return rows
+
+
+def gpu_rows(r: dict) -> list[tuple]:
+    """bench.gpu: one configuration against each peer (tokens/s, peak GPU memory; lora-llama's MFU)."""
+    runs = r["runs"]
+    cell = lambda v: f"{v['tokens_per_s']:.0f} tok/s, {v['gpu_peak_mb']:.0f} MB" if "tokens_per_s" in v \
+        else f"failed: {v.get('error', '?')[:80]}"
+    ours = cell(runs.get("lora-llama", {})) + (f", MFU {r['mfu']:.0%}" if "mfu" in r else "")
+    rows = []
+    for peer in [p for p in runs if p != "lora-llama"]:
+        ratio = f"{r[f'tokens_per_s_vs_{peer}']:.2f}x tokens/s, {r[f'gpu_peak_vs_{peer}']:.2f} memory" \
+            if f"tokens_per_s_vs_{peer}" in r else ""
+        rows.append((f"{r['config']}, {r['batch']} x {r['seq']}, {r['quantize'] or 'bf16'} base (peer: {peer})",
+                     ours, cell(runs[peer]), ratio))
     return rows
 
 
@@ -171,7 +186,7 @@ def variants_rows(r: dict) -> list[tuple]:
              f"peak {v['peak_mb']} MB") for name, v in r["runs"].items()]
 
 
-ROWS = {"quant": quant_rows, "grpo": grpo_rows, "dora": dora_rows, "variants": variants_rows, "train_step": train_step_rows, "long_context": long_context_rows, "distributed": distributed_rows,
+ROWS = {"gpu": gpu_rows, "quant": quant_rows, "grpo": grpo_rows, "dora": dora_rows, "variants": variants_rows, "train_step": train_step_rows, "long_context": long_context_rows, "distributed": distributed_rows,
         "forward": forward_rows, "gemm": gemm_rows, "lora_overhead": lora_overhead_rows, "merge": merge_rows,
         "int8": int8_rows, "dequant": dequant_rows}
 

@@ -66,10 +66,11 @@ def dequantize_codes(kind: str, codes: torch.Tensor, scales: torch.Tensor, shape
 # On CUDA the eager dequantization is a chain of kernels, each a pass over weight-sized float32 memory; inductor
 # fuses a format into one Triton kernel that reads the codes once and writes the weight in the product's dtype.
 # That wins for these formats (H100, bf16, a 5632 x 2048 weight, `python -m bench.dequant --device cuda`): q4_K
-# 0.19 against 0.71 ms eager, q5_K 0.15 / 0.51, q6_K 0.18 / 0.29, q5_0 0.24 / 0.30. The others were no faster
-# compiled (nf4's table lookup three times slower), and the CPU keeps its eager kernels too: inductor's C++
-# loops were faster for some formats and slower for others.
-COMPILED_ON_CUDA = frozenset({"q4_k", "q5_k", "q6_k", "q5_0"})
+# 0.19 against 0.71 ms eager, q5_K 0.15 / 0.51, q6_K 0.18 / 0.29, q5_0 0.24 / 0.30, and int8 0.11 / 0.12 without
+# its float32 temporary. The others were no faster compiled (nf4's table lookup three times slower; bitsandbytes'
+# kernel serves nf4), and the CPU keeps its eager kernels: inductor's C++ loops were faster for some formats and
+# slower for others.
+COMPILED_ON_CUDA = frozenset({"int8", "q4_k", "q5_k", "q6_k", "q5_0"})
 _dequantize_compiled = fused.compiled(dequantize_codes, slower="quantized bases dequantize slower on the GPU",
                                       graphs=64, dynamic=True)
 

@@ -97,6 +97,25 @@ def test_a_compiled_quantized_product_saves_no_weight_for_backward(tiny_ckpt, mo
     assert saved and (kept_weights if traced else not kept_weights), kept_weights
 
 
+def test_every_quantized_layer_kind_compiles_whole_with_the_eager_product():
+    """int8, nf4 (with double quantization) and every GGUF block format: one op in a full graph, the same output and
+    input gradient as the eager layer."""
+    from helpers import quantized_layers
+
+    torch._dynamo.reset()
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
+    for kind, layer in quantized_layers().items():
+        compiled = torch.compile(lambda t, layer=layer: layer(t).square().sum(), fullgraph=True, backend="aot_eager")
+        results = []
+        for fn in (lambda t: layer(t).square().sum(), compiled):
+            t = x.clone().requires_grad_()
+            loss = fn(t)
+            loss.backward()
+            results.append((loss.detach(), t.grad))
+        (want, want_grad), (got, got_grad) = results
+        assert torch.allclose(got, want, rtol=1e-6) and torch.allclose(got_grad, want_grad, rtol=1e-5, atol=1e-7), kind
+
+
 def test_nf4_through_bitsandbytes_kernel_equals_ours():
     """On CUDA nf4 weights dequantize in bitsandbytes' own op (here its CPU implementation of the same op)."""
     pytest.importorskip("bitsandbytes")

@@ -74,6 +74,7 @@ def test_auto_is_bf16_mixed_on_cuda_and_trains_to_the_float32_loss(tiny_ckpt, tm
     print(f"cuda eval loss: start {start:.4f}, fp32 {fp32:.4f}, bf16-mixed {bf16:.4f}")
     assert any("precision bf16-mixed (auto: this GPU supports bfloat16)" in s for s in lines["auto"]), lines["auto"]
     assert any("on cuda" in s for s in lines["auto"])
+    assert any(s.startswith("train.compile true (auto: ") for s in lines["auto"]), lines["auto"]
     assert fp32 < 0.4 * start and bf16 < 1.01 * fp32, (start, fp32, bf16)
 
 
@@ -196,3 +197,26 @@ def test_every_quantized_layer_dequantizes_on_the_gpu_as_on_the_cpu():
         bf16 = layer.dequantize(torch.bfloat16).float().cpu()
         torch.testing.assert_close(bf16, cpu.bfloat16().float(), rtol=2 ** -7, atol=0, msg=name)
     assert fused._broken is None
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "nf4"])
+def test_compiled_blocks_on_cuda_are_whole_graphs_that_train_as_eager(tiny_ckpt, quantize):
+    """train.compile on a GPU: each block one Triton-compiled graph (fullgraph), bf16 base, float32 adapters; nf4
+    products in bitsandbytes' kernel inside the graph's one opaque op."""
+    results = []
+    x = ids(2, 64)
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = load_model(tiny_ckpt, dtype=torch.bfloat16, device="cuda", quantize=quantize)
+        torch.manual_seed(0)
+        apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+        random_lora_b(model, seed=0)
+        if compiled:
+            model.compile_blocks(fullgraph=True)
+        model.train()
+        loss, n = target_loss(model, x, x)
+        (loss / n).backward()
+        results.append((float(loss), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}))
+    (eager_loss, eager), (loss, grads) = results
+    assert abs(loss - eager_loss) < 1e-2 * abs(eager_loss) and grads.keys() == eager.keys()
+    assert all(rel(grads[k], eager[k]) < 5e-2 for k in grads), max((rel(grads[k], eager[k]), k) for k in grads)

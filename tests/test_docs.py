@@ -110,6 +110,8 @@ def test_every_documented_command_is_known():
         elif words[:2] == ["python", "-m"] and words[2].startswith("bench."):
             source = (ROOT / "bench" / f"{words[2].split('.')[1]}.py").read_text()
             assert all(f'"{w}"' in source for w in words[3:] if w.startswith("--")), f"{page}: {command}"
+        elif words[0] == "bash":  # a script of the repository's
+            assert (ROOT / words[1]).is_file(), f"{page}: {command}"
         elif words[:2] == ["python", "-m"] and words[2].startswith("lora_llama."):
             assert (ROOT / "lora_llama" / f"{words[2].split('.')[1]}.py").is_file(), f"{page}: {command}"
         else:
