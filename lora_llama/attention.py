@@ -36,6 +36,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
             return _CausalAttention.apply(q, k, v, segments)
     if segments is not None:
         mask, causal = causal_segment_mask(segments)[:, None], False
+    if q.is_cuda and q.shape[2] == 1 and k.shape[1] != q.shape[1] and mask is not None:
+        return one_query(q, k, v, mask)  # decoding: SDPA's CUDA kernels would need k and v repeated per head
     gqa = {}
     if k.shape[1] != q.shape[1]:
         # SDPA's CUDA kernels other than flash (float32, masks) take no enable_gqa and would fall back to
@@ -46,6 +48,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
+
+
+def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q·kᵀ/√d + mask)·v for one query position (B, H, 1, d), keys shared by groups of heads, as two grouped
+    products: no copy of the keys and values per head. mask (B or 1, 1, 1, S) bool; scores and softmax in float32."""
+    B, H, _, d = q.shape
+    kv_heads = k.shape[1]
+    scores = torch.matmul(q.view(B, kv_heads, H // kv_heads, d), k.transpose(-1, -2)).float() * d ** -0.5
+    scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, -1), float("-inf"))  # (B, H_kv, group, S)
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v).view(B, H, 1, d)
 
 
 def _amx_flash_forward():

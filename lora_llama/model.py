@@ -86,6 +86,39 @@ class KVCache:
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def advance(self, n: int) -> None:
+        self.pos += n
+
+
+class StaticKVCache(KVCache):
+    """A cache whose decoding steps all have the same shapes, so that one can be captured as a CUDA graph and
+    replayed: a new token's keys and values go in at `index`, a device tensor, and attention reads the whole
+    length with a mask made on the device (positions past `index` unseen). The prompt is written as KVCache does;
+    `index` then points past it."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device, dtype, key_mask: torch.Tensor):
+        super().__init__(args, batch, max_len, device, dtype, key_mask)
+        self.index = torch.zeros(1, dtype=torch.long, device=device)  # the column the next token's keys go to
+        self.key_pos = torch.arange(max_len, device=device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if k.shape[2] > 1:
+            return super().update(layer, k, v)
+        self.k[layer].index_copy_(2, self.index, k)
+        self.v[layer].index_copy_(2, self.index, v)
+        return self.k[layer], self.v[layer]
+
+    def step_mask(self, window: int | None) -> torch.Tensor:
+        """(B, 1, 1, max_len) bool: the keys one new token sees, made on the device."""
+        seen = self.key_pos <= self.index
+        if window is not None:
+            seen &= self.key_pos > self.index - window
+        return (self.key_mask & seen)[:, None, None]
+
+    def advance(self, n: int) -> None:
+        super().advance(n)
+        self.index += n  # in place: a captured step advances it each replay
+
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
@@ -213,11 +246,16 @@ class Llama(nn.Module):
             keep = keep.flatten().nonzero().squeeze(1)  # flat positions: a compiled block sees no data-dependent shape
         x = self.model.embed_tokens(input_ids)  # (B, T, dim)
         cos, sin = self.rope(position_ids, x.dtype)
-        mask = self.attention_mask(T, start, x.device, segment_ids, None if cache is None else cache.key_mask)
+        if isinstance(cache, StaticKVCache) and T == 1:
+            mask = cache.step_mask(self.args.sliding_window)
+        else:
+            mask = self.attention_mask(T, start, x.device, segment_ids, None if cache is None else cache.key_mask)
         segments = segment_ids if mask is None else None  # packed rows attend runs without a mask
         last = len(self.model.layers) - 1
-        # decoding keeps eager blocks: the cache's growing length would make every token a new graph
-        blocks = self._compiled_blocks if self._compiled_blocks and cache is None else self.model.layers
+        # training passes only: a cache's growing length would make every decoded token a new graph, and eval's
+        # no-grad graphs would be compiled again beside the training ones
+        compiled = self._compiled_blocks and cache is None and torch.is_grad_enabled()
+        blocks = self._compiled_blocks if compiled else self.model.layers
         for i, layer in enumerate(blocks):
             # the last block's output projection and MLP run at the kept positions only (a loss's targets)
             rows = keep if i == last else None
@@ -230,11 +268,11 @@ class Llama(nn.Module):
                     x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled(), keep=rows,
                               segments=segments)
         if cache is not None:
-            cache.pos += T
+            cache.advance(T)
         return self.model.norm(x)
 
     def compile_blocks(self, **options) -> None:
-        """Run each decoder block through torch.compile(**options) in passes without a KV cache (training, eval):
+        """Run each decoder block through torch.compile(**options) in training passes (with gradients, no KV cache):
         one graph per block with its elementwise work fused and its backward written by inductor; every block
         shares the graphs of the first (parameters are graph inputs)."""
         self._compiled_blocks = [torch.compile(layer, **options) for layer in self.model.layers]
@@ -250,6 +288,8 @@ class Llama(nn.Module):
         plain = segment_ids is None or takes_segments(device)
         if not windowed and (start == 0 or T == 1) and plain and key_mask is None:
             return None
+        if not windowed and T == 1 and key_mask is not None:  # one new token sees every key but its row's padding
+            return key_mask[:, None, None, :start + 1]
         q_pos = torch.arange(start, start + T, device=device)[:, None]
         k_pos = torch.arange(start + T, device=device)[None]
         mask = k_pos <= q_pos  # (T, start + T)
@@ -268,6 +308,7 @@ class Llama(nn.Module):
         h = self.hidden(input_ids, position_ids, segment_ids, cache, keep)
         return h if hidden_only else run_linear(self.lm_head, h)
 
-    def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None, static: bool = False) -> KVCache:
+        """static: a StaticKVCache (key_mask required) for decoding steps of one shape."""
         p = self.model.embed_tokens.weight
-        return KVCache(self.args, batch, max_len, p.device, p.dtype, key_mask)
+        return (StaticKVCache if static else KVCache)(self.args, batch, max_len, p.device, p.dtype, key_mask)

@@ -171,8 +171,8 @@ class TrainSection(Settings):
                            "also keep attention's output")
     offload_activations: bool = Field(False, description="CUDA: what backward keeps waits in pinned host memory")
     compile: Literal[False, True, "auto"] = Field(
-        "auto", description="torch.compile each decoder block (training and eval; decoding stays eager); auto: on a "
-                            "GPU unless fsdp shards the blocks")
+        "auto", description="torch.compile each decoder block for the training passes (eval and sampling stay "
+                            "eager); auto: on a GPU unless fsdp shards the blocks")
     distributed: Literal["auto", "ddp", "fsdp"] = Field(
         "auto", description="several processes: ddp replicates the frozen base, fsdp shards it; auto: fsdp when the "
                             "base's weights exceed 80% of one GPU's memory, else ddp")

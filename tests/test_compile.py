@@ -57,8 +57,9 @@ def test_compiled_blocks_are_whole_graphs_that_train_as_the_eager_kernels(tiny_c
     assert all(rel(grads[k], eager[k]) < tol for k in grads), max((rel(grads[k], eager[k]), k) for k in grads)
 
 
-def test_decoding_keeps_the_eager_blocks(tiny_ckpt):
-    """A KV cache's growing length would make each token a new graph: generation runs the eager blocks."""
+def test_decoding_and_eval_keep_the_eager_blocks(tiny_ckpt):
+    """A KV cache's growing length would make each token a new graph, and no-grad graphs would compile again beside
+    the training ones: generation and passes without gradients run the eager blocks."""
     from lora_llama.generate import generate
 
     torch._dynamo.reset()
@@ -69,7 +70,9 @@ def test_decoding_keeps_the_eager_blocks(tiny_ckpt):
     assert generate(model, ids(1, 5)[0].tolist(), max_new_tokens=6) == want and not calls
     with torch.no_grad():
         model(ids())
-    assert calls  # the same model's passes without a cache do run compiled
+    assert not calls
+    model(ids())
+    assert calls  # the same model's training passes do run compiled
 
 
 @pytest.mark.parametrize("kind,traced", [("nf4", False), ("int8", False), ("int8", True)],

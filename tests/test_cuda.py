@@ -220,3 +220,30 @@ def test_compiled_blocks_on_cuda_are_whole_graphs_that_train_as_eager(tiny_ckpt,
     (eager_loss, eager), (loss, grads) = results
     assert abs(loss - eager_loss) < 1e-2 * abs(eager_loss) and grads.keys() == eager.keys()
     assert all(rel(grads[k], eager[k]) < 5e-2 for k in grads), max((rel(grads[k], eager[k]), k) for k in grads)
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_graphed_decoding_on_cuda_gives_the_growing_cache_completions(tiny_ckpt, quantize):
+    """GRPO's sampling on a GPU: a static cache, each step after the first a replayed CUDA graph; the same tokens as
+    the growing cache, greedy and seeded, in groups, with padding; the graph captured once serves later calls and
+    reads the adapter as training leaves it (changed in place)."""
+    from lora_llama.decoding import decoder_for
+    from lora_llama.rollout import sample_completions
+
+    model = load_model(tiny_ckpt, device="cuda", quantize=quantize)
+    torch.manual_seed(0)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+    random_lora_b(model, seed=0)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 7, 5) for _ in range(2)]
+    run = lambda static, t: sample_completions(model, prompts, 24, eos_ids=[], pad_id=0, temperature=t,
+                                               seeds=list(range(6)), group=2, static=static)
+    for temperature in (0.0, 1.0):
+        assert run(True, temperature) == run(False, temperature) == run(True, temperature)
+    decoder = decoder_for(model, 6, 7 + 24)
+    assert decoder.graph is not None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-2.0)
+    assert run(True, 1.0) == run(False, 1.0) and decoder_for(model, 6, 7 + 24).graph is decoder.graph

@@ -1,0 +1,109 @@
+"""Decoding over a cache of fixed shape (decoding.py, what a GPU replays as a CUDA graph): the same completions,
+token for token, as the growing cache and as each row decoded alone without a cache, greedy and seeded, alone and
+in groups, with padding, with a sliding window; a decoder reused across calls and weight changes; attention of one
+query over grouped keys."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import build_checkpoint, random_lora_b
+from lora_llama import LoraSettings, apply_lora, load_model
+from lora_llama.generate import filtered_logits
+from lora_llama.rollout import sample_completions
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+def adapted(ckpt):
+    model = load_model(ckpt)
+    torch.manual_seed(0)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["q", "k", "v", "o", "gate", "up", "down"]))
+    random_lora_b(model, seed=1)
+    return model
+
+
+@torch.no_grad()
+def alone(model, prompt, n, temperature, seed, eos=()):
+    """One row decoded by itself, no cache, no padding: the whole sequence through the model each step, the token
+    picked by inverse transform from the row's own generator, one draw a step."""
+    g = torch.Generator().manual_seed(seed)
+    seq = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([seq]))[:, -1]
+        if temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            cdf = filtered_logits(logits, temperature, None, None).softmax(-1).cumsum(-1)[0]
+            u = torch.rand((), generator=g, dtype=torch.float64)
+            token = min(int(torch.searchsorted(cdf, (u * cdf[-1].double()).float()[None])), cdf.numel() - 1)
+        seq.append(token)
+        if token in eos:
+            break
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("group", [1, 3])
+def test_static_decoding_gives_the_completions_of_each_row_alone(tiny_ckpt, temperature, group):
+    model = adapted(tiny_ckpt)
+    prompts = [p for p in prompts_of((3, 7, 1), seed=4) for _ in range(group)]  # left padding of 4 and 6
+    seeds = list(range(10, 10 + len(prompts)))
+    runs = {static: sample_completions(model, prompts, 9, eos_ids=[], pad_id=0, temperature=temperature,
+                                       seeds=seeds, group=group, static=static) for static in (False, True)}
+    want = [alone(model, p, 9, temperature, s) for p, s in zip(prompts, seeds)]
+    assert runs[True] == runs[False] == want
+
+
+def test_static_decoding_stops_rows_at_their_eos_between_checks(tiny_ckpt):
+    """A GPU asks whether every row has stopped every CHECK_EVERY tokens: the steps past a row's EOS change nothing."""
+    model = adapted(tiny_ckpt)
+    prompts = prompts_of((4, 6), seed=5)
+    free = sample_completions(model, prompts, 20, eos_ids=[], pad_id=0, temperature=0, static=False)
+    stop = {free[0][2], free[1][4]}
+    eager, static = (sample_completions(model, prompts, 20, eos_ids=stop, pad_id=0, temperature=0, static=s)
+                     for s in (False, True))
+    cut = [next((c[:i + 1] for i, t in enumerate(c) if t in stop), c) for c in free]
+    assert static == eager == cut and all(len(c) <= 5 for c in cut)
+
+
+def test_a_kept_decoder_serves_later_calls_and_the_weights_of_the_moment(tiny_ckpt):
+    """The second call reuses the first's decoder (its cache still holds the longer prompts' keys, which must not
+    leak), and an adapter changed in place between calls is what the next call samples from."""
+    from lora_llama.decoding import decoder_for
+
+    model = adapted(tiny_ckpt)
+    first = sample_completions(model, prompts_of((9, 8), seed=6), 6, eos_ids=[], pad_id=0, temperature=1.0,
+                               seeds=[1, 2], static=True)
+    decoder = decoder_for(model, 2, 9 + 6)
+    short = prompts_of((2, 3), seed=7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-2.0)
+    got = sample_completions(model, short, 6, eos_ids=[], pad_id=0, temperature=1.0, seeds=[1, 2], static=True)
+    assert decoder_for(model, 2, 2 + 6 + 1) is decoder and len(first) == 2
+    assert got == [alone(model, p, 6, 1.0, s) for p, s in zip(short, [1, 2])]
+
+
+def test_a_sliding_window_holds_in_the_static_cache(tmp_path):
+    """Mistral's window: a new token sees only the last `window` keys, masked on the device."""
+    ckpt = build_checkpoint(tmp_path / "m", family="mistral", sliding_window=5)
+    model = load_model(ckpt)
+    prompts = prompts_of((6, 3), seed=8)
+    eager, static = (sample_completions(model, prompts, 8, eos_ids=[], pad_id=0, temperature=0, static=s)
+                     for s in (False, True))
+    assert static == eager == [alone(model, p, 8, 0.0, 0) for p in prompts]
+
+
+def test_one_query_attention_over_grouped_keys_equals_sdpa_on_repeated_ones():
+    from lora_llama.attention import one_query
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 6, 1, 8, generator=g), torch.randn(3, 2, 11, 8, generator=g), torch.randn(3, 2, 11, 8, generator=g)
+    mask = torch.rand(3, 1, 1, 11, generator=g) > 0.3
+    mask[..., -1] = True
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
+    assert torch.allclose(one_query(q, k, v, mask), want, atol=1e-6)
