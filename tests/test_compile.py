@@ -105,9 +105,9 @@ def test_every_quantized_layer_kind_compiles_whole_with_the_eager_product():
     input gradient as the eager layer."""
     from helpers import quantized_layers
 
-    torch._dynamo.reset()
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
     for kind, layer in quantized_layers().items():
+        torch._dynamo.reset()  # a graph per kind, more than dynamo's recompile limit for one function
         compiled = torch.compile(lambda t, layer=layer: layer(t).square().sum(), fullgraph=True, backend="aot_eager")
         results = []
         for fn in (lambda t: layer(t).square().sum(), compiled):
