@@ -15,6 +15,7 @@ from .errors import UserError
 from .files import (atomic_dir, iter_shards, make_tokenizer_config_portable, permute_rows, read_config,
                     release_freed_memory, write_json, write_text_atomic)
 from .model import Llama
+from .precision import resolve_device
 from .gguf_blocks import GGUF_FORMATS, row_bytes
 from .quant import REQUANTIZED, QuantizedLinear, quantize_loaded_linears
 from .registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
@@ -155,8 +156,7 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
     import torch
 
     dtype = dtype or torch.float32
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     folder = resolve_source(source)
     args = ModelArgs.from_hf_config(read_config(folder))
     with torch.device("meta"):

@@ -192,6 +192,25 @@ def _onto_args(sp):
     sp.add_argument("--nf4-double-quant", action="store_true", help="with --quantize nf4: its absmax in 8 bits")
 
 
+def _checked(convert, ok, fault: str):
+    """An argparse type: convert(text), refused in one line, before any work, unless ok(value)."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{' whole' if convert is int else ''} number") from None
+        if not ok(value):  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(f"{value} {fault}")
+        return value
+    return parse
+
+
+POSITIVE = _checked(int, lambda n: n >= 1, "is less than 1")
+NOT_NEGATIVE = _checked(int, lambda n: n >= 0, "is below 0")
+SHARE = _checked(float, lambda p: 0 < p <= 1, "is not in (0, 1]")
+AT_LEAST_ZERO = _checked(float, lambda x: x >= 0, "is below 0")
+
+
 def _add_train(sub):
     t = sub.add_parser("train", help="fit a LoRA adapter from a YAML recipe",
                        description="Fit a LoRA adapter. Overrides set any recipe key: train.max_steps=20 lora.r=16")
@@ -200,10 +219,10 @@ def _add_train(sub):
     t.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint "
                    "(also automatic when the folder holds checkpoints)")
     t.add_argument("--force", action="store_true", help="start over in an output.dir that holds an earlier run")
-    t.add_argument("--nproc-per-node", type=int, metavar="N",
+    t.add_argument("--nproc-per-node", type=POSITIVE, metavar="N",
                    help="train on N processes of this machine through torchrun (N GPUs, or N CPU processes with gloo)")
-    t.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines in the job (torchrun's --nnodes)")
-    t.add_argument("--node-rank", type=int, default=0, metavar="R",
+    t.add_argument("--nnodes", type=POSITIVE, default=1, metavar="N", help="machines in the job (torchrun's --nnodes)")
+    t.add_argument("--node-rank", type=NOT_NEGATIVE, default=0, metavar="R",
                    help="this machine's place, 0..N-1; node 0 hosts the rendezvous (torchrun's --node-rank)")
     t.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="node 0's address, the same on every node (torchrun's --rdzv-endpoint, c10d rendezvous)")
@@ -254,10 +273,10 @@ def _add_generate(sub):
     g.add_argument("--compare", action="store_true",
                    help="print the base model's answer and the adapter's for each prompt, one under the other")
     g.add_argument("--system", help="system message for --chat")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
+    g.add_argument("--max-new-tokens", type=POSITIVE, default=128)
+    g.add_argument("--temperature", type=AT_LEAST_ZERO, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=POSITIVE)
+    g.add_argument("--top-p", type=SHARE)
     g.add_argument("--seed", type=int)
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; for checks)")
     g.set_defaults(func=cmd_generate)
@@ -267,12 +286,19 @@ def _add_eval(sub):
     e = sub.add_parser("eval", help="mean token loss and perplexity on a text or JSONL file")
     _model_args(e)
     e.add_argument("--data", required=True, help="text file (one document per line) or JSON/JSONL with a 'text' field")
-    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--batch-size", type=POSITIVE, default=8)
     e.set_defaults(func=cmd_eval)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its mistakes in one line, as every other mistake (`--help` shows the usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lora-llama", description="LoRA fine-tuning for LLaMA-family models.")
+    p = _Parser(prog="lora-llama", description="LoRA fine-tuning for LLaMA-family models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_train, _add_merge, _add_export, _add_push, _add_generate, _add_eval):
         add(sub)

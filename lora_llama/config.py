@@ -46,6 +46,7 @@ DECODER_TARGETS = tuple(t for t in TARGET_MODULES if t != "lm_head")  # the seve
 Target = Literal[tuple(TARGET_MODULES)]
 # frozen decoder linears held weight-only (quant.py): int8, nf4, or a GGUF base's own blocks (source)
 QUANTIZE_KINDS = ("int8", "nf4", "source")
+DEVICE = r"auto|cpu|cuda(:\d+)?"  # model.device and --device, as a regular expression; what auto picks: precision.py
 PRECISIONS = ("fp32", "bf16-mixed", "auto")  # train.precision; what each means: precision.py
 
 

@@ -204,7 +204,13 @@ def tokenize_records(records, tokenizer, fmt: str, max_seq_len: int, train_on_pr
         missing = [k for k in need if k not in rec]
         if missing:
             raise UserError(f"record {i} has no {missing[0]!r} field needed by format {fmt!r} (set data.fields to map columns)")
-        examples += [e for e in tokenize(rec) if any(l != IGNORE_INDEX for l in e["labels"][1:])]
+        empty = [k for k in need if rec[k] is None]
+        if empty:
+            raise UserError(f"a record's {empty[0]!r} is null, and format {fmt!r} needs it ({_shown(rec)})")
+        try:
+            examples += [e for e in tokenize(rec) if any(l != IGNORE_INDEX for l in e["labels"][1:])]
+        except UserError as e:
+            raise UserError(f"{e} ({_shown(rec)})") from None
     return examples
 
 
@@ -275,6 +281,11 @@ def load_splits(data, seed: int):
     if data.val_source:
         return records, load_records(data.val_source)
     return split(records, data.val_size, seed)
+
+
+def _shown(record: dict) -> str:
+    """The start of a record, to find it in the file by (its place in a shuffled split would not)."""
+    return f"the record {str(dict(record))[:100]}"
 
 
 def build_examples(data, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:

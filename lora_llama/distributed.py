@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import UserError
+from .precision import resolve_device
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,7 @@ def setup(device: str, timeout_s: float) -> tuple[Ranks, str]:
 
     nccl with one GPU per local rank on CUDA, gloo on the CPU. A collective that waits longer
     than `timeout_s` (a dead or hung rank) raises instead of blocking forever."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Ranks(), device

@@ -20,7 +20,7 @@ import torch
 from .checkpoint import gguf_file, load_tokenizer, resolve_source
 from .config import ModelArgs, rope_inv_freq
 from .errors import UserError
-from .files import atomic_file, permute_rows, read_config, refuse_existing, write_text_atomic
+from .files import atomic_file, open_safetensors, permute_rows, read_config, refuse_existing, write_text_atomic
 from .generate import stop_token_ids
 from .gguf_vocab import build_tokenizer, copy_tokenizer
 from .merge import Merger
@@ -161,7 +161,6 @@ def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | 
                 force: bool = False, onto: str = "original", quantize: str | None = None, progress: bool = True,
                 double_quant: bool = False) -> dict:
     """Write base (+ adapter, merged) as one GGUF file, and an Ollama Modelfile beside it."""
-    from safetensors import safe_open
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -189,7 +188,7 @@ def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | 
                                raw_dtype=gguf.GGMLQuantizationType.F32)
     count = 0
     for f in merger.files:  # tensor infos from the headers, in the order the tensors will be written
-        with safe_open(f, framework="pt") as sf:
+        with open_safetensors(f) as sf:
             for key, _, shape in merger.entries(sf):
                 qtype = ggml_type(out_type, shape)
                 writer.add_tensor_info(names.name(key), shape, np.float32, nbytes(shape, qtype), raw_dtype=qtype)
@@ -200,7 +199,7 @@ def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | 
             writer.write_tensor_data(freqs.numpy())
         with tqdm(total=count, desc="export", unit="tensor", disable=not progress) as bar:
             for f in merger.files:
-                with safe_open(f, framework="pt") as sf:
+                with open_safetensors(f) as sf:
                     for key, w in merger.tensors(sf):
                         writer.write_tensor_data(convert(names.layout(key, w), ggml_type(out_type, tuple(w.shape))))
                         bar.update(1)

@@ -153,6 +153,19 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def open_safetensors(f: Path):
+    """safe_open(f) for torch, a file it cannot read (truncated, not safetensors) one UserError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        sf = safe_open(f, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {f}: truncated or not a safetensors file ({e})") from None
+    with sf:
+        yield sf
+
+
 def iter_shards(folder: Path, owned: bool = False) -> Iterator[tuple[Path, dict]]:
     """Yield (file, {name: tensor}) one shard at a time, so only one shard is in memory.
 
@@ -178,11 +191,9 @@ def iter_shards(folder: Path, owned: bool = False) -> Iterator[tuple[Path, dict]
 
 def read_tensors(folder: Path, keys: list[str]) -> dict:
     """Read only the named tensors of a checkpoint (e.g. original weights to merge into)."""
-    from safetensors import safe_open
-
     wanted, found = set(keys), {}
     for f in shard_files(folder):
-        with safe_open(f, framework="pt") as sf:
+        with open_safetensors(f) as sf:
             for k in wanted.intersection(sf.keys()):
                 found[k] = sf.get_tensor(k)
     missing = wanted - set(found)
@@ -193,11 +204,9 @@ def read_tensors(folder: Path, keys: list[str]) -> dict:
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple]:
     """Every tensor's shape from the safetensors headers, without reading the data."""
-    from safetensors import safe_open
-
     shapes = {}
     for f in files:
-        with safe_open(f, framework="pt") as sf:
+        with open_safetensors(f) as sf:
             for k in sf.keys():
                 shapes[k] = tuple(sf.get_slice(k).get_shape())
     return shapes

@@ -21,8 +21,9 @@ from .adapters import adapter_deltas
 from .checkpoint import resolve_source
 from .config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
 from .errors import UserError
-from .files import (INDEX_FILE, SAFETENSORS_DTYPES, atomic_dir, copy_tokenizer_files, read_config, refuse_existing,
-                    release_freed_memory, shard_files, tensor_shapes, write_json, write_safetensors_streaming)
+from .files import (INDEX_FILE, SAFETENSORS_DTYPES, atomic_dir, copy_tokenizer_files, open_safetensors, read_config,
+                    refuse_existing, release_freed_memory, shard_files, tensor_shapes, write_json,
+                    write_safetensors_streaming)
 from .lora import fold
 from .quant import DECODER_LINEARS, dequantized
 from .registry import base_model_id
@@ -112,7 +113,6 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
                      force: bool = False, progress: bool = True, onto: str = "original", quantize: str | None = None,
                      double_quant: bool = False) -> dict:
     """Write base + adapter as one HF checkpoint in `out`; returns {"out", "bytes", "seconds", "shards"}."""
-    from safetensors import safe_open
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -124,7 +124,7 @@ def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLi
 
     def merge_shard(src_file: Path, dst_file: Path) -> tuple[list[str], int]:
         """One shard, one tensor at a time: read, fold, write, free. Returns (names written, bytes)."""
-        with safe_open(src_file, framework="pt") as sf:
+        with open_safetensors(src_file) as sf:
             entries = merger.entries(sf, out_dtype)
             folded = (t for _, t in merger.tensors(sf, out_dtype))
             size = write_safetensors_streaming(dst_file, entries, folded, metadata={"format": "pt"})

@@ -7,6 +7,27 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from .config import DEVICE
+from .errors import UserError
+
+
+def resolve_device(setting: str) -> str:
+    """The device a setting names, checked here: `auto` is cuda when a GPU is there, else cpu; cuda (or cuda:N)
+    must exist. One line for anything else, before any work."""
+    import torch
+
+    if not re.fullmatch(DEVICE, setting):
+        raise UserError(f"unknown device {setting!r} (use auto, cpu, cuda or cuda:N)")
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(setting.partition(":")[2] or 0)
+        if index >= count:
+            raise UserError(f"device {setting}: this machine has {count} CUDA GPU{'' if count == 1 else 's'} "
+                            f"visible to torch {torch.__version__}")
+    return setting
+
 
 def cpu_bf16_instructions() -> list[str]:
     """The native bfloat16 instructions this CPU has (AVX512_BF16, AMX-BF16), from /proc/cpuinfo's flags; none

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .config import PRECISIONS, QUANTIZE_KINDS, DType, Target
+from .config import DEVICE, PRECISIONS, QUANTIZE_KINDS, DType, Target
 from .errors import UserError
 from .lora_init import check_init, moves_w0
 
@@ -76,7 +76,8 @@ class ModelSection(Settings):
                           "model, faster and smaller there), else null")
     nf4_double_quant: bool = Field(False, description="quantize: nf4 with its per-block absmax in 8 bits too "
                                    "(QLoRA's double quantization: ~0.37 fewer bits a weight)")
-    device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
+    device: str = Field("auto", pattern=rf"^({DEVICE})$",
+                        description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
 
 
 class DataSection(Settings):

@@ -55,11 +55,17 @@ def end_of_turn_id(tokenizer) -> int | None:
 
 
 def normalise_messages(msgs) -> list[dict]:
-    """Accept OpenAI-style {role, content} and ShareGPT-style {from, value} messages."""
+    """Accept OpenAI-style {role, content} and ShareGPT-style {from, value} messages (a file mixing both reads
+    back with the other style's keys null)."""
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
+        raise UserError(f"chat messages must be a non-empty list of {{role, content}} objects, not {msgs!r:.60}")
     out = []
     for m in msgs:
-        role = m.get("role", m.get("from"))
+        role = m.get("role") if m.get("role") is not None else m.get("from")
         if role not in _ROLES:
             raise UserError(f"chat message with unknown role {role!r}")
-        out.append({"role": _ROLES[role], "content": str(m.get("content", m.get("value", "")))})
+        content = m.get("content") if m.get("content") is not None else m.get("value")
+        if content is None:
+            raise UserError(f"chat message ({role}) without content")
+        out.append({"role": _ROLES[role], "content": str(content)})
     return out
