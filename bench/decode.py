@@ -88,7 +88,8 @@ def measure(name: str, a, folder, bandwidth: float) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: both on a GPU, 135m on the CPU)")
+    ap.add_argument("--models",
+                    help=f"comma-separated, of {', '.join(MODELS)} (default: both on a GPU, 135m on the CPU)")
     ap.add_argument("--rows", type=int, default=32, help="completions decoded together (prompts x group)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--new", type=int, default=64, help="tokens each completion decodes")

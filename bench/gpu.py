@@ -19,7 +19,8 @@ T^2 x head_dim); the LoRA products are left out (under 1%).
 
 Each run writes one JSON line to `--out` (default $OUT, the device tool's folder that comes back) as it ends, so a
 call cut short keeps what finished; each configuration then appends one line to bench/results/gpu.jsonl (and --out)
-with its runs, its MFU and the ratios to each peer. `bench/gpu_wheels.sh` fetches the wheels a bare GPU image lacks; docs/performance.md shows the command.
+with its runs, its MFU and the ratios to each peer. `bench/gpu_wheels.sh` fetches the wheels a bare GPU image lacks;
+`bench/gpu_call.sh` is the device call; docs/performance.md shows the commands.
 """
 from __future__ import annotations
 
@@ -218,8 +219,9 @@ def ours(folder: str, data: str, out: str, batch: int, seq: int, quantize: str |
     """`lora-llama train` (this process runs the CLI's main) on a recipe of the same settings."""
     from lora_llama.cli import main
 
-    args = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={folder}", f"model.device={device}",
-            f"model.quantize={quantize or 'null'}", f"data.source={data}", "data.format=text", f"data.max_seq_len={seq}",
+    args = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={folder}",
+            f"model.device={device}", f"model.quantize={quantize or 'null'}", f"data.source={data}", "data.format=text",
+            f"data.max_seq_len={seq}",
             "data.val_size=0", "data.packing=false", f"train.batch_size={batch}", "train.grad_accum=1",
             f"train.max_steps={warmup + steps}", "train.epochs=null", "train.precision=bf16-mixed",
             "train.compile=auto", "train.eval_every=100000", "train.save_every=100000", "train.log_every=1",
@@ -282,7 +284,8 @@ def summary(config: str, runs: dict, peak: dict, common: dict) -> dict:
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="8b,8b-nf4,1b,135m", help=f"comma-separated, in order; of {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default="8b,8b-nf4,1b,135m",
+                    help=f"comma-separated, in order; of {', '.join(CONFIGS)}")
     ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated; '' for lora-llama alone")
     ap.add_argument("--steps", type=int, default=6, help="measured steps a run")
     ap.add_argument("--warmup", type=int, default=3, help="steps before them (lora-llama's first compiles)")
@@ -318,8 +321,8 @@ def main():
             (tmp / f"{name}-rows.json").write_text(json.dumps(ids))
             models[name] = folder
         folder = models[name]
-        common = {"gpu": peak.get("gpu"), "config": config, "batch": batch, "seq": seq, "quantize": quantize, "steps": a.steps,
-                  "warmup": a.warmup, "model_flops_per_step": model_flops(shapes, batch, seq)}
+        common = {"gpu": peak.get("gpu"), "config": config, "batch": batch, "seq": seq, "quantize": quantize,
+                  "steps": a.steps, "warmup": a.warmup, "model_flops_per_step": model_flops(shapes, batch, seq)}
         runs = {"lora-llama": run_worker("ours", timeout, folder=str(folder), data=str(tmp / f"{name}.jsonl"),
                                          out=str(tmp / f"run-{config}"), batch=batch, seq=seq, quantize=quantize,
                                          steps=a.steps, warmup=a.warmup, device=a.device)}

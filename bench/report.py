@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # which benchmarks each page shows, in this order
 PAGES = {"README.md": ("train_step", "quant", "long_context", "merge"),
-         "docs/performance.md": ("gpu", "train_step", "quant", "grpo", "decode", "dora", "variants", "distributed", "long_context",
-                                 "forward", "gemm", "lora_overhead", "merge", "int8", "dequant")}
+         "docs/performance.md": ("gpu", "train_step", "quant", "grpo", "decode", "dora", "variants", "distributed",
+                                 "long_context", "forward", "gemm", "lora_overhead", "merge", "int8", "dequant")}
 # pages whose table keeps to the CPU runs on the default models (a product page's short lines); the GPU rows and
 # the other models' (`--model`) are in docs/performance.md
 CPU_ONLY = {"README.md"}
@@ -194,7 +194,9 @@ def variants_rows(r: dict) -> list[tuple]:
              f"peak {v['peak_mb']} MB") for name, v in r["runs"].items()]
 
 
-ROWS = {"gpu": gpu_rows, "decode": decode_rows, "quant": quant_rows, "grpo": grpo_rows, "dora": dora_rows, "variants": variants_rows, "train_step": train_step_rows, "long_context": long_context_rows, "distributed": distributed_rows,
+ROWS = {"gpu": gpu_rows, "decode": decode_rows, "quant": quant_rows, "grpo": grpo_rows, "dora": dora_rows,
+        "variants": variants_rows, "train_step": train_step_rows, "long_context": long_context_rows,
+        "distributed": distributed_rows,
         "forward": forward_rows, "gemm": gemm_rows, "lora_overhead": lora_overhead_rows, "merge": merge_rows,
         "int8": int8_rows, "dequant": dequant_rows}
 

@@ -51,8 +51,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
 
 
 def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q·kᵀ/√d + mask)·v for one query position (B, H, 1, d), keys shared by groups of heads, as two grouped
-    products: no copy of the keys and values per head. mask (B or 1, 1, 1, S) bool; scores and softmax in float32."""
+    """softmax(q·kᵀ/√d + mask)·v for one query position (B, H, 1, d), keys shared by groups of heads, as two
+    grouped products: no copy of the keys and values per head. mask (B or 1, 1, 1, S) bool; scores and softmax in
+    float32."""
     B, H, _, d = q.shape
     kv_heads = k.shape[1]
     scores = torch.matmul(q.view(B, kv_heads, H // kv_heads, d), k.transpose(-1, -2)).float() * d ** -0.5

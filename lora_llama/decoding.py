@@ -58,7 +58,7 @@ class StaticDecoder:
                 self.logits = self._forward()
             self.graph.replay()
             return self.logits
-        self.warm = True  # the first step eagerly: lazy initialisations (cuBLAS, compiled kernels) stay out of the graph
+        self.warm = True  # the first step eagerly: lazy initialisations (cuBLAS, compiled kernels) stay out of graphs
         if not self.graphed:
             return self._forward()
         side = torch.cuda.Stream()  # on a side stream, as CUDA graphs' warm-up must be

@@ -46,14 +46,14 @@ def made_once(make):
 
 
 def compiled(fn, slower: str, graphs: int | None = None, **compile_args):
-    """fn through torch.compile(**compile_args), compiled on first use; on a compile failure, a warning once (saying
-    what runs `slower`) and fn itself, then and from then on, for every compiled formula. `graphs`: how many
-    graphs fn may compile (dynamo's recompile limit, 8, raised for each call: the patch costs ~40 µs a call, so
-    only a formula that needs more, one graph per format and dtype, asks for it)."""
+    """fn (a function, or a module such as a decoder block) through torch.compile(**compile_args), compiled on first
+    use; on a compile failure, a warning once (saying what runs `slower`) and fn itself, then and from then on, for
+    everything compiled here. `graphs`: how many graphs fn may compile (dynamo's recompile limit, 8, raised for
+    each call: the patch costs ~40 µs a call, so only a formula that needs more, one graph per format and dtype,
+    asks for it)."""
     compiled_fn = None
 
-    @functools.wraps(fn)
-    def run(*args):
+    def run(*args, **kwargs):
         global _broken
         nonlocal compiled_fn
         if _broken is None:
@@ -61,17 +61,17 @@ def compiled(fn, slower: str, graphs: int | None = None, **compile_args):
                 if compiled_fn is None:  # torch.compile imports dynamo (~2 s): only once a formula is needed
                     compiled_fn = torch.compile(fn, **compile_args)
                 if graphs is None:
-                    return compiled_fn(*args)
+                    return compiled_fn(*args, **kwargs)
                 with torch._dynamo.config.patch(recompile_limit=graphs):
-                    return compiled_fn(*args)
+                    return compiled_fn(*args, **kwargs)
             except Exception as e:  # inductor's compiler errors have no common base; a real error repeats in fn
                 # dynamo's wrapper reads "backend='inductor' raised:" and then the cause
                 lines = [line for line in str(e).splitlines() if line.strip() and not line.endswith("raised:")]
                 _broken = lines[0][:200] if lines else type(e).__name__
                 warnings.warn(f"torch.compile unavailable ({_broken}); using PyTorch's eager kernels ({slower})",
                               stacklevel=2)
-        return fn(*args)
-    return run
+        return fn(*args, **kwargs)
+    return run if isinstance(fn, torch.nn.Module) else functools.wraps(fn)(run)
 
 
 # dynamic threads: with dynamic shapes one loop serves every size, and inductor leaves it serial for good if the

@@ -163,7 +163,7 @@ class LoRALinear(nn.Module):
         if self.use_dora:
             return self._dora(x2).view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling() and self.fused(x2):
-            # compiled: the plain formula with the fused node's dtypes (inductor writes the backward and fuses the casts)
+            # compiled: the plain formula in the fused node's dtypes (inductor writes the backward, fuses the casts)
             a = F.linear(x2, self.lora_A.weight.to(x2.dtype))  # (N, r)
             y = run_linear(self.base_layer, x2) + F.linear(a, self.lora_B.weight.to(x2.dtype)) * self.scale
             return y.view(*x.shape[:-1], self.out_features)

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .attention import attend, takes_segments
 from .config import ModelArgs, rope_inv_freq
+from .fused import compiled
 from .gemm import run_linear
 from .kernels import apply_rope, project, recompute_when_saved, rms_norm, silu_mul, swiglu
 
@@ -274,8 +275,9 @@ class Llama(nn.Module):
     def compile_blocks(self, **options) -> None:
         """Run each decoder block through torch.compile(**options) in training passes (with gradients, no KV cache):
         one graph per block with its elementwise work fused and its backward written by inductor; every block
-        shares the graphs of the first (parameters are graph inputs)."""
-        self._compiled_blocks = [torch.compile(layer, **options) for layer in self.model.layers]
+        shares the graphs of the first (parameters are graph inputs). Where compiling fails, a warning and eager
+        blocks."""
+        self._compiled_blocks = [compiled(layer, "decoder blocks run eager", **options) for layer in self.model.layers]
 
     def attention_mask(self, T: int, start: int, device, segment_ids=None, key_mask=None):
         """Which keys each query sees: None for plain causal attention, for packed rows on the CPU
@@ -308,7 +310,8 @@ class Llama(nn.Module):
         h = self.hidden(input_ids, position_ids, segment_ids, cache, keep)
         return h if hidden_only else run_linear(self.lm_head, h)
 
-    def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None, static: bool = False) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None,
+                  static: bool = False) -> KVCache:
         """static: a StaticKVCache (key_mask required) for decoding steps of one shape."""
         p = self.model.embed_tokens.weight
         return (StaticKVCache if static else KVCache)(self.args, batch, max_len, p.device, p.dtype, key_mask)

@@ -54,8 +54,8 @@ class Trainer:
     # ---------------------------------------------------------------- data order
 
     def micro_batch(self, index: int) -> dict | None:
-        """This rank's share of the index-th global micro-batch, on the host: a fresh seeded shuffle each epoch, so a
-        position is all resume needs, and the order is the one-process order whatever the number of ranks.
+        """This rank's share of the index-th global micro-batch, on the host: a fresh seeded shuffle each epoch, so
+        a position is all resume needs, and the order is the one-process order whatever the number of ranks.
         None when the last micro-batch of an epoch leaves this rank nothing."""
         bs = self.recipe.train.batch_size
         glob = bs * self.ranks.world
@@ -252,4 +252,8 @@ def param_groups(model, lr: float, loraplus_lr_ratio: float | None) -> list[dict
 
 
 def _to(batch: dict, device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The batch on `device`; from the host to a GPU through pinned memory, asynchronously (a copy from pageable
+    memory would first wait for the GPU's queue: a host sync per micro-batch)."""
+    cuda = torch.device(device).type == "cuda"
+    move = lambda t: t.pin_memory().to(device, non_blocking=True) if cuda and t.device.type == "cpu" else t.to(device)
+    return {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -48,7 +48,8 @@ def test_a_gpu_this_machine_lacks_is_refused(tiny_ckpt, tmp_path, capsys):
     ("chat", {"messages": None}, "'messages' is null"),
     ("chat", {"messages": ["hi", "hello"]}, "list of {role, content}"),
     ("chat", {"messages": []}, "non-empty list"),
-    ("chat", {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}, "without content"),
+    ("chat", {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]},
+     "without content"),
     ("text", {"text": None}, "'text' is null"),
     ("alpaca", {"instruction": "say hi", "output": None}, "'output' is null"),
 ])
@@ -91,7 +92,8 @@ def test_a_truncated_base_is_named_by_merge_and_export(tiny_ckpt, tmp_path, caps
 
 
 @pytest.mark.parametrize("args", [
-    ["generate", "--max-new-tokens", "-4"], ["generate", "--max-new-tokens", "0"], ["generate", "--max-new-tokens", "x"],
+    ["generate", "--max-new-tokens", "-4"], ["generate", "--max-new-tokens", "0"],
+    ["generate", "--max-new-tokens", "x"],
     ["generate", "--top-k", "0"], ["generate", "--top-p", "1.5"], ["generate", "--top-p", "0"],
     ["generate", "--temperature", "-1"], ["generate", "--temperature", "nan"], ["eval", "--batch-size", "0"],
 ])

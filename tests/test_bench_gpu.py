@@ -23,8 +23,8 @@ def test_model_flops_count_every_frozen_linear_lm_head_and_causal_attention(conf
                   if isinstance(m, torch.nn.Linear) and name.startswith("model.layers."))
     c = model.config
     head_dim = c.hidden_size // c.num_attention_heads
-    # forward + input gradient: 2 x 2 FLOPs a weight a token; attention: QKᵀ and PV (2 x 2 x T² x d a head), half of it
-    # causal, backward twice the forward
+    # forward + input gradient: 2 x 2 FLOPs a weight a token; attention: QKᵀ and PV (2 x 2 x T² x d a head), half
+    # of it causal, backward twice the forward
     attention = 3 * (4 * seq * seq * head_dim / 2) * c.num_attention_heads * c.num_hidden_layers * batch
     want = 4 * batch * seq * (linears + model.lm_head.weight.numel()) + attention
     assert model_flops(shapes, batch, seq) == want

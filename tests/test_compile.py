@@ -6,10 +6,16 @@ import torch
 import torch.nn.functional as F
 
 from helpers import random_lora_b
-from lora_llama import LoraSettings, apply_lora, load_model
+from lora_llama import LoraSettings, apply_lora, fused, load_model
 from lora_llama.loss import target_loss, where_targets
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+@pytest.fixture(autouse=True)
+def compiling_works(monkeypatch):
+    """Each test starts with compiling deemed to work (a failure falls back to eager for the whole process)."""
+    monkeypatch.setattr(fused, "_broken", None)
 
 
 def ids(batch=2, seq=24, seed=1):
@@ -49,8 +55,9 @@ def test_compiled_blocks_are_whole_graphs_that_train_as_the_eager_kernels(tiny_c
     labels[:, :9] = -100  # a prompt: the last block runs at the target positions only
     eager_loss, eager = loss_and_grads(adapted(tiny_ckpt, quantize, dtype), labels)
     model = adapted(tiny_ckpt, quantize, dtype)
-    model.compile_blocks(fullgraph=True, backend=backend)  # a graph break raises
+    model.compile_blocks(fullgraph=True, backend=backend)  # a graph break raises: the blocks would fall back to eager
     loss, grads = loss_and_grads(model, labels)
+    assert fused._broken is None
     assert grads.keys() == eager.keys() and len(grads) == 2 * 7 * 2
     tol = 1e-5 if dtype == torch.float32 else 5e-2  # bf16: products rounded to 8 bits, in another order
     assert abs(loss - eager_loss) <= tol * abs(eager_loss)
@@ -83,7 +90,8 @@ def test_a_compiled_quantized_product_saves_no_weight_for_backward(tiny_ckpt, mo
     from lora_llama.quant import QuantizedLinear
 
     if traced:
-        monkeypatch.setattr(QuantizedLinear, "forward", lambda self, x: F.linear(x, self.dequantize(x.dtype), self.bias))
+        monkeypatch.setattr(QuantizedLinear, "forward",
+                            lambda self, x: F.linear(x, self.dequantize(x.dtype), self.bias))
     torch._dynamo.reset()
     model = adapted(tiny_ckpt, kind)
     model.compile_blocks(fullgraph=True, backend="aot_eager")
@@ -96,6 +104,7 @@ def test_a_compiled_quantized_product_saves_no_weight_for_backward(tiny_ckpt, mo
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss, n = target_loss(model, ids(), ids())
+    assert fused._broken is None  # the compiled graph ran, not the eager fallback
     kept_weights = [s for s in saved if s in weights or s[::-1] in weights]
     assert saved and (kept_weights if traced else not kept_weights), kept_weights
 

@@ -217,6 +217,9 @@ def test_compiled_blocks_on_cuda_are_whole_graphs_that_train_as_eager(tiny_ckpt,
         loss, n = target_loss(model, x, x)
         (loss / n).backward()
         results.append((float(loss), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}))
+    from lora_llama import fused
+
+    assert fused._broken is None  # compiled, not the eager fallback
     (eager_loss, eager), (loss, grads) = results
     assert abs(loss - eager_loss) < 1e-2 * abs(eager_loss) and grads.keys() == eager.keys()
     assert all(rel(grads[k], eager[k]) < 5e-2 for k in grads), max((rel(grads[k], eager[k]), k) for k in grads)

@@ -102,7 +102,7 @@ def test_one_query_attention_over_grouped_keys_equals_sdpa_on_repeated_ones():
     from lora_llama.attention import one_query
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 6, 1, 8, generator=g), torch.randn(3, 2, 11, 8, generator=g), torch.randn(3, 2, 11, 8, generator=g)
+    q, k, v = (torch.randn(3, heads, n, 8, generator=g) for heads, n in ((6, 1), (2, 11), (2, 11)))
     mask = torch.rand(3, 1, 1, 11, generator=g) > 0.3
     mask[..., -1] = True
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
