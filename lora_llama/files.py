@@ -221,7 +221,10 @@ class CheckpointRows:
         for f in shard_files(folder):
             with open(f, "rb") as fh:
                 size = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(size))
+                try:
+                    header = json.loads(fh.read(size))
+                except ValueError:  # cut inside its header (a cut in the data is found by `rows`)
+                    raise UserError(f"cannot read {f}: truncated or not a safetensors file") from None
             for name, info in header.items():
                 if name != "__metadata__":
                     self.where[name] = (f, SAFETENSORS_DTYPES[info["dtype"]], info["shape"], 8 + size + info["data_offsets"][0])

@@ -91,6 +91,18 @@ def test_a_truncated_base_is_named_by_merge_and_export(tiny_ckpt, tmp_path, caps
     assert not (tmp_path / "merged").exists() and not (tmp_path / "m.gguf").exists()
 
 
+def test_fsdp_row_reading_names_a_file_cut_inside_its_header(tiny_ckpt, tmp_path):
+    from lora_llama.errors import UserError
+    from lora_llama.files import CheckpointRows
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_ckpt, base)
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])
+    with pytest.raises(UserError, match="model.safetensors: truncated|cannot read .*model.safetensors"):
+        CheckpointRows(base)
+
+
 @pytest.mark.parametrize("args", [
     ["generate", "--max-new-tokens", "-4"], ["generate", "--max-new-tokens", "0"],
     ["generate", "--max-new-tokens", "x"],
