@@ -38,6 +38,8 @@ def generate(model, prompt_ids: Iterable[int], max_new_tokens: int = 64, tempera
              eos_ids: Iterable[int] = (), use_cache: bool = True,
              on_token: Callable[[int], None] | None = None) -> list[int]:
     """Continue one prompt; returns the new token ids (EOS included when it ends the text)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids)], device=device)  # (1, T)
     if ids.shape[1] == 0:

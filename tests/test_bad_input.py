@@ -115,6 +115,16 @@ def test_counts_below_their_least_value_are_refused_before_any_work(tiny_ckpt, c
     assert args[1] in err
 
 
+def test_the_python_api_refuses_a_count_below_one(tiny_ckpt):
+    from lora_llama import load_model
+    from lora_llama.generate import generate
+
+    model = load_model(tiny_ckpt)
+    for n in (0, -4):
+        with pytest.raises(ValueError, match="at least 1"):
+            generate(model, [5, 6, 7], max_new_tokens=n)
+
+
 @pytest.mark.parametrize("flag,value", [("--nproc-per-node", "0"), ("--nnodes", "0"), ("--node-rank", "-1")])
 def test_process_counts_below_their_least_value_are_refused(capsys, flag, value):
     assert flag in run(capsys, ["train", RECIPE, flag, value])
