@@ -16,14 +16,9 @@ import time
 import torch
 
 from bench.common import cpu_line, record, scratch_dir
-from bench.gpu import LLAMA32_1B, SMOLLM2_135M, random_model
+from bench.gpu import LLAMA32_1B, SMOLLM2_135M, random_model, synchronize
 
 MODELS = {"135m": SMOLLM2_135M, "1b": LLAMA32_1B}
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def copy_bandwidth(device: str) -> float:

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, record, scratch_dir
+from bench.train_step import memory_mb
 
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -155,22 +156,6 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def reset_peak(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_mb(device: str) -> float:
-    """The run's peak of GPU memory allocated by torch (on the CPU smoke test, the process's resident peak)."""
-    import torch
-
-    from bench.common import status_mb
-
-    return torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else status_mb("VmHWM")
-
-
 def peer(folder: str, rows_file: str, batch: int, quantize: str | None, liger: bool, steps: int, warmup: int,
          device: str) -> dict:
     """transformers+peft (optionally with liger-kernel's Llama kernels; on an nf4 base, bitsandbytes' 4-bit layers)."""
@@ -196,7 +181,7 @@ def peer(folder: str, rows_file: str, batch: int, quantize: str | None, liger: b
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     rows = torch.tensor(json.loads(Path(rows_file).read_text()), device=device)
-    reset_peak(device)
+    memory_mb(device, reset=True)
     times = []
     for i in range(warmup + steps):
         ids = rows[(i * batch) % len(rows):][:batch]
@@ -211,7 +196,7 @@ def peer(folder: str, rows_file: str, batch: int, quantize: str | None, liger: b
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times[warmup:])
     return {"step_s": step_s, "first_step_s": times[0], "tokens_per_s": batch * rows.shape[1] / step_s,
-            "gpu_peak_mb": peak_mb(device)}
+            "gpu_peak_mb": memory_mb(device, peak=True)}
 
 
 def ours(folder: str, data: str, out: str, batch: int, seq: int, quantize: str | None, steps: int, warmup: int,
@@ -227,7 +212,7 @@ def ours(folder: str, data: str, out: str, batch: int, seq: int, quantize: str |
             "train.compile=auto", "train.eval_every=100000", "train.save_every=100000", "train.log_every=1",
             "lora.r=16", "lora.alpha=32", "lora.dropout=0.0", "lora.targets=[q,k,v,o,gate,up,down]",
             f"output.dir={out}", "--force"]
-    reset_peak(device)
+    memory_mb(device, reset=True)
     code = main(args)
     if code:
         raise SystemExit(f"lora-llama train exited {code}")
@@ -236,7 +221,7 @@ def ours(folder: str, data: str, out: str, batch: int, seq: int, quantize: str |
     first = rates[0]
     rate = statistics.median(rates[warmup:])
     return {"step_s": batch * seq / rate, "first_step_s": batch * seq / first, "tokens_per_s": rate,
-            "gpu_peak_mb": peak_mb(device)}
+            "gpu_peak_mb": memory_mb(device, peak=True)}
 
 
 # ---------------------------------------------------------------------------- the driver

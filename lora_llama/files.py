@@ -153,6 +153,11 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
+def unreadable(f: Path, cause: Exception | None = None) -> UserError:
+    """The one line for a weights file that cannot be read."""
+    return UserError(f"cannot read {f}: truncated or not a safetensors file" + (f" ({cause})" if cause else ""))
+
+
 @contextlib.contextmanager
 def open_safetensors(f: Path):
     """safe_open(f) for torch, a file it cannot read (truncated, not safetensors) one UserError naming it."""
@@ -161,7 +166,7 @@ def open_safetensors(f: Path):
     try:
         sf = safe_open(f, framework="pt")
     except (SafetensorError, OSError) as e:
-        raise UserError(f"cannot read {f}: truncated or not a safetensors file ({e})") from None
+        raise unreadable(f, e) from None
     with sf:
         yield sf
 
@@ -184,7 +189,7 @@ def iter_shards(folder: Path, owned: bool = False) -> Iterator[tuple[Path, dict]
             with sf:
                 tensors = {k: sf.get_tensor(k) for k in sf.keys()}
         except (SafetensorError, OSError) as e:
-            raise UserError(f"cannot read {f}: truncated or not a safetensors file ({e})") from None
+            raise unreadable(f, e) from None
         yield f, tensors
         del tensors
 
@@ -224,7 +229,7 @@ class CheckpointRows:
                 try:
                     header = json.loads(fh.read(size))
                 except ValueError:  # cut inside its header (a cut in the data is found by `rows`)
-                    raise UserError(f"cannot read {f}: truncated or not a safetensors file") from None
+                    raise unreadable(f) from None
             for name, info in header.items():
                 if name != "__metadata__":
                     self.where[name] = (f, SAFETENSORS_DTYPES[info["dtype"]], info["shape"], 8 + size + info["data_offsets"][0])
