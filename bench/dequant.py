@@ -16,9 +16,9 @@ import argparse
 import torch
 
 from bench.common import cpu_line, median_time, record
-from lora_llama import quant
-from lora_llama.allocator import keep_freed_memory
-from lora_llama.gemm import linear
+from lora_llama.quant import linear as quant
+from lora_llama.runtime.allocator import keep_freed_memory
+from lora_llama.kernels.gemm import linear
 from tests.helpers import quantized_layers
 
 IN, OUT = 2048, 5632

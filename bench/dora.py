@@ -22,10 +22,10 @@ def peft_worker(use_dora: bool, steps: int) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_llama.checkpoint import resolve_source
-    from lora_llama.config import HF_NAME
-    from lora_llama.data import build_examples, collate
-    from lora_llama.recipe import load_recipe
+    from lora_llama.loading.models import resolve_source
+    from lora_llama.model.config import HF_NAME
+    from lora_llama.data.sft import build_examples, collate
+    from lora_llama.recipe.schema import load_recipe
 
     torch.set_num_threads(2)
     r = load_recipe(str(RECIPE))

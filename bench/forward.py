@@ -10,7 +10,7 @@ import torch
 from bench.common import cpu_line, median_time, random_checkpoint, record
 
 from lora_llama import load_model
-from lora_llama.generate import generate
+from lora_llama.model.generate import generate
 
 
 def main():

@@ -1,4 +1,4 @@
-"""Float32 products of a LoRA step on this CPU: F.linear (MKL's sgemm) vs lora_llama.gemm.linear (oneDNN).
+"""Float32 products of a LoRA step on this CPU: F.linear (MKL's sgemm) vs lora_llama.kernels.gemm.linear (oneDNN).
 
 Shapes of SmolLM2-135M at batch 4 x 512 (2048 rows): the base projections forward (x·Wᵀ) and
 their input gradients (gy·W, W passed transposed as a view), and one chunk of the loss's
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import cpu_line, median_time, record
-from lora_llama import gemm
+from lora_llama.kernels import gemm
 
 SHAPES = {  # name: (rows, in, out)
     "q/o 576->576": (2048, 576, 576),

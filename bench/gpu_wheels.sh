@@ -25,8 +25,8 @@ done
 "$PY" - <<'PY'
 import json
 from lora_llama import load_tokenizer
-from lora_llama.prompts import reasoning_gym_records
-from lora_llama.recipe import load_recipe
+from lora_llama.data.prompts import reasoning_gym_records
+from lora_llama.recipe.schema import load_recipe
 
 load_tokenizer("smollm2-135m-instruct").save_pretrained(".whl/smol-tokenizer")
 d = load_recipe("recipes/smollm2-grpo-cpu.yaml").data

@@ -16,7 +16,7 @@ RECIPE = ROOT / "recipes" / "smollm2-grpo-cpu.yaml"
 OURS = """
 import json, sys, time, torch
 from bench.common import status_mb
-from lora_llama import trainer
+from lora_llama.training import trainer
 from lora_llama.cli import main
 times, original = [], trainer.Trainer.train_step
 def timed(self):
@@ -80,7 +80,7 @@ def main():
     ap.add_argument("--data", help="a prompt JSONL instead of the reasoning-gym task (reward: format)")
     ap.add_argument("overrides", nargs="*", help="more recipe overrides, for both libraries (key.path=value)")
     a = ap.parse_args()
-    from lora_llama.recipe import load_recipe
+    from lora_llama.recipe.schema import load_recipe
 
     t = load_recipe(str(RECIPE)).train
     completions = t.batch_size * t.grpo.group_size

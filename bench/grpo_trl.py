@@ -33,10 +33,10 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from lora_llama.checkpoint import resolve_source
-    from lora_llama.config import HF_NAME
-    from lora_llama.prompts import build_prompts
-    from lora_llama.rewards import load_reward
+    from lora_llama.loading.models import resolve_source
+    from lora_llama.model.config import HF_NAME
+    from lora_llama.data.prompts import build_prompts
+    from lora_llama.training.rewards import load_reward
 
     source = resolve_source(r.model.source)  # the installed SmolLM2 GGUF is read by transformers' own loader
     where = dict(gguf_file=source.name) if source.suffix == ".gguf" else {}
@@ -63,7 +63,7 @@ def main():
     from transformers import TrainerCallback
 
     from bench.common import scratch_dir
-    from lora_llama.recipe import load_recipe
+    from lora_llama.recipe.schema import load_recipe
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=6)

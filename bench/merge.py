@@ -15,7 +15,7 @@ from bench.common import ROOT, cpu_line, median_time, random_checkpoint, record,
 # measured in a fresh process: VmHWM is that process's own peak, reset once imports are done
 MEASURE = r"""
 import json, sys, time
-import torch, safetensors, peft, transformers, lora_llama.merge
+import torch, safetensors, peft, transformers, lora_llama.outputs.merge
 from bench.common import reset_peak, status_mb
 before = status_mb("VmRSS")
 reset_peak()
@@ -25,7 +25,7 @@ REPORT = r"""
 print(json.dumps({"s": time.perf_counter() - t, "peak_mb": status_mb("VmHWM") - before}))
 """
 NATIVE = MEASURE + r"""
-lora_llama.merge.merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)
+lora_llama.outputs.merge.merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)
 """ + REPORT
 PEFT = MEASURE + r"""
 model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32), sys.argv[2])
@@ -36,7 +36,7 @@ model.merge_and_unload().save_pretrained(sys.argv[3], max_shard_size="200MB")
 def main():
     torch.set_num_threads(2)
     from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-    from lora_llama.lora import lora_modules
+    from lora_llama.lora.layer import lora_modules
 
     tmp = scratch_dir("lora-llama-merge-bench-")
     base = random_checkpoint(tmp / "base", shards=4)

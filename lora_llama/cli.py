@@ -10,8 +10,8 @@ import json
 import os
 import sys
 
-from .config import DTYPE_NAMES, QUANTIZE_KINDS, torch_dtype
-from .errors import UserError
+from lora_llama.model.config import DTYPE_NAMES, QUANTIZE_KINDS, torch_dtype
+from lora_llama.errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -23,8 +23,8 @@ def _rank_0() -> bool:
 
 def _load(args):
     """Model (with the adapter when given) and tokenizer for generate / eval."""
-    from .adapters import load_adapter
-    from .checkpoint import load_model, load_tokenizer
+    from lora_llama.loading.adapters import load_adapter
+    from lora_llama.loading.models import load_model, load_tokenizer
 
     model = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     if args.adapter:
@@ -33,21 +33,25 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from .recipe import load_recipe
+    from lora_llama.recipe.schema import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, before any process starts
+    if recipe.output.push_to_hub:  # no token fails now, not after hours of training
+        from lora_llama.outputs.hub import resolve_token
+
+        resolve_token(None)
     if "RANK" in os.environ:  # a worker of torchrun's: it ends with its launcher
-        from .distributed import die_with_parent
+        from lora_llama.runtime.distributed import die_with_parent
 
         die_with_parent()
     elif (args.nproc_per_node or 1) > 1 or args.nnodes > 1:
-        from .distributed import launch, launcher_args
+        from lora_llama.runtime.distributed import launch, launcher_args
 
         torchrun = launcher_args(args.nproc_per_node or 1, args.nnodes, args.node_rank, args.rdzv_endpoint,
                                  str(recipe.output.dir))
         return launch(torchrun, ["train", args.recipe, *args.overrides] + ["--resume"] * args.resume
                       + ["--force"] * args.force)
-    from .train import train_from_recipe
+    from lora_llama.training.from_recipe import train_from_recipe
 
     result = train_from_recipe(recipe, resume=args.resume, force=args.force)
     if not _rank_0():  # rank 0 reports for the job
@@ -56,6 +60,10 @@ def cmd_train(args) -> int:
         if f"eval_{what}_start" in result and f"eval_{what}" in result:
             print(f"eval {what} {result[f'eval_{what}_start']:.4f} (base model) -> {result[f'eval_{what}']:.4f} "
                   f"(adapter, step {result['step']})")
+    if recipe.output.push_to_hub:
+        from lora_llama.outputs.hub import push
+
+        result["pushed"] = push(recipe.output.dir, recipe.output.push_to_hub)
     print(json.dumps(result))
     return 0
 
@@ -65,7 +73,7 @@ def _trained_quantize(args) -> dict:
     (and model.nf4_double_quant) of the run the adapter comes from (run/adapter, run/checkpoints/step-N/adapter)."""
     if args.quantize or args.onto != "dequantized" or not args.adapter:
         return {"quantize": args.quantize, "double_quant": args.nf4_double_quant}
-    from .run_folder import read_run_recipe, run_of_adapter
+    from lora_llama.training.run_folder import read_run_recipe, run_of_adapter
 
     model = read_run_recipe(run_of_adapter(args.adapter)).get("model") or {}
     return {"quantize": model.get("quantize"), "double_quant": bool(model.get("nf4_double_quant"))}
@@ -83,7 +91,7 @@ def _warnings_to_stderr(call):
 
 
 def cmd_merge(args) -> int:
-    from .merge import merge_checkpoint
+    from lora_llama.outputs.merge import merge_checkpoint
 
     result = _warnings_to_stderr(lambda: merge_checkpoint(args.base, args.adapter, args.out, dtype=args.dtype,
                                                           force=args.force, onto=args.onto, **_trained_quantize(args)))
@@ -93,7 +101,7 @@ def cmd_merge(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export_gguf, export_lora_gguf
+    from lora_llama.outputs.export import export_gguf, export_lora_gguf
 
     if args.lora_gguf:
         if not args.adapter or args.out:
@@ -111,7 +119,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from .hub import push
+    from lora_llama.outputs.hub import push
 
     push(args.path, args.repo_id, token=args.token, private=args.private, revision=args.revision,
          commit_message=args.commit_message, dry_run=args.dry_run)
@@ -119,7 +127,7 @@ def cmd_push(args) -> int:
 
 
 def _prompt_ids(args, tok, prompt: str) -> list[int]:
-    from .tokens import encode_rendered
+    from lora_llama.data.chat import encode_rendered
 
     if args.chat:
         if not tok.chat_template:
@@ -137,8 +145,9 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from .generate import eos_token_ids, generate
-    from .lora import adapters_disabled
+    from lora_llama.data.chat import eos_token_ids
+    from lora_llama.model.generate import generate
+    from lora_llama.lora.layer import adapters_disabled
 
     if args.compare and not args.adapter:
         raise UserError("--compare needs --adapter (it shows the base model's answer beside the adapter's)")
@@ -162,8 +171,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .data import read_documents
-    from .evaluation import evaluate_documents
+    from lora_llama.data.sft import read_documents
+    from lora_llama.training.evaluation import evaluate_documents
 
     model, tok = _load(args)
     docs = read_documents(args.data)

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from .errors import UserError
+from lora_llama.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

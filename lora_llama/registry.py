@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import UserError
+from lora_llama.errors import UserError
 
 
 class RegisteredModel(NamedTuple):

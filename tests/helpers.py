@@ -157,8 +157,8 @@ def random_blocks(kind: str, rows: int, in_features: int, seed: int = 0):
 def quantized_layers(rows: int = 64, in_features: int = 512, seed: int = 2) -> dict:
     """{name: QuantizedLinear} of every layer kind: int8, nf4, nf4 with double quantization (from random float
     weights), and each GGUF block format (random blocks)."""
-    from lora_llama.gguf_blocks import GGUF_FORMATS
-    from lora_llama.quant import QuantizedLinear
+    from lora_llama.quant.gguf_blocks import GGUF_FORMATS
+    from lora_llama.quant.linear import QuantizedLinear
 
     linear = torch.nn.Linear(in_features, rows, bias=False)
     torch.nn.init.normal_(linear.weight, std=0.05, generator=torch.Generator().manual_seed(seed))

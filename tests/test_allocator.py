@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # heap's top lands), so each run starts from it set to hand memory back at once, as it does in the bad case
 STEPS = r"""
 import ctypes, json, resource, sys, torch
-from lora_llama.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
+from lora_llama.runtime.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
 ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 1 << 20)
 ctypes.CDLL(None).mallopt(M_TRIM_THRESHOLD, 128 << 10)
 said = keep_freed_memory() if sys.argv[1] == "keep" else None
@@ -50,7 +50,7 @@ def test_the_users_malloc_settings_are_left_alone():
 # a block's gathered weights under fsdp: 40 pieces of 12 MB, all freed after the block
 GATHER = r"""
 import json, sys, torch
-from lora_llama.allocator import keep_freed_memory, return_freed_memory
+from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
 said = (return_freed_memory if sys.argv[1] == "return" else keep_freed_memory)()
 rss = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) // 1024
 before = rss()

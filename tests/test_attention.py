@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lora_llama import attention, blocked_attention
-from lora_llama.attention import _CausalAttention, attend, causal_segment_mask
+from lora_llama.kernels import attention
+from lora_llama.kernels import blocked_attention
+from lora_llama.kernels.attention import _CausalAttention, attend, causal_segment_mask
 
 
 def qkv(B, H, H_kv, T, d, dtype=torch.float64):

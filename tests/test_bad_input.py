@@ -67,7 +67,7 @@ def test_a_record_with_a_null_or_malformed_field_names_it(tiny_ckpt, tmp_path, c
 
 def test_mixed_chat_styles_read_each_message_whole(tiny_ckpt):
     """A file mixing {role, content} and {from, value} messages reads back with the other style's keys null."""
-    from lora_llama.tokens import normalise_messages
+    from lora_llama.data.chat import normalise_messages
 
     mixed = [{"role": "user", "content": "hi", "from": None, "value": None},
              {"role": None, "content": None, "from": "gpt", "value": "hello"}]
@@ -117,7 +117,7 @@ def test_counts_below_their_least_value_are_refused_before_any_work(tiny_ckpt, c
 
 def test_the_python_api_refuses_a_count_below_one(tiny_ckpt):
     from lora_llama import load_model
-    from lora_llama.generate import generate
+    from lora_llama.model.generate import generate
 
     model = load_model(tiny_ckpt)
     for n in (0, -4):

@@ -1,4 +1,4 @@
-"""Model sources (checkpoint.py), the file layer under them (files.py) and registered names (registry.py)."""
+"""Model sources (loading/models.py), the file layer under them (files.py) and registered names (registry.py)."""
 import json
 import os
 import shutil
@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import build_checkpoint, hf_model
 from lora_llama import UserError, load_model
-from lora_llama.checkpoint import gguf_cache_key, gguf_to_folder, resolve_source
+from lora_llama.loading.models import gguf_cache_key, gguf_to_folder, resolve_source
 from lora_llama.cli import main
 from lora_llama.files import atomic_dir, shard_files, write_safetensors_streaming
 from lora_llama.registry import is_hub_id, package_dir

@@ -60,7 +60,7 @@ def test_bad_model_input_is_one_line_exit_2(tmp_path, tiny_ckpt, capsys):
 
 def test_generate_prints_the_greedy_continuation(tiny_ckpt, capsys):
     from lora_llama import load_model, load_tokenizer
-    from lora_llama.generate import generate
+    from lora_llama.model.generate import generate
 
     assert main(["generate", "--model", str(tiny_ckpt), "--prompt", "the quick", "--max-new-tokens", "6"]) == 0
     tok = load_tokenizer(tiny_ckpt)
@@ -100,7 +100,8 @@ def test_smollm2_gguf_matches_transformers_and_knows_paris(smollm2):
     from transformers import AutoModelForCausalLM
 
     from lora_llama import load_model, load_tokenizer
-    from lora_llama.generate import eos_token_ids, generate
+    from lora_llama.data.chat import eos_token_ids
+    from lora_llama.model.generate import generate
 
     model = load_model("smollm2-135m-instruct")
     assert model.args.n_layers == 30 and model.args.n_kv_heads == 3 and model.args.tie_word_embeddings
@@ -130,9 +131,9 @@ def test_hub_id_offline_is_one_clear_line(capsys, monkeypatch, tmp_path):
 
 def test_generate_compare_prints_base_and_adapter_answers(tiny_ckpt, tmp_path, capsys):
     from lora_llama import LoraSettings, apply_lora, load_model, load_tokenizer, save_adapter
-    from lora_llama.tokens import encode_rendered
-    from lora_llama.generate import generate
-    from lora_llama.lora import lora_modules
+    from lora_llama.data.chat import encode_rendered
+    from lora_llama.model.generate import generate
+    from lora_llama.lora.layer import lora_modules
 
     model = load_model(tiny_ckpt)
     torch.manual_seed(0)  # A's initialisation draws from the global generator: the same adapter whatever ran before

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import random_lora_b
-from lora_llama import LoraSettings, apply_lora, fused, load_model
-from lora_llama.loss import target_loss, where_targets
+from lora_llama import LoraSettings, apply_lora, load_model
+from lora_llama.kernels import fused
+from lora_llama.kernels.cross_entropy import target_loss, where_targets
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -67,7 +68,7 @@ def test_compiled_blocks_are_whole_graphs_that_train_as_the_eager_kernels(tiny_c
 def test_decoding_and_eval_keep_the_eager_blocks(tiny_ckpt):
     """A KV cache's growing length would make each token a new graph, and no-grad graphs would compile again beside
     the training ones: generation and passes without gradients run the eager blocks."""
-    from lora_llama.generate import generate
+    from lora_llama.model.generate import generate
 
     torch._dynamo.reset()
     model = adapted(tiny_ckpt).eval()
@@ -87,7 +88,7 @@ def test_decoding_and_eval_keep_the_eager_blocks(tiny_ckpt):
 def test_a_compiled_quantized_product_saves_no_weight_for_backward(tiny_ckpt, monkeypatch, kind, traced):
     """The dequantized weight is made again in backward, never kept: only the plain formula traced into the graph
     (the variant, so this check can fail) saves (out, in) float weights."""
-    from lora_llama.quant import QuantizedLinear
+    from lora_llama.quant.linear import QuantizedLinear
 
     if traced:
         monkeypatch.setattr(QuantizedLinear, "forward",
@@ -131,8 +132,8 @@ def test_every_quantized_layer_kind_compiles_whole_with_the_eager_product():
 def test_nf4_through_bitsandbytes_kernel_equals_ours():
     """On CUDA nf4 weights dequantize in bitsandbytes' own op (here its CPU implementation of the same op)."""
     pytest.importorskip("bitsandbytes")
-    from lora_llama.quant import nf4_by_bitsandbytes
-    from lora_llama.quant_formats import dequantize_absmax, dequantize_nf4, quantize_absmax, quantize_nf4
+    from lora_llama.quant.linear import nf4_by_bitsandbytes
+    from lora_llama.quant.formats import dequantize_absmax, dequantize_nf4, quantize_absmax, quantize_nf4
 
     for shape in [(96, 128), (5, 50)]:  # rows of blocks, and a flat layout with a last partial block
         w = torch.randn(shape, generator=torch.Generator().manual_seed(0))
@@ -160,7 +161,7 @@ def test_target_positions_taken_on_the_host_give_the_same_loss(tiny_ckpt):
 
 
 def test_compile_auto_is_on_for_gpus_unless_fsdp_shards():
-    from lora_llama.precision import resolve_compile
+    from lora_llama.runtime.precision import resolve_compile
 
     assert resolve_compile("auto", "cuda", sharded=False)[0] is True
     assert resolve_compile("auto", "cuda:1", sharded=False)[0] is True

@@ -1,11 +1,12 @@
-"""config.py and recipe.py: ModelArgs from HF configs, the vocabularies against transformers/peft, recipes and overrides."""
+"""model/config.py, lora/settings.py and recipe/schema.py: ModelArgs from HF configs, the vocabularies against transformers/peft, recipes and overrides."""
 import pytest
 import torch
 
 from helpers import TINY
 from lora_llama import UserError
-from lora_llama.config import DECODER_TARGETS, HF_NAME, TARGET_MODULES, ModelArgs, torch_dtype
-from lora_llama.recipe import LoraSettings, load_recipe, lora_scale
+from lora_llama.model.config import DECODER_TARGETS, HF_NAME, TARGET_MODULES, ModelArgs, torch_dtype
+from lora_llama.lora.settings import LoraSettings, lora_scale
+from lora_llama.recipe.schema import load_recipe
 
 
 def test_model_args_from_a_llama3_config_written_by_transformers():

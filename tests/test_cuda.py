@@ -6,7 +6,7 @@ import torch
 import helpers
 from helpers import hf_model, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-from lora_llama.loss import target_loss
+from lora_llama.kernels.cross_entropy import target_loss
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
@@ -62,7 +62,7 @@ def cuda_recipe(tiny_ckpt, data, out, *extra):
 
 
 def test_auto_is_bf16_mixed_on_cuda_and_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
-    from lora_llama.train import train_from_recipe
+    from lora_llama.training.from_recipe import train_from_recipe
 
     data = helpers.chat_file(tmp_path / "d.jsonl", QA)
     lines = {}
@@ -80,7 +80,7 @@ def test_auto_is_bf16_mixed_on_cuda_and_trains_to_the_float32_loss(tiny_ckpt, tm
 
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_quantized_bases_train_on_cuda(tiny_ckpt, tmp_path, kind):
-    from lora_llama.train import train_from_recipe
+    from lora_llama.training.from_recipe import train_from_recipe
 
     data = helpers.chat_file(tmp_path / "d.jsonl", QA)
     r = cuda_recipe(tiny_ckpt, data, tmp_path / kind, f"model.quantize={kind}", "train.max_steps=30",
@@ -99,7 +99,7 @@ def test_quantized_bases_train_on_cuda(tiny_ckpt, tmp_path, kind):
 
 
 def test_generate_on_cuda_matches_transformers_greedy(tiny_ckpt):
-    from lora_llama.generate import generate
+    from lora_llama.model.generate import generate
 
     model = load_model(tiny_ckpt, device="cuda")
     ref = hf_model(tiny_ckpt).cuda()
@@ -145,7 +145,7 @@ def test_selective_checkpointing_on_cuda_keeps_attention(tiny_ckpt, dtype):
     """The CUDA attention kernels (flash in bf16, memory-efficient in float32) are kept, not rerun in backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lora_llama.model import _ATTENTION_KERNELS
+    from lora_llama.model.llama import _ATTENTION_KERNELS
 
     calls = []
 
@@ -177,7 +177,7 @@ def test_selective_checkpointing_on_cuda_keeps_attention(tiny_ckpt, dtype):
 def test_gguf_blocks_dequantize_on_the_gpu_as_on_the_cpu(kind):
     """quantize: source dequantizes a GGUF file's blocks where they live: the same weights on either device."""
     from helpers import random_blocks
-    from lora_llama.gguf_blocks import dequantize_gguf
+    from lora_llama.quant.gguf_blocks import dequantize_gguf
 
     rows = torch.from_numpy(random_blocks(kind, rows=64, in_features=512, seed=2))
     for dtype in (torch.float32, torch.bfloat16):
@@ -188,7 +188,7 @@ def test_every_quantized_layer_dequantizes_on_the_gpu_as_on_the_cpu():
     """On CUDA a layer's weight comes from the compiled formulas (one Triton kernel per format): the CPU's eager
     weights, up to Triton contracting d·q + m into one rounding (1 float32 ulp)."""
     from helpers import quantized_layers
-    from lora_llama import fused
+    from lora_llama.kernels import fused
 
     for name, layer in quantized_layers().items():
         cpu = layer.dequantize(torch.float32)
@@ -217,7 +217,7 @@ def test_compiled_blocks_on_cuda_are_whole_graphs_that_train_as_eager(tiny_ckpt,
         loss, n = target_loss(model, x, x)
         (loss / n).backward()
         results.append((float(loss), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}))
-    from lora_llama import fused
+    from lora_llama.kernels import fused
 
     assert fused._broken is None  # compiled, not the eager fallback
     (eager_loss, eager), (loss, grads) = results
@@ -230,8 +230,8 @@ def test_graphed_decoding_on_cuda_gives_the_growing_cache_completions(tiny_ckpt,
     """GRPO's sampling on a GPU: a static cache, each step after the first a replayed CUDA graph; the same tokens as
     the growing cache, greedy and seeded, in groups, with padding; the graph captured once serves later calls and
     reads the adapter as training leaves it (changed in place)."""
-    from lora_llama.decoding import decoder_for
-    from lora_llama.rollout import sample_completions
+    from lora_llama.model.decoding import decoder_for
+    from lora_llama.training.rollout import sample_completions
 
     model = load_model(tiny_ckpt, device="cuda", quantize=quantize)
     torch.manual_seed(0)

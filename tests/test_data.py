@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from helpers import make_tokenizer
 from lora_llama import UserError, load_model
-from lora_llama.data import (IGNORE_INDEX, collate, load_records, pack, split, tokenize_records,
+from lora_llama.data.sft import (IGNORE_INDEX, collate, load_records, pack, split, tokenize_records,
                              Tokenize)
 
 M = IGNORE_INDEX

@@ -1,4 +1,4 @@
-"""Decoding over a cache of fixed shape (decoding.py, what a GPU replays as a CUDA graph): the same completions,
+"""Decoding over a cache of fixed shape (model/decoding.py, what a GPU replays as a CUDA graph): the same completions,
 token for token, as the growing cache and as each row decoded alone without a cache, greedy and seeded, alone and
 in groups, with padding, with a sliding window; a decoder reused across calls and weight changes; attention of one
 query over grouped keys."""
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from helpers import build_checkpoint, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model
-from lora_llama.generate import filtered_logits
-from lora_llama.rollout import sample_completions
+from lora_llama.model.generate import filtered_logits
+from lora_llama.training.rollout import sample_completions
 
 
 def prompts_of(lengths, seed=0):
@@ -72,7 +72,7 @@ def test_static_decoding_stops_rows_at_their_eos_between_checks(tiny_ckpt):
 def test_a_kept_decoder_serves_later_calls_and_the_weights_of_the_moment(tiny_ckpt):
     """The second call reuses the first's decoder (its cache still holds the longer prompts' keys, which must not
     leak), and an adapter changed in place between calls is what the next call samples from."""
-    from lora_llama.decoding import decoder_for
+    from lora_llama.model.decoding import decoder_for
 
     model = adapted(tiny_ckpt)
     first = sample_completions(model, prompts_of((9, 8), seed=6), 6, eos_ids=[], pad_id=0, temperature=1.0,
@@ -99,7 +99,7 @@ def test_a_sliding_window_holds_in_the_static_cache(tmp_path):
 
 
 def test_one_query_attention_over_grouped_keys_equals_sdpa_on_repeated_ones():
-    from lora_llama.attention import one_query
+    from lora_llama.kernels.attention import one_query
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, heads, n, 8, generator=g) for heads, n in ((6, 1), (2, 11), (2, 11)))

@@ -117,7 +117,7 @@ def test_killed_job_resumes_on_two_and_on_one_process(tiny_ckpt, data, tmp_path,
     args_2 = lambda out: args(tiny_ckpt, data, out, 2, f"train.distributed={strategy}")
     code, _, err = torchrun(args_2(tmp_path / "full"))
     assert code == 0, err[-3000:]
-    kill = """import lora_llama.trainer as t
+    kill = """import lora_llama.training.trainer as t
 _step = t.Trainer.train_step
 def step(self):
     if self.step == 5:
@@ -140,7 +140,7 @@ t.Trainer.train_step = step
 
 
 def test_nan_on_one_rank_stops_every_rank_before_the_update(tiny_ckpt, data, tmp_path):
-    nan_on_rank_1 = """import lora_llama.objectives as t
+    nan_on_rank_1 = """import lora_llama.training.objectives as t
 _loss = t.target_loss
 calls = [0]
 def loss(*a, **k):
@@ -168,7 +168,7 @@ t.target_loss = loss
 
 
 def test_a_rank_that_dies_ends_the_job(tiny_ckpt, data, tmp_path):
-    crash_rank_1 = """import lora_llama.trainer as t
+    crash_rank_1 = """import lora_llama.training.trainer as t
 _step = t.Trainer.train_step
 def step(self):
     if os.environ["RANK"] == "1" and self.step == 3:
@@ -194,7 +194,7 @@ def test_fsdp_on_a_gguf_files_own_blocks_equals_one_process(data, tmp_path):
     """model.quantize source: each rank keeps its own rows of the file's blocks, K super-blocks and blocks of 32
     alike (q and k rows put back in HF's order first)."""
     from helpers import build_checkpoint, gguf_with_blocks
-    from lora_llama.export import export_gguf
+    from lora_llama.outputs.export import export_gguf
 
     ckpt = build_checkpoint(tmp_path / "ckpt", hidden_size=256, intermediate_size=512)
     export_gguf(str(ckpt), tmp_path / "f16.gguf", progress=False)
@@ -295,7 +295,7 @@ def test_killing_the_launcher_ends_every_worker_and_resume_is_exact(tiny_ckpt, d
     slow = tmp_path / "slow"  # each worker's step takes 0.5 s more, so the kill lands mid-run
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(
-        "import os, time\nif 'RANK' in os.environ:\n    import lora_llama.trainer as t\n    _step = t.Trainer.train_step\n"
+        "import os, time\nif 'RANK' in os.environ:\n    import lora_llama.training.trainer as t\n    _step = t.Trainer.train_step\n"
         "    t.Trainer.train_step = lambda self: (time.sleep(0.5), _step(self))[1]\n")
     argv = lambda out: args(tiny_ckpt, data, out, 2, "train.max_steps=12", "train.eval_every=100")
     code, _, err = torchrun(argv(tmp_path / "full"))

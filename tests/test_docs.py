@@ -66,14 +66,14 @@ def lora_llama_args(command: str) -> list[str] | None:
 
 
 def test_recipe_reference_is_generated_from_the_schema():
-    from lora_llama.recipe_docs import reference
+    from lora_llama.recipe.reference import reference
 
     assert (ROOT / "docs" / "recipes.md").read_text() == reference(), \
-        "docs/recipes.md is stale: python -m lora_llama.recipe_docs docs/recipes.md"
+        "docs/recipes.md is stale: python -m lora_llama.recipe.reference docs/recipes.md"
 
 
 def test_every_recipe_key_is_in_the_reference():
-    from lora_llama.recipe import Recipe
+    from lora_llama.recipe.schema import Recipe
 
     text = (ROOT / "docs" / "recipes.md").read_text()
     for section, field in Recipe.model_fields.items():
@@ -119,7 +119,7 @@ def test_every_documented_command_is_known():
 
 
 def test_every_recipe_snippet_validates(tmp_path):
-    from lora_llama.recipe import load_recipe
+    from lora_llama.recipe.schema import load_recipe
 
     for i, (page, block) in enumerate(code_blocks("yaml")):
         (tmp_path / f"{i}.yaml").write_text(block)

@@ -4,9 +4,9 @@ import torch
 
 from helpers import hf_model
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-from lora_llama.adapters import load_adapter
-from lora_llama.lora import lora_modules, merge_lora, row_norms
-from lora_llama.loss import target_loss
+from lora_llama.loading.adapters import load_adapter
+from lora_llama.lora.layer import lora_modules, merge_lora, row_norms
+from lora_llama.kernels.cross_entropy import target_loss
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -87,7 +87,7 @@ def test_dora_gradients_equal_peft(tiny_ckpt, tmp_path):
 def test_dora_merges_as_peft_does(tiny_ckpt, tmp_path):
     from peft import PeftModel
 
-    from lora_llama.merge import merge_checkpoint
+    from lora_llama.outputs.merge import merge_checkpoint
 
     ours = dora_model(tiny_ckpt)
     save_adapter(ours, tmp_path / "a")
@@ -119,7 +119,7 @@ def test_dora_merge_and_unmerge_of_one_layer_round_trip(tiny_ckpt):
 
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_dora_on_a_quantized_base_takes_the_norm_of_the_dequantized_weight(tiny_ckpt, kind):
-    from lora_llama.quant import QuantizedLinear
+    from lora_llama.quant.linear import QuantizedLinear
 
     model = dora_model(tiny_ckpt, quantize=kind)
     layer = lora_modules(model)["model.layers.1.self_attn.o_proj"]
@@ -137,9 +137,9 @@ def test_loraplus_first_step_moves_b_by_ratio_times_lr(tiny_ckpt, tmp_path):
     gradient is 0 while B is 0) not at all."""
     from test_train import chat_file, recipe
 
-    from lora_llama.trainer import Trainer
-    from lora_llama.train import _adapted_model, _examples
-    from lora_llama.checkpoint import load_tokenizer
+    from lora_llama.training.trainer import Trainer
+    from lora_llama.training.from_recipe import _adapted_model, _examples
+    from lora_llama.loading.models import load_tokenizer
 
     moved = {}
     for ratio in (None, 16.0):
@@ -161,7 +161,7 @@ def test_loraplus_first_step_moves_b_by_ratio_times_lr(tiny_ckpt, tmp_path):
 
 
 def test_dora_on_nf4_merges_onto_the_dequantized_weights_it_trained_on(tiny_ckpt, tmp_path):
-    from lora_llama.merge import merge_checkpoint
+    from lora_llama.outputs.merge import merge_checkpoint
 
     trained = dora_model(tiny_ckpt, quantize="nf4")
     save_adapter(trained, tmp_path / "a")

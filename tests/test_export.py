@@ -7,11 +7,11 @@ import torch
 
 from helpers import build_checkpoint, hf_model, make_tokenizer, peak_growth, sharded_checkpoint
 from lora_llama import load_model
-from lora_llama.adapters import save_adapter
+from lora_llama.loading.adapters import save_adapter
 from lora_llama.cli import main
-from lora_llama.config import DECODER_TARGETS
-from lora_llama.recipe import lora_settings
-from lora_llama.lora import apply_lora, lora_modules
+from lora_llama.model.config import DECODER_TARGETS
+from lora_llama.lora.settings import lora_settings
+from lora_llama.lora.layer import apply_lora, lora_modules
 
 TEXTS = ["hello world, how are you today? i am fine.", "The Quick brown fox 12345 jumps\n\nover   the lazy dog's tail!",
          "what's the capital of france? paris is. <|im_end|> to be or not to be", "   leading spaces and\ttabs 3.14"]
@@ -112,7 +112,7 @@ def test_pre_tokenizers_llama_cpp_knows(name, tmp_path):
     from gguf import GGUFReader
     from tokenizers import Regex, normalizers, pre_tokenizers
 
-    from lora_llama.gguf_vocab import LLAMA3_SPLIT, QWEN2_SPLIT
+    from lora_llama.outputs.gguf_vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 
     if name == "smollm":
         pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
@@ -216,7 +216,7 @@ def test_merge_onto_dequantized_reproduces_the_adapter_on_int8(tmp_path, capsys)
     (run / "recipe.yaml").write_text("model: {quantize: int8}\n")
     x = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(2))
     trained = load_model(base, quantize="int8")
-    from lora_llama.adapters import load_adapter
+    from lora_llama.loading.adapters import load_adapter
 
     load_adapter(trained, adapter)
     # training mode: bitsandbytes then multiplies with dequantised weights, as it did while the adapter trained (its
@@ -247,8 +247,8 @@ def test_export_peak_memory_is_about_one_shard(tmp_path):
     base, shards = sharded_checkpoint(tmp_path / "big", 4)
     adapter = make_adapter(base, tmp_path / "a")
     # the tokenizer's modules (transformers' tokenization, jinja) load first: a fixed cost, whatever the model's size
-    grown = peak_growth("import torch, safetensors, gguf, numpy, tqdm.auto, transformers, lora_llama.export as e\n"
-                        "from lora_llama.tokens import end_of_turn_id\nend_of_turn_id(e.load_tokenizer(sys.argv[1]))",
+    grown = peak_growth("import torch, safetensors, gguf, numpy, tqdm.auto, transformers, lora_llama.outputs.export as e\n"
+                        "from lora_llama.data.chat import end_of_turn_id\nend_of_turn_id(e.load_tokenizer(sys.argv[1]))",
                         "e.export_gguf(sys.argv[1], sys.argv[3], adapter=sys.argv[2], progress=False)",
                         base, adapter, tmp_path / "out.gguf")
     largest = max(f.stat().st_size for f in shards)

@@ -7,9 +7,9 @@ import torch
 from helpers import ROOT, build_checkpoint, hf_model, make_tokenizer
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
 from lora_llama.cli import main
-from lora_llama.generate import generate
-from lora_llama.lora import lora_modules
-from lora_llama.loss import target_loss
+from lora_llama.model.generate import generate
+from lora_llama.lora.layer import lora_modules
+from lora_llama.kernels.cross_entropy import target_loss
 
 LLAMA32_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -166,8 +166,8 @@ def template_tokenizer(template, specials, eos):
 
 
 def test_chatml_labels_hand_checked():
-    from lora_llama.data import IGNORE_INDEX as M, Tokenize
-    from lora_llama.tokens import end_of_turn_id
+    from lora_llama.data.sft import IGNORE_INDEX as M, Tokenize
+    from lora_llama.data.chat import end_of_turn_id
 
     tok = template_tokenizer(QWEN25_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], "<|endoftext|>")
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -184,8 +184,8 @@ def test_chatml_labels_hand_checked():
 
 
 def test_llama3_labels_hand_checked():
-    from lora_llama.data import IGNORE_INDEX as M, Tokenize
-    from lora_llama.tokens import end_of_turn_id
+    from lora_llama.data.sft import IGNORE_INDEX as M, Tokenize
+    from lora_llama.data.chat import end_of_turn_id
 
     specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>"]
     tok = template_tokenizer(LLAMA3_TEMPLATE, specials, "<|end_of_text|>")  # a base Llama 3 tokenizer's EOS
@@ -213,7 +213,7 @@ def test_generation_stops_at_every_end_of_turn_id(tiny_ckpt, tmp_path):
     import shutil
 
     from lora_llama import load_tokenizer
-    from lora_llama.generate import eos_token_ids
+    from lora_llama.data.chat import eos_token_ids
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_ckpt, folder)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lora_llama import gemm
+from lora_llama.kernels import gemm
 
 needs_onednn = pytest.mark.skipif(gemm._ONEDNN is None, reason="this torch build has no oneDNN linear")
 

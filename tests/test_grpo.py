@@ -7,10 +7,10 @@ import torch
 
 from helpers import hf_model, make_tokenizer, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-from lora_llama.grpo import GRPO, group_advantages
-from lora_llama.loss import IGNORE_INDEX
-from lora_llama.recipe import GRPOSettings
-from lora_llama.rollout import sample_completions
+from lora_llama.training.grpo import GRPO, group_advantages
+from lora_llama.kernels.cross_entropy import IGNORE_INDEX
+from lora_llama.recipe.schema import GRPOSettings
+from lora_llama.training.rollout import sample_completions
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -153,7 +153,7 @@ def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, corr
     ours = GRPO(settings, make_tokenizer(), [2], seed=0)
     batch = _rollout_batch(prompts, completions, advantages)
     # an older policy: the ratio moves off 1 and both clips engage
-    from lora_llama.loss import token_logps
+    from lora_llama.kernels.cross_entropy import token_logps
 
     with torch.no_grad():
         now = token_logps(model, batch["input_ids"], batch["labels"], 0.7)[0]
@@ -168,7 +168,7 @@ def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, corr
     mask = inputs["completion_mask"].bool()
     inputs["old_per_token_logps"] = torch.zeros(mask.shape).masked_scatter(mask, batch["old_logps"])
     if beta:
-        from lora_llama.lora import adapters_disabled
+        from lora_llama.lora.layer import adapters_disabled
 
         with torch.no_grad(), adapters_disabled(model):
             ref = token_logps(model, batch["input_ids"], batch["labels"], 0.7)[0]

@@ -7,9 +7,9 @@ import torch
 
 from lora_llama.cli import main
 from lora_llama.errors import UserError
-from lora_llama.recipe import load_recipe
-from lora_llama.rewards import extract_answer, format_reward, load_reward, score
-from lora_llama.train import train_from_recipe
+from lora_llama.recipe.schema import load_recipe
+from lora_llama.training.rewards import extract_answer, format_reward, load_reward, score
+from lora_llama.training.from_recipe import train_from_recipe
 
 # rewards completions for token ids in the lower half of the tiny tokenizer's 300: learnable in a few steps
 LOW_IDS = "def low_ids(prompts, completions, completion_ids, **kw):\n" \
@@ -64,7 +64,7 @@ def test_grpo_resume_between_iterations_continues_exactly(tiny_ckpt, tmp_path):
     train_from_recipe(full, log=lambda *_: None)
     (tmp_path / "b").mkdir()
     cut = grpo_recipe(tiny_ckpt, tmp_path / "b", *common[:3], "train.max_steps=6", f"output.dir={tmp_path / 'cut'}")
-    import lora_llama.trainer as trainer
+    import lora_llama.training.trainer as trainer
 
     original = trainer.Trainer.train_step
 
@@ -90,7 +90,7 @@ def test_rewards_load_from_files_modules_and_built_ins(tmp_path):
     f = tmp_path / "r.py"
     f.write_text(LOW_IDS)
     assert load_reward(f"{f}:low_ids")[0] == "low_ids"
-    assert load_reward("lora_llama.rewards:format_reward")[1] is format_reward
+    assert load_reward("lora_llama.training.rewards:format_reward")[1] is format_reward
     assert load_reward("format")[1] is format_reward
     for spec, words in ((f"{tmp_path}/none.py:x", "no such file"), (f"{f}:missing", "no function 'missing'"),
                         ("nomodule_xyz:f", "cannot import"), ("justaname", "use path/to/file.py:function")):
@@ -104,7 +104,7 @@ def test_built_in_rewards():
     assert extract_answer("so <answer> 3 </answer> or <answer>4</answer>") == "4" and extract_answer(" 7 ") == "7"
     import reasoning_gym
 
-    from lora_llama.rewards import reasoning_gym_reward
+    from lora_llama.training.rewards import reasoning_gym_reward
 
     entries = list(reasoning_gym.create_dataset("basic_arithmetic", size=3, seed=0))
     right = [f"<answer>{e['answer']}</answer>" for e in entries]

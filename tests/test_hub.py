@@ -163,7 +163,7 @@ def test_unreachable_hub(run_dir, capsys, monkeypatch):
 
 
 def test_card_of_registered_base_names_hub_model_and_license(run_dir):
-    from lora_llama.hub import model_card
+    from lora_llama.outputs.hub import model_card
 
     cfg_path = run_dir / "adapter" / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())

@@ -1,4 +1,6 @@
-"""The package's shape: ARCHITECTURE.md's module table is the import order, no circle, small modules and functions."""
+"""The package's shape: ARCHITECTURE.md's module table is the import order, between folders and inside each; no
+circle; small folders, modules, classes and functions."""
+
 import ast
 import re
 
@@ -6,33 +8,58 @@ from helpers import ROOT
 
 PACKAGE = ROOT / "lora_llama"
 MAX_LINES = 350
+MAX_CLASS_LINES = 150
 MAX_FUNCTION_LINES = 60
+MAX_FOLDER_MODULES = 12
+MAX_TOP_LEVEL_MODULES = 9
 
 
-def layout_table() -> list[str]:
-    """Module names in the order ARCHITECTURE.md's module table lists them."""
-    text = (ROOT / "ARCHITECTURE.md").read_text()
-    return re.findall(r"^\| `lora_llama/(\w+)\.py` \|", text, flags=re.M)
-
-
-def package_imports(path) -> set[str]:
-    """Every package module a file imports, at the top or inside a function."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:  # from .x import ...
-                found.add(node.module.split(".")[0])
-            elif node.level == 1:  # from . import x
-                found.update(a.name for a in node.names)
-            elif node.module and node.module.startswith("lora_llama."):
-                found.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("lora_llama."))
-    return found
+def layout_table(text: str | None = None) -> list[str]:
+    """Module paths (`kernels/gemm`, `errors`) in the order ARCHITECTURE.md's module table lists them."""
+    text = text if text is not None else (ROOT / "ARCHITECTURE.md").read_text()
+    return re.findall(r"^\| `lora_llama/([\w/]+)\.py` \|", text, flags=re.M)
 
 
 def modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("__"))
+    """Every module of the package as a path without `.py`, its `__init__` and `__main__` aside."""
+    return sorted(
+        p.relative_to(PACKAGE).with_suffix("").as_posix() for p in PACKAGE.rglob("*.py") if not p.stem.startswith("__")
+    )
+
+
+def folder_of(module: str) -> str:
+    """A module's folder; a module directly in lora_llama/ is a unit of its own."""
+    return module.split("/")[0]
+
+
+def _resolve(dotted: str, names: list[str], known: set[str]) -> set[str]:
+    """Package modules that `from lora_llama.<dotted> import <names>` reaches."""
+    path = dotted.replace(".", "/")
+    if path in known:
+        return {path}
+    return {f"{path}/{n}" if path else n for n in names if (f"{path}/{n}" if path else n) in known}
+
+
+def package_imports(path, known: set[str] | None = None) -> set[str]:
+    """Every package module a file imports, at the top or inside a function, absolute or relative."""
+    known = set(modules()) if known is None else known
+    here = path.relative_to(PACKAGE).parent.as_posix().replace("/", ".") if path.is_relative_to(PACKAGE) else ""
+    here = "" if here == "." else here
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - node.level + 1] if here else []
+                dotted = ".".join([p for p in base if p] + ([node.module] if node.module else []))
+                found |= _resolve(dotted, names, known)
+            elif node.module == "lora_llama" or (node.module or "").startswith("lora_llama."):
+                found |= _resolve(node.module.removeprefix("lora_llama").lstrip("."), names, known)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("lora_llama."):
+                    found |= _resolve(a.name.removeprefix("lora_llama."), [], known)
+    return found
 
 
 def test_architecture_table_lists_every_module_once():
@@ -40,45 +67,99 @@ def test_architecture_table_lists_every_module_once():
     assert sorted(table) == modules(), "ARCHITECTURE.md's module table and lora_llama/ differ"
 
 
-def test_imports_run_one_way_down_the_table():
-    """A module imports only modules listed above it in ARCHITECTURE.md's table: no circle, not even inside a function."""
-    order = {name: i for i, name in enumerate(layout_table())}
-    wrong = [(m, dep) for m in modules() for dep in package_imports(PACKAGE / f"{m}.py")
-             if dep in order and order[dep] >= order[m]]
-    assert not wrong, f"imports against the layout order (module, imported): {wrong}"
+def test_the_table_keeps_each_folder_together():
+    folders = [folder_of(m) for m in layout_table()]
+    runs = [f for i, f in enumerate(folders) if i == 0 or folders[i - 1] != f]
+    assert len(runs) == len(set(runs)), f"a folder's modules are split in the table: {runs}"
 
 
-def test_the_check_sees_imports_inside_functions(tmp_path):
+def _order_violations(level) -> list[tuple[str, str]]:
+    table = layout_table()
+    ranks = {}
+    for m in table:
+        ranks.setdefault(level(m), len(ranks))
+    wrong = []
+    for m in table:
+        for dep in package_imports(PACKAGE / f"{m}.py"):
+            same_folder = folder_of(dep) == folder_of(m)
+            if level is folder_of and not same_folder and ranks[folder_of(dep)] > ranks[folder_of(m)]:
+                wrong.append((m, dep))
+            if level is not folder_of and same_folder and table.index(dep) >= table.index(m):
+                wrong.append((m, dep))
+    return wrong
+
+
+def test_folders_import_only_folders_listed_above_them():
+    """Between folders, imports run one way down the table: no circle between folders."""
+    wrong = _order_violations(folder_of)
+    assert not wrong, f"imports against the folder order (module, imported): {wrong}"
+
+
+def test_modules_import_only_modules_listed_above_them_in_their_folder():
+    wrong = _order_violations(lambda m: m)
+    assert not wrong, f"imports against the module order inside a folder (module, imported): {wrong}"
+
+
+def test_the_check_sees_absolute_relative_and_late_imports(tmp_path):
+    (tmp_path / "pkg").mkdir()
     f = tmp_path / "m.py"
-    f.write_text("import os\nfrom .a import x\ndef g():\n    from . import b\n    import lora_llama.c\n    from .d.e import y\n")
-    assert package_imports(f) == {"a", "b", "c", "d"}
+    f.write_text(
+        "import os\nfrom lora_llama.a.x import y\ndef g():\n    from lora_llama.b import z, w\n"
+        "    import lora_llama.c\n    from lora_llama import d\n"
+    )
+    known = {"a/x", "b/z", "c", "d", "e"}
+    assert package_imports(f, known) == {"a/x", "b/z", "c", "d"}
+
+
+def test_the_order_check_reads_the_table():
+    text = "| `lora_llama/errors.py` | x |\n| `lora_llama/kernels/gemm.py` | y |\n"
+    assert layout_table(text) == ["errors", "kernels/gemm"]
 
 
 def test_model_knows_nothing_of_lora():
-    assert "lora" not in package_imports(PACKAGE / "model.py")
-    assert "LoRALinear" not in (PACKAGE / "model.py").read_text()
+    for path in (PACKAGE / "model").glob("*.py"):
+        assert not any(m.startswith("lora/") for m in package_imports(path)), path
+        assert "LoRALinear" not in path.read_text(), path
 
 
-def test_every_module_is_small():
-    sizes = {p.name: len(p.read_text().splitlines()) for p in PACKAGE.glob("*.py")}
-    assert max(sizes.values()) <= MAX_LINES, {k: v for k, v in sizes.items() if v > MAX_LINES}
+def test_training_pushes_nothing_to_the_hub():
+    for path in (PACKAGE / "training").glob("*.py"):
+        assert not any(folder_of(m) == "outputs" for m in package_imports(path)), path
+
+
+def test_folders_stay_small():
+    counts = {f.name: len([p for p in f.glob("*.py") if p.stem != "__init__"]) for f in PACKAGE.iterdir() if f.is_dir()
+              and (f / "__init__.py").exists()}
+    assert max(counts.values()) <= MAX_FOLDER_MODULES, counts
+    assert len(list(PACKAGE.glob("*.py"))) <= MAX_TOP_LEVEL_MODULES
 
 
 def python_files():
-    return [p for folder in ("lora_llama", "tests", "bench") for p in (ROOT / folder).glob("*.py")] + [ROOT / "cli.py"]
+    return [p for folder in ("lora_llama", "tests", "bench") for p in (ROOT / folder).rglob("*.py")] + [ROOT / "cli.py"]
 
 
-def long_functions(path) -> list[str]:
-    return [f"{path.name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(path.read_text()))
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+def test_every_file_is_small():
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in python_files()}
+    assert max(sizes.values()) <= MAX_LINES, {k: v for k, v in sizes.items() if v > MAX_LINES}
 
 
-def test_no_function_is_long():
-    found = [f for p in python_files() for f in long_functions(p)]
+def long_definitions(path) -> list[str]:
+    """Functions over MAX_FUNCTION_LINES and classes over MAX_CLASS_LINES, with their lengths."""
+    found = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        limit = {ast.FunctionDef: MAX_FUNCTION_LINES, ast.AsyncFunctionDef: MAX_FUNCTION_LINES,
+                 ast.ClassDef: MAX_CLASS_LINES}.get(type(n))
+        if limit and n.end_lineno - n.lineno + 1 > limit:
+            found.append(f"{path.name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)")
+    return found
+
+
+def test_no_function_or_class_is_long():
+    found = [f for p in python_files() for f in long_definitions(p)]
     assert not found, found
 
 
-def test_the_function_check_counts_lines(tmp_path):
+def test_the_length_check_counts_lines(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 60)
-    assert long_functions(f) == ["m.py:long (61 lines)"]
+    f.write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 60 + "class Big:\n" + "    x = 1\n" * 150)
+    assert long_definitions(f) == ["m.py:long (61 lines)", "m.py:Big (151 lines)"]

@@ -6,8 +6,8 @@ import torch
 
 from helpers import hf_model
 from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
-from lora_llama.lora import lora_modules
-from lora_llama.loss import target_loss
+from lora_llama.lora.layer import lora_modules
+from lora_llama.kernels.cross_entropy import target_loss
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -161,7 +161,7 @@ def test_bad_adapter_config(tiny_ckpt, tmp_path, capsys, patch, message):
 
 
 def test_lora_settings_validation():
-    from lora_llama.recipe import lora_settings
+    from lora_llama.lora.settings import lora_settings
 
     for bad in ({"r": 0}, {"targets": ["q", "xyz"]}, {"dropout": 1.5}):
         with pytest.raises(UserError):
@@ -181,7 +181,7 @@ def test_save_refuses_to_overwrite(tiny_ckpt, tmp_path):
 @pytest.mark.parametrize("variant", ["checkpointing", "compile", "offload"])
 def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, variant, monkeypatch):
     """train.gradient_checkpointing, train.compile and train.offload_activations against the plain eager step."""
-    import lora_llama.model
+    import lora_llama.model.llama
 
     moved = []
     if variant == "offload":  # on the CPU offloading is a no-op: run CUDA's hooks (host copies, unpinned) here
@@ -191,7 +191,7 @@ def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, vari
                 pack = self.pack_hook
                 self.pack_hook = lambda t: moved.append(t.shape) or pack(t)
         monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", HostCopies)
-        monkeypatch.setattr(lora_llama.model, "offloaded", lambda active, device: (
+        monkeypatch.setattr(lora_llama.model.llama, "offloaded", lambda active, device: (
             HostCopies(True) if active else __import__("contextlib").nullcontext()))
     grads = []
     for on in (False, True):
@@ -211,7 +211,7 @@ def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, vari
 
 
 def test_offloading_is_for_cuda_training_only():
-    from lora_llama.model import offloaded
+    from lora_llama.model.llama import offloaded
 
     assert isinstance(offloaded(True, torch.device("cuda", 0)), torch.autograd.graph.save_on_cpu)
     for active, device in [(True, "cpu"), (False, "cuda")]:
@@ -222,7 +222,7 @@ def test_offloading_is_for_cuda_training_only():
 @pytest.mark.parametrize("x_needs_grad", [True, False])
 def test_fused_lora_layer_matches_the_written_out_formula(bias, x_needs_grad):
     """The one-node LoRA layer (frozen float base, no dropout) against y = x·W0ᵀ + b + s·x·Aᵀ·Bᵀ by autograd."""
-    from lora_llama.lora import LoRALinear
+    from lora_llama.lora.layer import LoRALinear
 
     torch.manual_seed(0)
     layer = LoRALinear(torch.nn.Linear(12, 7, bias=bias), r=3, alpha=6)
@@ -249,7 +249,7 @@ def test_fused_lora_layer_matches_the_written_out_formula(bias, x_needs_grad):
 
 def test_lora_layer_under_autocast():
     """bf16 autocast (the trainer's CUDA mode, CPU here) takes the unfused path: no dtype clash in the update."""
-    from lora_llama.lora import LoRALinear
+    from lora_llama.lora.layer import LoRALinear
 
     layer = LoRALinear(torch.nn.Linear(12, 7, bias=False), r=3, alpha=6)
     layer.base_layer.requires_grad_(False)
@@ -264,8 +264,8 @@ def test_lora_layer_under_autocast():
 def test_layers_sharing_an_input_run_as_one_node_with_the_same_gradients():
     """q, k, v (or gate, up) through `project`: outputs and gradients equal the layer-by-layer path,
     also with different ranks and an output that takes no part in the loss."""
-    from lora_llama.kernels import project
-    from lora_llama.lora import LoRALinear
+    from lora_llama.kernels.elementwise import project
+    from lora_llama.lora.layer import LoRALinear
 
     torch.manual_seed(0)
     layers = [LoRALinear(torch.nn.Linear(12, out, bias=bias), r=r, alpha=4) for out, r, bias in
@@ -289,7 +289,7 @@ def test_layers_sharing_an_input_run_as_one_node_with_the_same_gradients():
 
 
 def test_fold_hand_computed():
-    from lora_llama.lora import fold
+    from lora_llama.lora.layer import fold
 
     w0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     lora_a, lora_b = torch.tensor([[1.0, -1.0]]), torch.tensor([[2.0], [0.5]])  # B·A = [[2, -2], [0.5, -0.5]]
@@ -303,7 +303,7 @@ def test_fold_hand_computed():
 
 
 def test_adapters_disabled_gives_exactly_the_base_logits(tiny_ckpt):
-    from lora_llama.lora import adapters_disabled
+    from lora_llama.lora.layer import adapters_disabled
 
     x = ids()
     model = load_model(tiny_ckpt)
@@ -332,7 +332,7 @@ def test_adapters_disabled_gives_exactly_the_base_logits(tiny_ckpt):
 @pytest.mark.parametrize("settings", [dict(r=4, alpha=8, targets=["v", "q", "lm_head"], layers=[1]),
                                       dict(r=2, alpha=3, dropout=0.1, rslora=True, targets=["down"])])
 def test_saved_settings_are_read_off_the_layers(tiny_ckpt, tmp_path, settings):
-    from lora_llama.adapters import read_adapter_config
+    from lora_llama.loading.adapters import read_adapter_config
 
     model = load_model(tiny_ckpt)
     apply_lora(model, LoraSettings(**settings))

@@ -5,10 +5,10 @@ import torch
 
 from helpers import hf_model
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-from lora_llama.adapters import load_adapter
+from lora_llama.loading.adapters import load_adapter
 from lora_llama.errors import UserError
-from lora_llama.lora import lora_modules
-from lora_llama.recipe import load_recipe
+from lora_llama.lora.layer import lora_modules
+from lora_llama.recipe.schema import load_recipe
 
 TARGETS = ["q", "v", "up", "down"]
 HF_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
@@ -77,8 +77,8 @@ def test_the_saved_adapter_gives_our_outputs_in_peft_on_the_original_base(tiny_c
 
 
 def test_a_quantized_base_quantizes_the_residual(tiny_ckpt, tmp_path):
-    from lora_llama.quant import QuantizedLinear, dequantized
-    from lora_llama.train import _adapted_model
+    from lora_llama.quant.linear import QuantizedLinear, dequantized
+    from lora_llama.training.from_recipe import _adapted_model
 
     r = load_recipe(None, [f"model.source={tiny_ckpt}", "model.quantize=int8", "lora.init_lora_weights=pissa",
                            "lora.r=4", "lora.alpha=8", "lora.targets=[q,v]", "model.device=cpu"])
@@ -105,7 +105,7 @@ def test_a_pissa_run_saves_an_adapter_that_peft_loads_on_the_original_base(tiny_
     from peft import PeftModel
     from test_train import chat_file, recipe
 
-    from lora_llama.train import train_from_recipe
+    from lora_llama.training.from_recipe import train_from_recipe
 
     r = recipe(tiny_ckpt, chat_file(tmp_path / "d.jsonl"), tmp_path / "run", "lora.init_lora_weights=pissa",
                "lora.dropout=0", "lora.r=4", "lora.alpha=8", "train.max_steps=3", "train.lr=1e-2")

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lora_llama import loss
+from lora_llama.kernels import cross_entropy as loss
 
 
 @pytest.mark.parametrize("weight_grad", [False, True])

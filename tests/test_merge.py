@@ -7,7 +7,7 @@ import torch
 from helpers import build_checkpoint, hf_model, peak_growth, sharded_checkpoint
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
 from lora_llama.cli import main
-from lora_llama.lora import lora_modules
+from lora_llama.lora.layer import lora_modules
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -113,7 +113,7 @@ def test_refusals_leave_nothing(sharded, tmp_path, make_ckpt, capsys):
 def test_merge_peak_memory_is_about_one_shard(tmp_path):
     base, shards = sharded_checkpoint(tmp_path / "big", 8)
     adapter = make_adapter(base, tmp_path / "a")
-    grown = peak_growth("import torch, safetensors, tqdm.auto, lora_llama.merge as m, lora_llama.config",
+    grown = peak_growth("import torch, safetensors, tqdm.auto, lora_llama.outputs.merge as m, lora_llama.model.config",
                         "m.merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)",
                         base, adapter, tmp_path / "out")
     largest = max(f.stat().st_size for f in shards)

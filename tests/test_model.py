@@ -6,7 +6,7 @@ import torch
 
 from helpers import build_checkpoint, hf_model
 from lora_llama import load_model
-from lora_llama.generate import generate
+from lora_llama.model.generate import generate
 
 CONFIGS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
@@ -109,17 +109,17 @@ def test_training_forward_without_backward_frees_its_graph(tiny_ckpt, monkeypatc
     import gc
     import weakref
 
-    import lora_llama.model
+    import lora_llama.model.llama
 
     outputs = []
-    attend = lora_llama.model.attend
+    attend = lora_llama.model.llama.attend
 
     def recording_attention(*args, **kwargs):
         y = attend(*args, **kwargs)
         outputs.append(weakref.ref(y))
         return y
 
-    monkeypatch.setattr(lora_llama.model, "attend", recording_attention)
+    monkeypatch.setattr(lora_llama.model.llama, "attend", recording_attention)
     model = load_model(tiny_ckpt)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -134,7 +134,7 @@ def test_training_forward_without_backward_frees_its_graph(tiny_ckpt, monkeypatc
 
 def test_rope_function_matches_rotate_half_formula():
     """The one-buffer RoPE against HF's x·cos + rotate_half(x)·sin, values and gradients (float64 gradcheck)."""
-    from lora_llama.kernels import apply_rope
+    from lora_llama.kernels.elementwise import apply_rope
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 3, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()  # (B, heads, T, D), strided as q
@@ -148,8 +148,8 @@ def test_rope_function_matches_rotate_half_formula():
 
 def test_rms_norm_function_matches_hf_formula():
     """The two-buffer RMSNorm against HF's weight · (x · rsqrt(mean(x²) + eps)): values and gradients (gradcheck)."""
-    from lora_llama.kernels import rms_norm
-    from lora_llama.model import RMSNorm
+    from lora_llama.kernels.elementwise import rms_norm
+    from lora_llama.model.llama import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(6, eps=1e-5).double()
@@ -163,7 +163,7 @@ def test_rms_norm_function_matches_hf_formula():
 
 def test_swiglu_function_matches_autograd():
     """The recomputing SwiGLU against autograd's silu(g)·u: values and both input gradients (gradcheck)."""
-    from lora_llama.kernels import swiglu
+    from lora_llama.kernels.elementwise import swiglu
 
     g, u = (torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s), requires_grad=True)
             for s in (0, 1))

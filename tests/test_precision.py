@@ -10,16 +10,20 @@ import torch
 import torch.nn.functional as F
 
 import helpers
-from lora_llama import attention, blocked_attention, fused, load_model
-from lora_llama import loss as loss_module
-from lora_llama.attention import attend
+from lora_llama import load_model
+from lora_llama.kernels import attention
+from lora_llama.kernels import blocked_attention
+from lora_llama.kernels import fused
+from lora_llama.kernels import cross_entropy as loss_module
+from lora_llama.kernels.attention import attend
 from lora_llama.cli import main
-from lora_llama.config import DECODER_TARGETS
-from lora_llama.recipe import load_recipe, lora_settings
-from lora_llama.gemm import linear
-from lora_llama.kernels import apply_rope, project, rms_norm, swiglu
-from lora_llama.lora import LoRALinear, apply_lora, lora_modules
-from lora_llama.loss import linear_cross_entropy
+from lora_llama.model.config import DECODER_TARGETS
+from lora_llama.lora.settings import lora_settings
+from lora_llama.recipe.schema import load_recipe
+from lora_llama.kernels.gemm import linear
+from lora_llama.kernels.elementwise import apply_rope, project, rms_norm, swiglu
+from lora_llama.lora.layer import LoRALinear, apply_lora, lora_modules
+from lora_llama.kernels.cross_entropy import linear_cross_entropy
 
 BF16 = 2e-2  # relative error allowed: bfloat16 keeps 8 bits (eps 7.8e-3); products accumulate in float32
 
@@ -46,7 +50,7 @@ def check(fn, inputs_bf16, inputs_64, seed=9):
         assert a.dtype == torch.bfloat16 and rel(a, b) < BF16, rel(a, b)
 
 
-# compiled: fused.py's torch.compile'd formulas (what a bf16 CPU training step runs), or PyTorch's eager kernels
+# compiled: kernels/fused.py's torch.compile'd formulas (what a bf16 CPU training step runs), or PyTorch's eager kernels
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 def test_rms_norm_rope_swiglu_in_bf16(monkeypatch, compiled):
     monkeypatch.setattr(fused, "ENABLED", compiled)
@@ -88,7 +92,7 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch):
 THREAD_USE = """
 import json, os, time, torch
 torch.set_num_threads(2)
-from lora_llama import fused
+from lora_llama.kernels import fused
 
 def cpu_ticks():  # user + system time of each thread of this process
     tasks = f"/proc/{os.getpid()}/task"
@@ -246,7 +250,7 @@ def recipe(ckpt, data, out, precision, *extra):
 
 
 def test_bf16_mixed_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
-    from lora_llama.train import train_from_recipe
+    from lora_llama.training.from_recipe import train_from_recipe
 
     data = helpers.chat_file(tmp_path / "d.jsonl", [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not"),
                                                      ("the quick", "brown fox"), ("how are you", "i am fine"),
@@ -272,7 +276,7 @@ def test_bf16_mixed_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
 
 
 def test_int8_base_and_generate_eval_under_bf16(tiny_ckpt, tmp_path, capsys):
-    from lora_llama.train import train_from_recipe
+    from lora_llama.training.from_recipe import train_from_recipe
 
     data = helpers.chat_file(tmp_path / "d.jsonl", [("hi", "hello"), ("to be", "or not")])
     r = recipe(tiny_ckpt, data, tmp_path / "run", "bf16-mixed", "model.quantize=int8", "train.max_steps=3")
@@ -291,7 +295,7 @@ def test_int8_base_and_generate_eval_under_bf16(tiny_ckpt, tmp_path, capsys):
 
 
 def test_auto_picks_bf16_only_with_native_instructions(monkeypatch):
-    import lora_llama.precision as precision
+    import lora_llama.runtime.precision as precision
 
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: ["AVX512_BF16"])
     assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed", "auto: this CPU has AVX512_BF16")
@@ -305,7 +309,7 @@ def test_auto_picks_bf16_only_with_native_instructions(monkeypatch):
 
 
 def test_quantize_auto_keeps_a_gguf_bases_blocks_only_for_float32_on_the_cpu():
-    from lora_llama.precision import resolve_quantize
+    from lora_llama.runtime.precision import resolve_quantize
 
     assert resolve_quantize("auto", "fp32", "cpu", gguf=True, base_moves=False)[0] == "source"
     for precision, device, gguf, base_moves in [("bf16-mixed", "cpu", True, False), ("fp32", "cuda:0", True, False),

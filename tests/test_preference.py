@@ -7,14 +7,15 @@ import torch
 
 import helpers
 from lora_llama import load_model
-from lora_llama.adapters import save_adapter
-from lora_llama.checkpoint import load_tokenizer
+from lora_llama.loading.adapters import save_adapter
+from lora_llama.loading.models import load_tokenizer
 from lora_llama.cli import main
-from lora_llama.config import DECODER_TARGETS, HF_NAME
-from lora_llama.recipe import load_recipe, lora_settings
-from lora_llama.lora import adapters_disabled, apply_lora, lora_modules
-from lora_llama.objectives import DPO, ORPO
-from lora_llama.pairs import collate_pairs, tokenize_pairs
+from lora_llama.model.config import DECODER_TARGETS, HF_NAME
+from lora_llama.lora.settings import lora_settings
+from lora_llama.recipe.schema import load_recipe
+from lora_llama.lora.layer import adapters_disabled, apply_lora, lora_modules
+from lora_llama.training.objectives import DPO, ORPO
+from lora_llama.data.preference import collate_pairs, tokenize_pairs
 
 ROWS = [("what is the capital of france?", "paris is.", "the lazy dog"),
         ("hello world", "how are you today? i am fine.", "to be"),
@@ -196,7 +197,7 @@ def test_reference_pass_keeps_no_graph_and_no_gradient_buffers(base, tmp_path):
         saved.append(t.numel() * t.element_size())
         return t
 
-    from lora_llama.objectives import answer_logps
+    from lora_llama.training.objectives import answer_logps
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         with torch.no_grad(), adapters_disabled(model):
             ref = answer_logps(model, batch)[0]
@@ -235,7 +236,7 @@ def test_trainer_raises_reward_accuracy_and_margin(objective, base, tmp_path):
                            f"train.objective={objective}", f"output.dir={out}", "data.val_size=0.25",
                            "train.max_steps=30", "train.warmup_steps=0", "train.lr=5e-3", "train.batch_size=2",
                            "train.eval_every=30", "train.save_every=100", "lora.targets=[q,k,v,o,gate,up,down]"])
-    from lora_llama.train import train_from_recipe
+    from lora_llama.training.from_recipe import train_from_recipe
 
     result = train_from_recipe(r, log=lambda *_: None)
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
@@ -247,7 +248,7 @@ def test_trainer_raises_reward_accuracy_and_margin(objective, base, tmp_path):
     assert evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
     assert result["eval_loss"] < evals[0]["eval_loss"]
     assert (out / "loss.png").is_file() and (out / "adapter" / "adapter_model.safetensors").is_file()
-    from lora_llama.hub import model_card
+    from lora_llama.outputs.hub import model_card
 
     card = model_card(out / "adapter", out, "me/pref")
     assert f"| objective | {objective.upper()} (beta " in card and "reward accuracy" in card and f"- {objective}" in card
@@ -271,7 +272,7 @@ def test_bad_preference_recipes_exit_2(override, message, base, tmp_path, capsys
 
 def test_dpo_on_an_int8_base_uses_the_int8_base_as_reference(base, tmp_path):
     from datasets import Dataset
-    from lora_llama.objectives import answer_logps
+    from lora_llama.training.objectives import answer_logps
 
     tok = load_tokenizer(str(base))
     pairs, _ = tokenize_pairs(Dataset.from_list(records(False)), tok, 128)

@@ -8,10 +8,10 @@ import torch
 
 from helpers import ROOT, hf_model, peak_growth, sharded_checkpoint
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, merge_lora, save_adapter
-from lora_llama.lora import lora_modules
-from lora_llama.loss import target_loss
-from lora_llama.quant import QuantizedLinear, base_weight_bytes, dequantized
-from lora_llama.quant_formats import (NF4_CODE, dequantize_int8, dequantize_nf4, quantize_absmax, quantize_int8,
+from lora_llama.lora.layer import lora_modules
+from lora_llama.kernels.cross_entropy import target_loss
+from lora_llama.quant.linear import QuantizedLinear, base_weight_bytes, dequantized
+from lora_llama.quant.formats import (NF4_CODE, dequantize_int8, dequantize_nf4, quantize_absmax, quantize_int8,
                                       quantize_nf4)
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
@@ -116,7 +116,7 @@ def test_base_bytes(tiny_ckpt, kind, ratio):
 def test_quantized_run_trains_and_resumes_bit_for_bit(tiny_ckpt, tmp_path, kind):
     from safetensors.torch import load_file
     from test_train import chat_file, metrics, recipe
-    from lora_llama.train import train_from_recipe
+    from lora_llama.training.from_recipe import train_from_recipe
 
     data = chat_file(tmp_path / "d.jsonl")
     settings = (f"model.quantize={kind}", "train.max_steps=12", "train.batch_size=8", "train.lr=1e-2",
@@ -126,7 +126,7 @@ def test_quantized_run_trains_and_resumes_bit_for_bit(tiny_ckpt, tmp_path, kind)
     train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "full", *settings), log=lambda *a: said.append(" ".join(map(str, a))))
     losses = [m["loss"] for m in metrics(tmp_path / "full") if "loss" in m]
     assert losses[-1] < 0.9 * losses[0]
-    # the steps keep freed memory for the next step (allocator.py), a quantized base's too
+    # the steps keep freed memory for the next step (runtime/allocator.py), a quantized base's too
     assert any(line.startswith("allocator: glibc keeps freed memory") for line in said) or \
         any(line.startswith("allocator: left to the environment") for line in said), said
     train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "cut", *settings[:1], "train.max_steps=6", *settings[2:]),
@@ -138,8 +138,8 @@ def test_quantized_run_trains_and_resumes_bit_for_bit(tiny_ckpt, tmp_path, kind)
 
 PRODUCTS = """
 import sys, torch
-from lora_llama.allocator import keep_freed_memory
-from lora_llama.quant import QuantizedLinear
+from lora_llama.runtime.allocator import keep_freed_memory
+from lora_llama.quant.linear import QuantizedLinear
 if sys.argv[1] == "whole":  # each product's weight dequantized whole, into buffers of its own
     QuantizedLinear.transient_weight = lambda self, dtype, transposed=False: (
         self.dequantize(dtype).t() if transposed else self.dequantize(dtype))
@@ -207,7 +207,7 @@ def test_int8_adapter_in_peft_on_fp32_and_merge_uses_original_weights(tiny_ckpt,
 
 
 def test_generate_with_the_kv_cache_on_nf4(tiny_ckpt):
-    from lora_llama.generate import generate
+    from lora_llama.model.generate import generate
 
     model = load_model(tiny_ckpt, quantize="nf4")
     prompt = ids()[0, :6].tolist()
@@ -231,8 +231,8 @@ def test_loading_peak_memory_below_fp32_size(tmp_path, kind):
     fp32_size = sum(f.stat().st_size for f in shards)
     # the setup builds the model once on the meta device: the ~800 modules its first construction imports are not
     # the load's memory
-    setup = ("import torch, safetensors\nfrom lora_llama import load_model\nfrom lora_llama.checkpoint import resolve_source"
-             "\nfrom lora_llama.config import ModelArgs\nfrom lora_llama.files import read_config\nfrom lora_llama.model import Llama"
+    setup = ("import torch, safetensors\nfrom lora_llama import load_model\nfrom lora_llama.loading.models import resolve_source"
+             "\nfrom lora_llama.model.config import ModelArgs\nfrom lora_llama.files import read_config\nfrom lora_llama.model.llama import Llama"
              "\nwith torch.device('meta'):\n    Llama(ModelArgs.from_hf_config(read_config(resolve_source(sys.argv[1]))))")
     grown = peak_growth(setup, f"model = load_model(sys.argv[1], quantize='{kind}')", base)
     print(f"{kind} load grew {grown / 1e6:.1f} MB, float32 checkpoint {fp32_size / 1e6:.1f} MB")
@@ -244,7 +244,7 @@ def test_gguf_blocks_dequantize_as_ggml_does(kind):
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    from lora_llama.gguf_blocks import dequantize_gguf
+    from lora_llama.quant.gguf_blocks import dequantize_gguf
 
     x = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32) * 0.1
     blocks = quants.quantize(x, GGMLQuantizationType[kind])
@@ -260,7 +260,7 @@ def test_k_quant_blocks_dequantize_as_ggml_does(kind):
     from gguf import GGMLQuantizationType, quants
 
     from helpers import random_k_blocks
-    from lora_llama.gguf_blocks import dequantize_gguf
+    from lora_llama.quant.gguf_blocks import dequantize_gguf
 
     blocks = random_k_blocks(kind, rows=6, in_features=512, seed=1)
     ours = dequantize_gguf(kind.lower(), torch.from_numpy(blocks))
@@ -288,7 +288,7 @@ MIXED_BLOCKS = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_K", "attn_outp
 def mixed_gguf(tmp_path_factory):
     """A tiny llama (rows of 256, as K blocks need) in a GGUF file holding each format source keeps."""
     from helpers import build_checkpoint, gguf_with_blocks
-    from lora_llama.export import export_gguf
+    from lora_llama.outputs.export import export_gguf
 
     folder = tmp_path_factory.mktemp("mixed")
     ckpt = build_checkpoint(folder / "ckpt", hidden_size=256, intermediate_size=512)
@@ -352,7 +352,7 @@ def test_nf4_double_quant_against_bitsandbytes():
     """The absmax values, less their mean, in bitsandbytes' 8-bit dynamic map over blocks of 256: the same offset and
     second-level absmax; each code the map's nearest value (bitsandbytes' CPU kernel picks a neighbour for ~0.2%)."""
     bnb = pytest.importorskip("bitsandbytes.functional")
-    from lora_llama.quant_formats import dynamic_map
+    from lora_llama.quant.formats import dynamic_map
 
     assert torch.equal(dynamic_map(), bnb.create_dynamic_map())
     w = torch.randn(300, 512, generator=torch.Generator().manual_seed(3)) * 0.05  # 2400 blocks: 9 of 256 and a rest
@@ -374,7 +374,8 @@ def test_transient_weights_are_the_dequantized_weights_in_one_reused_buffer(monk
     """A product's weight is written a few rows at a time into one buffer per thread and dtype: every format's
     weight and transpose equal dequantize()'s, bit for bit, and the next layer's weight reuses the same memory."""
     from helpers import quantized_layers
-    from lora_llama import quant, workspace
+    from lora_llama.quant import linear as quant
+    from lora_llama.kernels import workspace
 
     monkeypatch.setattr(workspace, "CHUNK_WEIGHTS", 3 * 512)  # 3 rows a chunk: 64 rows take 22 chunks, the last short
     monkeypatch.setattr(workspace, "WHOLE_WEIGHTS", 0)
@@ -397,7 +398,8 @@ def test_compiled_dequantization_equals_the_eager_kernels():
     from torch._dynamo.utils import counters
 
     from helpers import quantized_layers
-    from lora_llama import fused, quant
+    from lora_llama.kernels import fused
+    from lora_llama.quant import linear as quant
 
     counters.clear()
     layers = quantized_layers()
@@ -410,7 +412,7 @@ def test_compiled_dequantization_equals_the_eager_kernels():
 
 def test_double_quant_needs_nf4():
     from lora_llama import UserError
-    from lora_llama.recipe import load_recipe
+    from lora_llama.recipe.schema import load_recipe
 
     with pytest.raises(UserError, match="nf4_double_quant needs model.quantize nf4"):
         load_recipe(None, ["model.quantize=int8", "model.nf4_double_quant=true"])

@@ -58,7 +58,7 @@ def same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-SLOW_STEPS = """import lora_llama.trainer as t
+SLOW_STEPS = """import lora_llama.training.trainer as t
 _step = t.Trainer.train_step
 t.Trainer.train_step = lambda self: (time.sleep(0.15), _step(self))[1]
 """
@@ -89,7 +89,7 @@ def test_sigterm_checkpoints_and_the_rerun_matches_bit_for_bit(tiny_ckpt, data, 
 @pytest.mark.slow
 def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tiny_ckpt, data, tmp_path):
     *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "full"))
-    kill_at_8 = """import lora_llama.run_folder as rf, lora_llama.trainer as t
+    kill_at_8 = """import lora_llama.training.run_folder as rf, lora_llama.training.trainer as t
 _save = rf.save_state
 def save_then_die(folder, state):
     _save(folder, state)
@@ -147,10 +147,10 @@ def test_a_full_disk_while_training_is_one_line_and_keeps_the_last_checkpoint(ti
 
 
 def test_a_failed_merge_write_leaves_nothing(tiny_ckpt, data, tmp_path, monkeypatch, capsys):
-    import lora_llama.merge
+    import lora_llama.outputs.merge
 
     assert main(train_args(tiny_ckpt, data, tmp_path / "run", "train.max_steps=2")) == 0
-    monkeypatch.setattr(lora_llama.merge, "write_safetensors_streaming",
+    monkeypatch.setattr(lora_llama.outputs.merge, "write_safetensors_streaming",
                         lambda path, *a, **k: (_ for _ in ()).throw(OSError(errno.EFBIG, "File too large", str(path))))
     code = main(["merge", "--base", str(tiny_ckpt), "--adapter", str(tmp_path / "run" / "adapter"), "--out",
                  str(tmp_path / "merged")])
@@ -176,7 +176,7 @@ def test_a_failed_cache_write_leaves_nothing(smollm2, tmp_path, monkeypatch, cap
 
 
 def test_one_run_per_folder(tiny_ckpt, data, tmp_path, capsys):
-    from lora_llama.run_folder import run_lock
+    from lora_llama.training.run_folder import run_lock
 
     out = tmp_path / "run"
     with run_lock(out):  # as a live run holds it
@@ -276,7 +276,7 @@ def test_broken_index_and_gguf_name_the_file(tiny_ckpt, smollm2, tmp_path, capsy
 @pytest.mark.slow
 def test_memory_stays_flat_over_300_steps(tiny_ckpt, data, tmp_path):
     """RSS after each logged step; growth from step 50 (warm) to step 300 under 5%."""
-    record = """import lora_llama.trainer as t
+    record = """import lora_llama.training.trainer as t
 _log = t.Trainer.log
 RSS = []
 def log(self, record):
@@ -298,9 +298,9 @@ def test_any_recipe_input_gives_exit_0_or_one_line_exit_2(tmp_path, monkeypatch,
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    import lora_llama.train
+    import lora_llama.training.from_recipe
 
-    monkeypatch.setattr(lora_llama.train, "train_from_recipe", lambda *a, **k: {"steps": 0})  # validation is the subject
+    monkeypatch.setattr(lora_llama.training.from_recipe, "train_from_recipe", lambda *a, **k: {"steps": 0})  # validation is the subject
     keys = st.sampled_from(["lora.r", "lora.alpha", "lora.targets", "lora.layers", "train.lr", "train.max_steps",
                             "train.epochs", "train.betas", "data.max_seq_len", "data.format", "data.fields",
                             "model.dtype", "model.quantize", "output.dir", "lora", "train", "x.y", "lora.r.z", ""])

@@ -8,9 +8,9 @@ import helpers
 from helpers import ROOT
 from lora_llama import load_adapter, load_model
 from lora_llama.cli import main
-from lora_llama.recipe import load_recipe
-from lora_llama.train import train_from_recipe
-from lora_llama.trainer import Trainer
+from lora_llama.recipe.schema import load_recipe
+from lora_llama.training.from_recipe import train_from_recipe
+from lora_llama.training.trainer import Trainer
 
 QA = [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not to be"), ("the quick", "brown fox"),
       ("how are you", "i am fine"), ("the lazy", "dog"), ("hello", "world"), ("that is", "the question")]
@@ -43,7 +43,7 @@ def test_overfits_eight_examples(tiny_ckpt, tmp_path):
 
 def grads_of_first_step(tiny_ckpt, data, out, batch, accum):
     from lora_llama import apply_lora, load_tokenizer
-    from lora_llama.data import build_examples
+    from lora_llama.data.sft import build_examples
 
     r = recipe(tiny_ckpt, data, out, f"train.batch_size={batch}", f"train.grad_accum={accum}", "train.max_grad_norm=null")
     tok = load_tokenizer(tiny_ckpt)
@@ -108,7 +108,7 @@ def test_interrupt_and_resume_continue_exactly(tiny_ckpt, tmp_path, monkeypatch)
 
 
 def test_nan_loss_stops_with_exit_2_and_keeps_last_checkpoint(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    import lora_llama.objectives as objectives
+    import lora_llama.training.objectives as objectives
 
     data = chat_file(tmp_path / "d.jsonl")
     real = objectives.target_loss
@@ -216,7 +216,7 @@ def test_shipped_recipes_validate():
 
 
 def test_epochs_set_the_length_and_max_steps_caps_it():
-    from lora_llama.schedule import total_steps
+    from lora_llama.training.schedule import total_steps
 
     r = load_recipe(None, ["train.epochs=2", "train.grad_accum=2"])
     assert total_steps(r.train, n_micro_batches=10) == 10

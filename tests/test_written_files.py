@@ -9,7 +9,7 @@ import torch
 from helpers import hf_model
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.cli import main
-from lora_llama.lora import lora_modules
+from lora_llama.lora.layer import lora_modules
 
 
 def make_adapter(base, out, source=None):
@@ -101,7 +101,7 @@ def test_adapter_on_a_local_base_loads_with_auto_peft(tiny_ckpt, tmp_path):
 def test_model_card_names_no_local_path(tmp_path, base, shown):
     import yaml
 
-    from lora_llama.hub import model_card
+    from lora_llama.outputs.hub import model_card
 
     (tmp_path / "adapter_config.json").write_text(json.dumps(
         {"base_model_name_or_path": base, "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj"]}))

@@ -1,0 +1,1 @@
+"""Records to token ids: chat templates, SFT examples, preference pairs, GRPO prompts."""

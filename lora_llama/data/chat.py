@@ -1,0 +1,89 @@
+"""Tokenizer helpers shared by SFT data, preference pairs, generation and training: the chat
+template's rendering, BOS once, the tokenizer's special tokens, and the rule that every answer
+ends on a trained stop token."""
+from __future__ import annotations
+
+from lora_llama.errors import UserError
+from lora_llama.files import read_json
+
+# ChatML, for chat data on base models whose tokenizer has no template of its own
+CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The conversation as text through the tokenizer's chat template (ChatML when it has none)."""
+    return tokenizer.apply_chat_template(messages, chat_template=tokenizer.chat_template or CHATML_TEMPLATE,
+                                         tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def encode_rendered(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of a chat-template rendering: BOS where the tokenizer
+    adds one, but never twice when the template wrote one too."""
+    enc = tokenizer(text, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids[:2] == [bos, bos]:
+        ids, offsets = ids[1:], offsets[1:]
+    return ids, offsets
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special tokens, those it declares and those added as special (<|eot_id|>)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def close_with_eos(ids: list[int], labels: list[int], eos: int | None, special_ids: set[int]):
+    """(ids, labels) of an answer that ends on a stop token the model is trained to emit: templates that
+    close a turn with a special token (<|im_end|>, <|eot_id|>, </s>) have one; the others get EOS as a target."""
+    if eos is not None and not special_ids & set(labels[-3:]):
+        return ids + [eos], labels + [eos]
+    return ids, labels
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token that ends an assistant turn in the tokenizer's chat template (EOS without a template)."""
+    if not tokenizer.chat_template:
+        return tokenizer.eos_token_id
+    user = [{"role": "user", "content": "Hi"}]
+    before = render_chat(tokenizer, user, add_generation_prompt=True)
+    ids, offsets = encode_rendered(tokenizer, render_chat(tokenizer, [*user, {"role": "assistant", "content": "Hello"}]))
+    answer = [t for t, (start, _) in zip(ids, offsets) if start >= len(before)]
+    special = special_token_ids(tokenizer)
+    return next((t for t in reversed(answer) if t in special), tokenizer.eos_token_id)
+
+
+def normalise_messages(msgs) -> list[dict]:
+    """Accept OpenAI-style {role, content} and ShareGPT-style {from, value} messages (a file mixing both reads
+    back with the other style's keys null)."""
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
+        raise UserError(f"chat messages must be a non-empty list of {{role, content}} objects, not {msgs!r:.60}")
+    out = []
+    for m in msgs:
+        role = m.get("role") if m.get("role") is not None else m.get("from")
+        if role not in _ROLES:
+            raise UserError(f"chat message with unknown role {role!r}")
+        content = m.get("content") if m.get("content") is not None else m.get("value")
+        if content is None:
+            raise UserError(f"chat message ({role}) without content")
+        out.append({"role": _ROLES[role], "content": str(content)})
+    return out
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a generation (see `stop_token_ids`)."""
+    return stop_token_ids(tokenizer, model.args.eos_token_id, model.folder)
+
+
+def stop_token_ids(tokenizer, config_eos, folder) -> list[int]:
+    """The tokenizer's EOS, the token that ends an assistant turn in its chat template, and the EOS of
+    config.json and of the folder's generation_config.json (Llama 3 and Qwen list several)."""
+    ids = {tokenizer.eos_token_id, end_of_turn_id(tokenizer)}
+    listed = [config_eos]
+    if folder is not None and (folder / "generation_config.json").is_file():
+        listed.append(read_json(folder / "generation_config.json").get("eos_token_id"))
+    for eos in listed:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)

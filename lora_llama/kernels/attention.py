@@ -1,0 +1,165 @@
+"""Attention through SDPA, and for CPU training and packed rows the blocked kernel of blocked_attention.py: linear
+memory, no mask tensor.
+
+Packed rows (`segments`, one id per example, each example contiguous) are independent causal problems: each example
+of each row runs on its own slice, so no dense (B, 1, T, T) mask exists and no work is spent on keys of other
+examples. The kernel is wrapped as custom ops (opaque to torch.compile, one op that selective checkpointing keeps)
+and an autograd Function; in bf16 on a CPU with AMX its forward is aten's flash kernel (`FLASH_FORWARD`). GPUs,
+float16, sliding windows, the KV cache and inference of unpacked rows keep SDPA and its kernels (packed rows there
+with a mask).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lora_llama.kernels.blocked_attention import LOG2E, backward, forward, work_dtype
+from lora_llama.kernels.cpu import cpu_bf16_instructions
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16)
+# enable_gqa lets SDPA read k/v with fewer heads without a repeated copy (torch >= 2.5)
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False,
+           segments: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ/√d + mask)·v for q (B, H, T, d) and k, v (B, H_kv, S, d), H a multiple of H_kv.
+
+    causal: the plain causal mask (mask must be None). segments (B, T) with causal: packed rows, each
+    position sees the earlier positions of its own segment. A float CPU training step, and packed rows
+    on the CPU, run `_CausalAttention`; anything else SDPA (packed rows with a mask built here).
+    """
+    if (causal and mask is None and q.device.type == "cpu" and q.dtype in _FLOATS and q.dtype == k.dtype == v.dtype
+            and q.shape[2] == k.shape[2]):
+        training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if segments is not None or training:
+            return _CausalAttention.apply(q, k, v, segments)
+    if segments is not None:
+        mask, causal = causal_segment_mask(segments)[:, None], False
+    if q.is_cuda and q.shape[2] == 1 and k.shape[1] != q.shape[1] and mask is not None:
+        return one_query(q, k, v, mask)  # decoding: SDPA's CUDA kernels would need k and v repeated per head
+    gqa = {}
+    if k.shape[1] != q.shape[1]:
+        # SDPA's CUDA kernels other than flash (float32, masks) take no enable_gqa and would fall back to
+        # the O(T²)-memory math path: they get repeated keys and values
+        if _SDPA_GQA and not (q.is_cuda and (q.dtype == torch.float32 or mask is not None)):
+            gqa = {"enable_gqa": True}
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
+
+
+def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q·kᵀ/√d + mask)·v for one query position (B, H, 1, d), keys shared by groups of heads, as two
+    grouped products: no copy of the keys and values per head. mask (B or 1, 1, 1, S) bool; scores and softmax in
+    float32."""
+    B, H, _, d = q.shape
+    kv_heads = k.shape[1]
+    scores = torch.matmul(q.view(B, kv_heads, H // kv_heads, d), k.transpose(-1, -2)).float() * d ** -0.5
+    scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, -1), float("-inf"))  # (B, H_kv, group, S)
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v).view(B, H, 1, d)
+
+
+def _amx_flash_forward():
+    """aten's CPU flash forward where it beats the blocked one: bf16 on a CPU with AMX-BF16, its tiles on AMX
+    (per layer, 4x512, GQA 9:3, Xeon with AMX: 3.8 vs 7.8-16 ms; the bf16 step 7% faster, paired). Without AMX
+    it is the slower one (AMD EPYC Zen 5, AVX512_BF16: 16-19 vs 12.5 ms). None elsewhere, or where this torch's
+    kernel does not read k/v with fewer heads (GQA)."""
+    if "AMX_BF16" not in cpu_bf16_instructions():
+        return None
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    try:
+        q = torch.ones(1, 2, 3, 8, dtype=torch.bfloat16)
+        out, lse = op(q, q[:, :1], q[:, :1], 0.0, True)
+        return op if out.shape == q.shape and lse.shape == q.shape[:3] else None
+    except (TypeError, RuntimeError):  # no such op (None) or no GQA
+        return None
+
+
+FLASH_FORWARD = _amx_flash_forward()
+
+
+def _causal_forward(q, k, v):
+    """(out, base-2 log-sum-exp) of one causal problem; the backward (blocked) recomputes probabilities from it.
+    aten's flash kernel keeps the same numerics: float32 scores and softmax, p rounded to bf16 for p·v."""
+    if FLASH_FORWARD is not None and q.dtype == torch.bfloat16:
+        out, lse = FLASH_FORWARD(q, k, v, 0.0, True)  # lse in base e, (B, T, H) in memory
+        return out.contiguous(), lse.contiguous().mul_(LOG2E)  # contiguous, as register_fake says
+    return forward(q, k, v)
+
+
+def takes_segments(device: torch.device) -> bool:
+    """Whether attend runs packed rows on this device without a mask (else the caller builds one mask, once)."""
+    return device.type == "cpu"
+
+
+def causal_segment_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T, T) bool: key j visible to query i when j <= i and both lie in the same segment."""
+    T = segments.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    return causal & (segments[:, :, None] == segments[:, None, :])
+
+
+def _pieces(segments: torch.Tensor | None, B: int, T: int) -> list[tuple[slice, slice]]:
+    """(batch rows, positions) of each independent causal problem: the whole batch, or each example of each
+    packed row (a run of equal segment ids)."""
+    if segments is None:
+        return [(slice(0, B), slice(0, T))]
+    new = torch.ones_like(segments, dtype=torch.bool)
+    new[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    pieces = []
+    for r, starts in enumerate(torch.nonzero(new)[:, 1].split(new.sum(1).tolist())):
+        bounds = starts.tolist() + [T]
+        pieces += [(slice(r, r + 1), slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return pieces
+
+
+# custom ops: opaque to torch.compile (no loop to unroll) and one op that selective checkpointing can keep
+@torch.library.custom_op("lora_llama::causal_attention", mutates_args=())
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     segments: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, base-2 log-sum-exp) of causal attention, each packed example (segments) on its own."""
+    pieces = _pieces(segments, q.shape[0], q.shape[2])
+    if len(pieces) == 1:
+        return _causal_forward(q, k, v)
+    out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=work_dtype(q))
+    for r, t in pieces:
+        out[r, :, t], lse[r, :, t] = _causal_forward(q[r, :, t], k[r, :, t], v[r, :, t])
+    return out, lse
+
+
+@causal_attention.register_fake
+def _(q, k, v, segments):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=work_dtype(q))  # contiguous, as the kernel's
+
+
+@torch.library.custom_op("lora_llama::causal_attention_backward", mutates_args=())
+def causal_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                              grad_out: torch.Tensor, segments: torch.Tensor | None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pieces = _pieces(segments, q.shape[0], q.shape[2])
+    if len(pieces) == 1:
+        return backward(q, k, v, out, lse, grad_out)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    for r, t in pieces:
+        dq[r, :, t], dk[r, :, t], dv[r, :, t] = backward(*(x[r, :, t] for x in (q, k, v, out, lse, grad_out)))
+    return dq, dk, dv
+
+
+@causal_attention_backward.register_fake
+def _(q, k, v, out, lse, grad_out, segments):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, segments):
+        out, lse = causal_attention(q, k, v, segments)
+        ctx.save_for_backward(q, k, v, out, lse, segments)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, segments = ctx.saved_tensors  # read once: checkpointing unpacks each saved tensor once
+        return (*causal_attention_backward(q, k, v, out, lse, grad_out, segments), None)

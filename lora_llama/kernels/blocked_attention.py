@@ -1,0 +1,262 @@
+"""Causal attention for CPU training: blocked forward and backward in linear memory (attention.py dispatches here).
+
+Forward and backward go a block of BLOCK query positions at a time, over tiles of at most KEYS keys, one (key/value
+head, batch row) group at a time with all the query heads that share it as the rows of one product, through oneDNN
+(gemm.linear: 2-3x MKL's batched GEMM on these shapes here). Keys a block cannot see are skipped; forward keeps a
+running max and sum per row (the online softmax) and returns the log-sum-exp, from which backward recomputes the
+probabilities, so nothing of size T x T is ever built. Scores are in base 2 (exp2 runs ~4x faster than exp on the CPU),
+and backward works on keys-first tiles so that the subtractions of lse and delta ride on the products as their bias
+(in bf16 as two extra operand columns). Forward+backward per layer (SmolLM2 shapes, float32, 2 threads, AMD EPYC;
+SDPA's / ours): 4x512 53 / 34 ms, 1x2048 151 / 69 ms, 1x4096 563 / 267 ms, 1x8192 2102 / 915 ms. In
+bfloat16 the scores and softmax are float32 (forward's q·kᵀ is never rounded before the exponential; from torch 2.9
+on it runs as oneDNN bf16 products with float32 output, exact for bf16 values) and the other products take bf16 with
+float32 sums (backward's with lse and delta subtracted before their output is rounded); bf16 forward and backward
+batch their products over groups (backward 4x512 15.5 vs 22.2 ms per group; forward 6.0 vs 9.5 ms, with the
+additive masks).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+
+from lora_llama.kernels.gemm import linear
+
+BLOCK = 128  # query positions per block, KEYS keys per tile: the fastest here at 4x512 and 1x4096 (of 64-256 x 512-2048)
+KEYS = 2048
+GROUP_TILE = 4 << 20  # bf16: elements of one tile's scores over the groups it batches (8 MB in bf16, 16 in float32)
+LOG2E = 1.4426950408889634  # scores in base 2: exp2(x·log2(e)) = exp(x)
+
+
+class _Layout:
+    """The rows of every query head sharing a key/value head, position-major: (B·H_kv, T·rep, ...), so that a
+    block of positions s..e is rows s·rep..e·rep, one matrix per (batch row, key/value head) group."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor):
+        self.B, self.H, self.T, self.d = q.shape
+        self.Hkv = k.shape[1]
+        self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
+
+    def rows(self, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in the work dtype (callers may change it in place);
+        with scale, multiplied by it."""
+        g = t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3)  # (B, H_kv, T, rep, ...)
+        g = g.to(work_dtype(t), memory_format=torch.contiguous_format, copy=True)
+        if scale is not None:
+            g.mul_(scale)
+        return g.view(self.n, self.T * self.rep, *t.shape[3:])
+
+    def keys(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """k or v (B, H_kv, T, d) -> (B·H_kv, T, d), contiguous (the model's k/v are strided views, on which
+        oneDNN is ~100x slower), in dtype (default: the work dtype)."""
+        return t.to(dtype or work_dtype(t)).contiguous().view(self.n, self.T, self.d)
+
+    def heads(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...), in dtype (one copy, the cast included)."""
+        out = t.new_empty((self.B, self.H, self.T, *t.shape[2:]), dtype=dtype)
+        out.view(self.B, self.Hkv, self.rep, self.T, *t.shape[2:]).copy_(
+            t.view(self.B, self.Hkv, self.T, self.rep, *t.shape[2:]).transpose(2, 3))
+        return out
+
+    def augmented(self, t: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 rows (q, dO: (B, H, T, d) -> (B·H_kv, T·rep, d + 2)) followed by extra (B·H_kv, T·rep) float32 split
+        into two bf16 parts (hi + lo, ~16 bits); or, extra None, keys (k, v: (B, H_kv, T, d) -> (B·H_kv, T, d + 2))
+        followed by two ones. A product of the two then subtracts extra in its float32 sums."""
+        if extra is None:
+            out = t.new_ones((self.n, self.T, self.d + 2), dtype=torch.bfloat16)
+            out[..., :self.d] = t.reshape(self.n, self.T, self.d)
+            return out
+        out = t.new_empty((self.n, self.T * self.rep, self.d + 2), dtype=torch.bfloat16)
+        out[..., :self.d].view(self.B, self.Hkv, self.T, self.rep, self.d).copy_(
+            t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3))
+        hi = out[..., self.d].copy_(extra)
+        out[..., self.d + 1] = extra - hi.float()
+        return out
+
+    def groups(self) -> int:
+        """How many groups a batched tile takes: its scores stay ~GROUP_TILE elements, whatever the batch size."""
+        return max(1, GROUP_TILE // (min(KEYS, self.T) * BLOCK * self.rep))
+
+    def tiles(self):
+        """(rows, s, e, k0, k1) per block of queries s..e-1 and tile of keys k0..k1-1 it can see, tiles in order."""
+        for s in range(0, self.T, BLOCK):
+            e = min(s + BLOCK, self.T)
+            for k0 in range(0, e, KEYS):
+                yield slice(s * self.rep, e * self.rep), s, e, k0, min(k0 + KEYS, e)
+
+    def hide(self, scores: torch.Tensor, s: int, e: int, k0: int, k1: int, keys_first: bool = False) -> torch.Tensor:
+        """-inf where a key lies after its query, in the scores of queries s..e and keys k0..k1: (e-s)·rep rows
+        by k1-k0 keys, or keys by rows (keys_first). Only keys s..k1 (the diagonal's) can lie after a query."""
+        c0 = max(s, k0)
+        if k1 > c0:  # (leading dims: groups)
+            part = scores[..., c0 - k0:, :] if keys_first else scores[..., c0 - k0:]
+            part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
+        return scores
+
+
+@functools.lru_cache(maxsize=64)
+def _hidden(offset: int, queries: int, keys: int, rep: int, keys_first: bool, dtype: torch.dtype) -> torch.Tensor:
+    """(queries·rep, keys), or its transpose (keys_first): -inf where key j lies after query i (the queries
+    starting `offset` positions after the keys, each row repeated for the rep heads), else 0. Added to the
+    scores, contiguous: a broadcast masked_fill over the heads runs ~13x slower."""
+    later = torch.arange(keys)[None] > torch.arange(offset, offset + queries)[:, None]  # (queries, keys)
+    bias = torch.zeros(later.shape, dtype=dtype).masked_fill_(later, float("-inf"))
+    bias = bias[:, None].expand(queries, rep, keys).reshape(queries * rep, keys)
+    return bias.t().contiguous() if keys_first else bias
+
+
+def work_dtype(t: torch.Tensor) -> torch.dtype:
+    """Scores, softmax and sums of bf16 attention are float32 (float64 stays)."""
+    return torch.float32 if t.dtype == torch.bfloat16 else t.dtype
+
+
+def _low(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the products that may round their output: bfloat16 for bf16 attention, else None (the work
+    dtype's products, which round nothing that matters)."""
+    return torch.bfloat16 if t.dtype == torch.bfloat16 else None
+
+
+# a tile's products, per group (2-D), through oneDNN where gemm.linear covers the dtype, F.linear elsewhere
+def _nt(a, b, bias=None):  # a·bᵀ (+ bias per column, fused into the product)
+    return linear(a, b, bias)
+
+
+def _nn(a, b):  # a·b
+    return linear(a, b.t())
+
+
+def _tn(a, b):  # aᵀ·b, as (bᵀ·a)ᵀ: oneDNN reads the small bᵀ contiguous and a as a transposed weight
+    return linear(b.t().contiguous(), a.t()).t()
+
+
+def forward(q, k, v):
+    """out (B, H, T, d) in q's dtype and the base-2 log-sum-exp (B, H, T) of plain causal attention.
+
+    Per block of queries, over tiles of keys: scores in base 2 (exp2 runs ~4x faster than exp on the CPU), the online
+    softmax rescaling the running sum and output when a row spans tiles. Float: one group at a time, the
+    scale·log2(e) folded into q. bf16: q·kᵀ in float32 from bf16 values, so it runs exactly as a bf16 product
+    with float32 sums and output (`_bf16_sums`), batched over groups like the backward; the scale is applied
+    in the exponent, q staying a bf16 value."""
+    L = _Layout(q, k)
+    c = LOG2E / math.sqrt(L.d)
+    batched = q.dtype == torch.bfloat16 and _BF16_SUMS
+    qs = L.rows(q, None if batched else c)
+    kk, vv = L.keys(k), L.keys(v, _low(v))  # q·kᵀ in float32 (not rounded before the exponential); p·v in bf16 for bf16
+    # per row, kept in place: the running output (out), its sum of exponentials (sums) and the running max (lse,
+    # until the end); the division and the log-sum-exp are then one operation each over all rows
+    out, lse, sums = torch.empty_like(qs), qs.new_empty(qs.shape[:2]), qs.new_empty(qs.shape[:2])
+    groups, scale = (L.groups(), c) if batched else (1, 1.0)
+    with _bf16_sums(batched):
+        for g0 in range(0, L.n, groups):
+            grp = slice(g0, g0 + groups)
+            for rows, s, e, k0, k1 in L.tiles():
+                qg, kg, vg = qs[grp, rows], kk[grp, k0:k1], vv[grp, k0:k1]
+                p = torch.bmm(qg, kg.transpose(1, 2)) if batched else _nt(qg[0], kg[0])[None]  # (G, b·rep, K)
+                p = L.hide(p, s, e, k0, k1)
+                acc, total, m = out[grp, rows], sums[grp, rows], lse[grp, rows]
+                if k0 == 0:  # key 0 is seen by all: the max is finite from tile 0
+                    torch.amax(p, -1, out=m)
+                else:  # a row that sees no key of this tile has -inf here
+                    m_new = torch.maximum(m, p.amax(-1))
+                    r = (m - m_new).mul_(scale).exp2_()
+                    m.copy_(m_new)
+                # (p - m)·scale in one pass: p·scale + (-m·scale)
+                p = torch.add(m.mul(-scale)[..., None], p, alpha=scale, out=p).exp2_() if batched else p.sub_(m[..., None]).exp2_()
+                pv = torch.bmm(p.to(vv.dtype), vg) if batched else _nn(p[0].to(vv.dtype), vg[0])[None]
+                if k0 == 0:
+                    acc.copy_(pv)
+                    torch.sum(p, -1, out=total)
+                else:
+                    acc.mul_(r[..., None]).add_(pv.to(acc.dtype))
+                    total.mul_(r).add_(p.sum(-1))
+    out.div_(sums[..., None])
+    lse.mul_(scale).add_(sums.log2_())
+    return L.heads(out, q.dtype), L.heads(lse, lse.dtype)
+
+
+# torch >= 2.9: oneDNN may run float32 products as bf16 products (float32 sums and output), exact when the
+# inputs hold bf16 values; a process-wide setting, so `_bf16_sums` sets it only around such products
+_BF16_SUMS = hasattr(getattr(torch.backends, "mkldnn", None), "matmul") and hasattr(
+    torch.backends.mkldnn.matmul, "fp32_precision")
+
+
+@contextlib.contextmanager
+def _bf16_sums(active: bool):
+    if not active:
+        yield
+        return
+    setting = torch.backends.mkldnn.matmul
+    before, setting.fp32_precision = setting.fp32_precision, "bf16"
+    try:
+        yield
+    finally:
+        setting.fp32_precision = before
+
+
+def backward(q, k, v, out, lse, grad_out):
+    """dq, dk, dv of plain causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse (B, H, T) from forward).
+
+    Keys-first tiles: Pᵀ = exp2(k·qᵀ - lse) and dPᵀ - delta = v·dOᵀ - delta come out of one product each, the
+    subtraction fused into it as the product's bias (one per query row)."""
+    if q.dtype == torch.bfloat16:
+        return _backward_bf16(q, k, v, out, lse, grad_out)
+    L = _Layout(q, k)
+    scale = 1 / math.sqrt(L.d)
+    c = scale * LOG2E  # the base-2 scale, folded into q
+    qs, g, kk, vv = L.rows(q, c), L.rows(grad_out), L.keys(k), L.keys(v)
+    neg_lse = L.rows(lse).neg_()  # (n, T·rep)
+    neg_delta = L.rows(torch.linalg.vecdot(grad_out, out)).neg_()  # -rowsum(dO ∘ O)
+    dq, dk, dv = (torch.zeros_like(t) for t in (qs, kk, vv))
+    for i in range(L.n):
+        for rows, s, e, k0, k1 in L.tiles():
+            q_blk, g_blk, k_t, v_t = qs[i, rows], g[i, rows], kk[i, k0:k1], vv[i, k0:k1]  # (b·rep, d), (K, d)
+            pt = L.hide(_nt(k_t, q_blk, neg_lse[i, rows]), s, e, k0, k1, keys_first=True).exp2_()  # Pᵀ (K, b·rep)
+            dv[i, k0:k1] += _nn(pt, g_blk)
+            dst = _nt(v_t, g_blk, neg_delta[i, rows]).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+            dk[i, k0:k1] += _nn(dst, q_blk)
+            dq[i, rows] += _tn(dst, k_t)
+    # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs/log2(e)
+    return (L.heads(dq.mul_(scale), q.dtype), dk.mul_(1 / LOG2E).view(k.shape).to(k.dtype),
+            dv.view(v.shape).to(v.dtype))
+
+
+def _backward_bf16(q, k, v, out, lse, grad_out):
+    """backward for bfloat16: the same keys-first tiles, each product one bf16 batched product over several
+    (batch row, key/value head) groups (torch.bmm, which PyTorch sends to oneDNN for bf16: ~750 GFLOP/s here,
+    where float32's bmm goes to MKL at ~180 and the per-group products stay faster), sums in float32.
+
+    The subtractions of lse and delta happen in the float32 sums before the output is rounded: q and dO carry
+    -lse/c and -delta as two more columns (each split into two bf16 parts, ~16 bits) and k and v two columns of
+    ones (`_Layout.augmented`), so what is rounded to bf16 is the small difference. q is not scaled (c·q would
+    round it again): the rounded difference is scaled by c. Each tile's share is rounded once to bf16 before the
+    float32 accumulators take it."""
+    L = _Layout(q, k)
+    d, scale = L.d, 1 / math.sqrt(L.d)
+    c = scale * LOG2E
+    qa = L.augmented(q, L.rows(lse).mul_(-1 / c))  # (n, T·rep, d + 2): q, -lse/c
+    ga = L.augmented(grad_out, L.rows(torch.linalg.vecdot(grad_out.float(), out.float())).neg_())  # dO, -delta
+    ka, va = L.augmented(k), L.augmented(v)  # (n, T, d + 2): k, 1, 1
+    kt = ka[..., :d].transpose(1, 2).contiguous()  # kᵀ (n, d, T): dqᵀ = kᵀ·dSᵀ, a plain product
+    dqt = q.new_empty((L.n, d, L.T * L.rep), dtype=torch.float32)  # every column is written by its block's key tile 0
+    dk, dv = (q.new_zeros((L.n, L.T, d), dtype=torch.float32) for _ in range(2))
+    groups = L.groups()
+    for g0 in range(0, L.n, groups):
+        grp = slice(g0, g0 + groups)
+        for rows, s, e, k0, k1 in L.tiles():
+            q_blk, g_blk = qa[grp, rows].contiguous(), ga[grp, rows].contiguous()  # (G, b·rep, d + 2)
+            pt = L.hide(torch.bmm(ka[grp, k0:k1], q_blk.transpose(1, 2)), s, e, k0, k1, keys_first=True)
+            pt = pt.mul_(c).exp2_()  # Pᵀ (G, K, b·rep)
+            # dO and q without their two extra columns (views): a product 66 columns wide runs ~25% slower than 64
+            dv[grp, k0:k1] += torch.bmm(pt, g_blk[..., :d])
+            dst = torch.bmm(va[grp, k0:k1], g_blk.transpose(1, 2)).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+            dk[grp, k0:k1] += torch.bmm(dst, q_blk[..., :d])
+            part = torch.bmm(kt[grp, :, k0:k1], dst)  # (G, d, b·rep)
+            if k0 == 0:
+                dqt[grp, :, rows] = part
+            else:
+                dqt[grp, :, rows] += part
+    # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q
+    return (L.heads(dqt.mul_(scale).transpose(1, 2), q.dtype), dk.mul_(scale).view(k.shape).to(k.dtype),
+            dv.view(v.shape).to(v.dtype))

@@ -1,0 +1,1 @@
+"""Models from their sources (HF folders, GGUF, Hub ids, registered names), PEFT adapter files, fsdp's sharded loading."""

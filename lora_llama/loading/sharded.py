@@ -1,0 +1,150 @@
+"""fsdp's loading: the model is built on the meta device, wrapped in its adapters, sharded by FSDP2, and then
+each rank reads from the checkpoint only the rows of each tensor that it owns (`safe_open(...).get_slice`),
+quantizing them as it reads. No process, rank 0 included, ever holds the whole model.
+
+FSDP2 cuts every tensor on dim 0 as `torch.chunk` does: rank r holds rows [r·c, r·c + its rows) with
+c = ceil(rows / world). Quantized layers shard the same way because their codes and scales are laid out by
+output row (int8: a scale per row; nf4: in/64 blocks per row; GGUF: a row of blocks per output row), and a
+row quantized on its own is the row quantized with the whole tensor. nf4's double quantization is the one
+exception: its second-level scales span rows, so such a layer reads its whole weight (one tensor at a time).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from lora_llama.loading.adapters import load_adapter_weights
+from lora_llama.loading.models import block_rows, gguf_linear_blocks, resolve_source
+from lora_llama.model.config import ModelArgs
+from lora_llama.runtime.distributed import shard_model
+from lora_llama.errors import UserError
+from lora_llama.files import CheckpointRows, read_config
+from lora_llama.lora.layer import apply_lora
+from lora_llama.model.llama import Llama
+from lora_llama.quant.gguf_blocks import GGUF_FORMATS, row_bytes
+from lora_llama.quant.linear import DECODER_LINEARS, QuantizedLinear
+from lora_llama.quant.formats import NF4_BLOCK, quantize_absmax, quantize_int8, quantize_nf4
+
+
+def sharded_adapted_model(source, lora, dtype, quantize: str | None, double_quant: bool, device, ranks,
+                          adapter_dir=None):
+    """(model, apply_lora's summary): the base sharded over the ranks from the start, its adapters on every rank
+    as one process makes them (the same random draws), then cut into shards too."""
+    folder = resolve_source(source)
+    args = ModelArgs.from_hf_config(read_config(folder))
+    with torch.device("meta"):
+        model = Llama(args)
+    if args.tie_word_embeddings:
+        model.tie_weights()
+    blocks = gguf_linear_blocks(source, args, copy=False) if quantize == "source" else {}
+    placeholders(model, quantize, double_quant, blocks)
+    summary = apply_lora(model, lora)
+    if adapter_dir is not None:
+        load_adapter_weights(model, adapter_dir)
+    shard_model(model)
+    fill_shards(model, CheckpointRows(folder), dtype, blocks, device, ranks)
+    model.source, model.folder = str(source), folder
+    return model.eval(), summary
+
+
+def placeholders(model, quantize: str | None, double_quant: bool, blocks: dict) -> None:
+    """Each decoder linear to be quantized becomes a QuantizedLinear of meta codes and scales of its format's
+    shapes (a GGUF source's linears take the file's own kind)."""
+    if not quantize:
+        return
+    for i, block in enumerate(model.model.layers):
+        for parent_name, parent in (("self_attn", block.self_attn), ("mlp", block.mlp)):
+            for name in DECODER_LINEARS:
+                lin, path = getattr(parent, name, None), f"model.layers.{i}.{parent_name}.{name}"
+                if lin is None or quantize == "source" and path not in blocks:  # a GGUF type kept dequantized
+                    continue
+                kind = blocks[path][0] if quantize == "source" else quantize
+                setattr(parent, name, _meta_layer(lin, kind, double_quant))
+
+
+def _meta_layer(lin: nn.Linear, kind: str, double_quant: bool) -> QuantizedLinear:
+    out, inp = lin.out_features, lin.in_features
+    meta = lambda *shape, dtype: torch.empty(shape, dtype=dtype, device="meta")
+    if kind == "int8":
+        codes, scales = meta(out, inp, dtype=torch.int8), meta(out, dtype=torch.float32)
+    elif kind == "nf4":
+        if inp % NF4_BLOCK:
+            raise UserError(f"fsdp shards nf4 layers by row: in_features {inp} is not a multiple of {NF4_BLOCK}")
+        codes = meta(out, inp // 2, dtype=torch.uint8)
+        scales = meta(out, inp // NF4_BLOCK, dtype=torch.uint8 if double_quant else torch.float32)
+    else:
+        codes, scales = meta(out, row_bytes(kind, inp), dtype=torch.uint8), meta(0, dtype=torch.float32)
+    bias = lin.bias.detach() if lin.bias is not None else None
+    q = QuantizedLinear(inp, out, kind, codes, scales, bias)
+    if kind == "nf4" and double_quant:
+        q.register_buffer("absmax2", meta(math.ceil(out * inp // NF4_BLOCK / 256), dtype=torch.float32))
+        q.register_buffer("offset", meta(dtype=torch.float32))
+    return q
+
+
+def fill_shards(model, rows: CheckpointRows, dtype, blocks: dict, device, ranks) -> None:
+    """Replace every meta shard by the rows this rank owns, read from the checkpoint (a quantized layer's codes and
+    scales quantized together, once); a tied weight stays tied."""
+    done: dict[int, nn.Parameter] = {}
+    for path, module in model.named_modules():
+        quantized = None
+        for name, p in list(module._parameters.items()):
+            if p is None or not _is_meta(p):
+                continue
+            if id(p) not in done:
+                lo, hi = _owned(p, ranks)
+                if isinstance(module, QuantizedLinear) and name != "bias":
+                    quantized = quantized or _quantized(module, path, rows, blocks, lo, hi)
+                    local = quantized[name]
+                else:
+                    key = f"{path.removesuffix('.base_layer')}.{name}"
+                    _check_shape(rows, key, p.shape)
+                    local = rows.rows(key, lo, hi).to(dtype)
+                done[id(p)] = _as_shard(local.to(device), p)
+            module._parameters[name] = done[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:  # GGUF's empty scales; double quantization's second level, whole
+                module._buffers[name] = quantized[name].to(device)
+
+
+def _is_meta(p) -> bool:
+    return (p._local_tensor if hasattr(p, "_local_tensor") else p).is_meta
+
+
+def _owned(p, ranks) -> tuple[int, int]:
+    """The rows [lo, hi) of a dim-0 shard this rank holds."""
+    lo = ranks.rank * math.ceil(p.shape[0] / ranks.world)
+    return lo, lo + p._local_tensor.shape[0]
+
+
+def _quantized(module: QuantizedLinear, path: str, rows: CheckpointRows, blocks: dict, lo: int, hi: int) -> dict:
+    """{codes, scales[, absmax2, offset]}: rows lo..hi of a layer's quantized weight. A slice of a whole tensor is
+    cloned, so the whole one is freed."""
+    key = f"{path.removesuffix('.base_layer')}.weight"
+    if module.kind in GGUF_FORMATS:
+        return {"codes": block_rows(blocks[key.removesuffix(".weight")], lo, hi),
+                "scales": torch.empty(0, dtype=torch.float32)}
+    _check_shape(rows, key, (module.out_features, module.in_features))
+    if module.kind == "int8":
+        return dict(zip(("codes", "scales"), quantize_int8(rows.rows(key, lo, hi))))
+    if not hasattr(module, "absmax2"):
+        return dict(zip(("codes", "scales"), quantize_nf4(rows.rows(key, lo, hi))))
+    codes, absmax = quantize_nf4(rows.rows(key, 0, module.out_features))  # second-level blocks span rows
+    scales, absmax2, offset = quantize_absmax(absmax)
+    return {"codes": codes[lo:hi].clone(), "scales": scales[lo:hi].clone(), "absmax2": absmax2, "offset": offset}
+
+
+def _check_shape(rows: CheckpointRows, key: str, shape) -> None:
+    if list(rows.shape(key)) != list(shape):
+        raise UserError(f"{key} has shape {tuple(rows.shape(key))}, config.json implies {tuple(shape)}")
+
+
+def _as_shard(local: torch.Tensor, meta_param) -> nn.Parameter:
+    """A parameter holding this rank's rows of the whole tensor `meta_param` describes."""
+    from torch.distributed.tensor import DTensor
+
+    shard = DTensor.from_local(local.contiguous(), meta_param.device_mesh, meta_param.placements, run_check=False,
+                               shape=meta_param.shape, stride=meta_param.stride())
+    return nn.Parameter(shard, requires_grad=False)

@@ -1,0 +1,342 @@
+"""Low-rank adapters on the native LLaMA's linear layers.
+
+    x ──► W0 (frozen, out×in) ──────────────┐
+    │                                       (+) ──► y = W0·x + (alpha/r)·B·A·x
+    └──► A (r×in) ──► B (out×r) ──► ·scale ─┘
+
+A starts Kaiming-uniform (as nn.Linear), B starts at zero, so training begins at
+exactly the base model. `scale` is alpha/r, or alpha/sqrt(r) with rslora. The
+base layer may be an nn.Linear or a frozen 8-bit / 4-bit `QuantizedLinear`. Merging
+folds ΔW = scale·B·A into W0 (`fold`).
+
+DoRA (`use_dora`) adds a trained magnitude m per output row: W' = m · (W0 + scale·B·A) / ‖W0 + scale·B·A‖,
+the norm taken per row and detached from the gradient (as peft does). The norm comes from r x r and
+out x r products (`row_norms`), never from the (out, in) sum, and W0's own row norms are kept from the start.
+
+On the common path (a frozen base, plain or quantized, and no dropout) a layer offers its products as one
+fused autograd node (`low_rank_node`, run by kernels.py), alone or with the layers that
+share its input (q, k, v; gate, up).
+
+Module and parameter names follow PEFT (`q_proj.base_layer`, `q_proj.lora_A`,
+`q_proj.lora_B`), so adapter keys are PEFT's with the `base_model.model.` prefix.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lora_llama.model.config import TARGET_MODULES
+from lora_llama.lora.settings import LoraSettings, lora_scale
+from lora_llama.errors import UserError
+from lora_llama.files import read_tensors
+from lora_llama.kernels.gemm import run_linear
+from lora_llama.kernels.elementwise import low_rank_linears
+from lora_llama.lora.init import init_adapter, moves_w0, principal_init
+from lora_llama.quant.linear import QuantizedLinear
+
+
+def fold(w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+         inplace: bool = False, magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """W0 + scale·B·A in float32, the one place a merge computes it (negative scale: unmerge); with a DoRA
+    magnitude, each row then scaled to it: m · (W0 + scale·B·A) / ‖W0 + scale·B·A‖.
+
+    inplace: a float32 w0 that the caller owns (a fresh copy read from a shard) is updated
+    in place, so no (out, in) temporary is made besides it.
+    """
+    w = w0.float()
+    if w is w0 and not inplace:  # .float() of a float32 tensor is the tensor itself
+        w = w.clone()
+    w = w.addmm_(lora_b.to(w.device, torch.float32), lora_a.to(w.device, torch.float32), alpha=scale)
+    if magnitude is not None:
+        w.mul_((magnitude.to(w.device, torch.float32) / w.norm(dim=1))[:, None])
+    return w
+
+
+def row_norms(w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+              w0_squared: torch.Tensor) -> torch.Tensor:
+    """‖W0 + scale·B·A‖ per row (float32) without the (out, in) sum: ‖W0_i‖² (given) + 2·scale·B_i·(W0·Aᵀ)_i
+    + scale²·B_i·(A·Aᵀ)·B_iᵀ. W0·Aᵀ is one (out, in) x (in, r) product in W0's dtype."""
+    a, b = lora_a.float(), lora_b.float()
+    cross = F.linear(lora_a.to(w0.dtype), w0).float().t()  # (out, r)
+    squared = w0_squared + 2 * scale * (cross * b).sum(1) + scale * scale * ((b @ (a @ a.t())) * b).sum(1)
+    return squared.clamp_min(0).sqrt()
+
+
+def dense_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A base layer's weight as a float matrix: a quantized one dequantized (what its products use)."""
+    return base.dequantize(dtype) if type(base) is QuantizedLinear else base.weight
+
+
+class _MagnitudeScale(torch.autograd.Function):
+    """DoRA's c·(W0·x + scale·B·A·x) with c = m / norm per output: keeps the sum alone (one (N, out) tensor) for
+    m's gradient, where autograd would keep both terms."""
+
+    @staticmethod
+    def forward(ctx, w0x, low_rank, magnitude, norms):
+        z = w0x.float() + low_rank
+        c = magnitude.float() / norms
+        ctx.save_for_backward(z, c, norms)
+        ctx.dtypes = (w0x.dtype, low_rank.dtype, magnitude.dtype)
+        return z * c
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, c, norms = ctx.saved_tensors
+        g = grad.float()
+        grad_z = g * c
+        grad_m = (g * z).sum(0) / norms
+        return grad_z.to(ctx.dtypes[0]), grad_z.to(ctx.dtypes[1]), grad_m.to(ctx.dtypes[2]), None
+
+
+class LoRALinear(nn.Module):
+    """x ↦ W0·x + scale·B·A·dropout(x), with W0 frozen and only A, B trained."""
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False,
+                 use_dora: bool = False, init=True):
+        super().__init__()
+        self.base_layer = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.r, self.alpha, self.dropout, self.rslora, self.use_dora = r, alpha, dropout, rslora, use_dora
+        self.scale = lora_scale(r, alpha, rslora)
+        w = base.weight
+        device = w.device if w.device.type != "meta" else None
+        # adapters stay in float32 under half-precision bases (as PEFT does) for stable updates
+        dtype = w.dtype if w.dtype == torch.float32 else torch.float32
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.init = init
+        if moves_w0(init):
+            self._take_principal_part(init)
+        else:
+            init_adapter(self.lora_A, self.lora_B, init)
+        if use_dora:  # m starts at W0's row norms (B = 0): the adapted model starts as the base model
+            with torch.no_grad():
+                squared = dense_weight(base, torch.float32).float().square().sum(1)
+            self.register_buffer("w0_squared", squared, persistent=False)
+            self.lora_magnitude_vector = nn.Parameter(squared.sqrt().to(dtype))
+        self.merged = False  # ΔW folded into the base weight
+        self.disabled = False  # the base output only (see `adapters_disabled`)
+
+    @torch.no_grad()
+    def _take_principal_part(self, how: str) -> None:
+        """PiSSA / OLoRA: A, B from W0's principal part, the residual left as the frozen base; A0, B0 kept for
+        the plain form of the saved adapter."""
+        base = self.base_layer
+        if type(base) is not nn.Linear or not base.weight.is_floating_point():
+            raise UserError(f"init_lora_weights {how} needs the base's float weights (a quantized base is quantized "
+                            "after the residual is computed: lora-llama train does that)")
+        a, b, residual = principal_init(base.weight, self.r, self.scale, how)
+        self.lora_A.weight.copy_(a)
+        self.lora_B.weight.copy_(b)
+        base.weight.copy_(residual.to(base.weight.dtype))
+        self.register_buffer("lora_A0", a.to(self.lora_A.weight.dtype), persistent=False)
+        self.register_buffer("lora_B0", b.to(self.lora_B.weight.dtype), persistent=False)
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether the layer can run as one autograd node: a frozen base (plain in x's dtype, or quantized and
+        dequantized into it), no dropout, A and B in x's dtype or in float32 (bf16-mixed: float32 masters, cast
+        for the products)."""
+        base = self.base_layer
+        plain = type(base) is nn.Linear and not base.weight.requires_grad and x.dtype == base.weight.dtype
+        return ((plain or type(base) is QuantizedLinear) and type(self.lora_dropout) is nn.Identity
+                and (base.bias is None or (not base.bias.requires_grad and base.bias.dtype == x.dtype))
+                and x.is_floating_point() and self.lora_A.weight.dtype == self.lora_B.weight.dtype
+                and self.lora_A.weight.dtype in (x.dtype, torch.float32)
+                and not torch.is_autocast_enabled(x.device.type))
+
+    def low_rank_node(self, x: torch.Tensor) -> tuple | None:
+        """(W0, b, A, B, scale) for kernels' fused node, or None when this layer must run on its own."""
+        if self.merged or self.disabled or self.use_dora or not self.fused(x):
+            return None
+        base = self.base_layer
+        w0 = base if type(base) is QuantizedLinear else base.weight  # a quantized one dequantizes inside the node
+        return w0, base.bias, self.lora_A.weight, self.lora_B.weight, self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged or self.disabled:
+            return run_linear(self.base_layer, x)
+        x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D so the update below is not on a view
+        if self.use_dora:
+            return self._dora(x2).view(*x.shape[:-1], self.out_features)
+        if torch.compiler.is_compiling() and self.fused(x2):
+            # compiled: the plain formula in the fused node's dtypes (inductor writes the backward, fuses the casts)
+            a = F.linear(x2, self.lora_A.weight.to(x2.dtype))  # (N, r)
+            y = run_linear(self.base_layer, x2) + F.linear(a, self.lora_B.weight.to(x2.dtype)) * self.scale
+            return y.view(*x.shape[:-1], self.out_features)
+        node = self.low_rank_node(x2)
+        if node is not None:
+            (y,) = low_rank_linears(x2, [node])
+            return y.view(*x.shape[:-1], self.out_features)
+        y = run_linear(self.base_layer, x2)  # (N, out)
+        a = self.lora_A(self.lora_dropout(x2).to(self.lora_A.weight.dtype))  # (N, r)
+        if type(self.base_layer) in (nn.Linear, QuantizedLinear) and y.dtype == a.dtype == self.lora_B.weight.dtype:
+            # y += scale·a·Bᵀ in place: no full-width temporaries for B·a, its scaling and the sum
+            # (safe for autograd: a linear's backward never reads its own output)
+            y.addmm_(a, self.lora_B.weight.t(), alpha=self.scale)
+        else:
+            y = y + (self.lora_B(a) * self.scale).to(y.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _dora(self, x: torch.Tensor) -> torch.Tensor:
+        """W0·x + b + (c - 1)·W0·x' + c·scale·B·A·x' with c = m / ‖W0 + scale·B·A‖ (detached) and x' = dropout(x):
+        peft's DoRA, the base product reused when there is no dropout."""
+        base = self.base_layer
+        y = run_linear(base, x)  # (N, out)
+        dropped = self.lora_dropout(x)
+        low_rank = self.lora_B(self.lora_A(dropped.to(self.lora_A.weight.dtype))).float() * self.scale
+        with torch.no_grad():
+            norms = row_norms(dense_weight(base, y.dtype), self.lora_A.weight, self.lora_B.weight, self.scale,
+                              self.w0_squared)
+        if dropped is x:  # y = W0·x + b: the output is b + c·(W0·x + scale·B·A·x)
+            w0x = y if base.bias is None else y - base.bias
+            scaled = _MagnitudeScale.apply(w0x, low_rank, self.lora_magnitude_vector, norms).to(y.dtype)
+            return scaled if base.bias is None else scaled + base.bias
+        w0x = F.linear(dropped, dense_weight(base, y.dtype))  # y + (c - 1)·W0·x' + c·scale·B·A·x'
+        return y - w0x + _MagnitudeScale.apply(w0x, low_rank, self.lora_magnitude_vector, norms).to(y.dtype)
+
+    def _float_base_weight(self) -> torch.Tensor:
+        w = self.base_layer.weight
+        if not isinstance(self.base_layer, nn.Linear) or not w.is_floating_point():
+            raise UserError("cannot merge into quantised base weights (lossy); use `lora-llama merge` or merge_lora, "
+                            "which fold ΔW into the original full-precision weights")
+        return w
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold ΔW into W0 in place (float32 arithmetic, cast back); forward becomes the base forward. DoRA keeps
+        each row's factor m / ‖W0 + scale·B·A‖ to undo it."""
+        if not self.merged:
+            w = self._float_base_weight()
+            merged = fold(w, self.lora_A.weight, self.lora_B.weight, self.scale)
+            if self.use_dora:
+                self.row_factor = self.lora_magnitude_vector.float() / merged.norm(dim=1)
+                merged.mul_(self.row_factor[:, None])
+            w.copy_(merged)
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            w = self._float_base_weight()
+            unscaled = w.float() / self.row_factor[:, None] if self.use_dora else w
+            w.copy_(fold(unscaled, self.lora_A.weight, self.lora_B.weight, -self.scale))
+            self.merged = False
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, scale={self.scale:g}" + (", dora" if self.use_dora else "")
+
+
+def target_paths(model, settings: LoraSettings) -> list[str]:
+    """Dotted module paths that the settings adapt, e.g. `model.layers.0.self_attn.q_proj`."""
+    n_layers = model.args.n_layers
+    layers = range(n_layers) if settings.layers is None else settings.layers
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise UserError(f"LoRA layer {bad[0]} does not exist (the model has layers 0..{n_layers - 1})")
+    paths = [f"model.layers.{i}.{TARGET_MODULES[t]}" for i in layers for t in settings.targets if t != "lm_head"]
+    return paths + (["lm_head"] if "lm_head" in settings.targets else [])
+
+
+def lora_modules(model) -> dict[str, LoRALinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def apply_lora(model, settings: LoraSettings) -> dict:
+    """Wrap the targeted linears in LoRALinear, freeze everything else; return a parameter summary."""
+    if lora_modules(model):
+        raise UserError("the model already has LoRA adapters")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if "lm_head" in settings.targets:
+        model.untie_weights()  # so that merging lm_head's adapter never changes the embedding
+    for path in target_paths(model, settings):
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, child, LoRALinear(getattr(parent, child), settings.r, settings.alpha, settings.dropout,
+                                          settings.rslora, settings.use_dora, settings.init_lora_weights))
+    return parameter_summary(model)
+
+
+def adapter_settings(model) -> LoraSettings | None:
+    """The settings the model's LoRA layers were made with, read off the layers (None: no adapter)."""
+    modules = lora_modules(model)
+    if not modules:
+        return None
+    by_path = {path: t for t, path in TARGET_MODULES.items()}
+    targets, layers = set(), set()
+    for name in modules:  # lm_head, or model.layers.{i}.self_attn.q_proj ...
+        parts = name.split(".", 3)
+        targets.add(by_path[parts[-1] if len(parts) == 4 else name])
+        if len(parts) == 4:
+            layers.add(int(parts[2]))
+    m = next(iter(modules.values()))
+    every_layer = layers in (set(), set(range(model.args.n_layers)))
+    return LoraSettings(r=m.r, alpha=m.alpha, dropout=m.dropout, rslora=m.rslora, use_dora=m.use_dora, init_lora_weights=m.init,
+                        targets=[t for t in TARGET_MODULES if t in targets], layers=None if every_layer else sorted(layers))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Inside the block the model gives its base outputs (every LoRA layer skips B·A): the base
+    model without a second copy of it."""
+    modules = list(lora_modules(model).values())
+    if any(m.merged for m in modules):
+        raise UserError("cannot disable a merged adapter; unmerge it first")
+    for m in modules:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.disabled = False
+
+
+def parameter_summary(model) -> dict:
+    """Trainable and total parameters; a quantized linear's weight counts as its out x in parameters, as peft
+    counts a 4-bit weight, so a quantized base reports the model's size."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters()) + sum(
+        m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    return {"trainable": trainable, "total": total, "percent": round(100 * trainable / total, 4)}
+
+
+def lora_state_dict(model) -> dict[str, torch.Tensor]:
+    """Native names of the adapter tensors, e.g. `model.layers.0.self_attn.q_proj.lora_A.weight` (and DoRA's
+    `...q_proj.lora_magnitude_vector`)."""
+    return {k: v for k, v in model.state_dict().items()
+            if ".lora_A." in k or ".lora_B." in k or k.endswith(".lora_magnitude_vector")}
+
+
+def merge_lora(model) -> None:
+    """Fold every adapter into its base weight and unwrap it, leaving a plain Llama.
+
+    A quantised base layer is never merged into: its ORIGINAL full-precision weight is
+    read again from the checkpoint, ΔW added, and a plain nn.Linear takes its place.
+    """
+    modules = lora_modules(model)
+    quantized = [p for p, m in modules.items() if not m.base_layer.weight.is_floating_point()]
+    if quantized and model.folder is None:
+        raise UserError("merging into a quantised base needs its original weights: load the model with load_model")
+    originals = read_tensors(model.folder, [f"{p}.weight" for p in quantized]) if quantized else {}
+    dtype = model.model.embed_tokens.weight.dtype
+    for path, m in modules.items():
+        if path in quantized:
+            base = m.base_layer
+            merged = nn.Linear(m.in_features, m.out_features, bias=base.bias is not None,
+                               device=m.lora_A.weight.device, dtype=dtype)
+            with torch.no_grad():
+                w0 = originals[f"{path}.weight"].to(merged.weight.device)
+                merged.weight.copy_(fold(w0, m.lora_A.weight, m.lora_B.weight, m.scale,
+                                         magnitude=m.lora_magnitude_vector if m.use_dora else None))
+                if base.bias is not None:
+                    merged.bias.copy_(base.bias)
+            merged.requires_grad_(False)
+        else:
+            m.merge()
+            merged = m.base_layer
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, child, merged)

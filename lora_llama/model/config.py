@@ -1,0 +1,179 @@
+"""The model's configuration: `ModelArgs` from an HF config.json, per family, and the
+vocabularies every other module shares (dtypes, LoRA targets, quantize kinds, precisions).
+
+What a family sets that the native model does not implement is refused here, never ignored.
+The recipe schema users write lives in recipe.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lora_llama.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a model_type differs from Llama (read off transformers' modeling_<type>.py)."""
+    architecture: str  # the transformers class: written as `architectures` in the configs we write
+    qkv_bias: bool | None = None  # bias on q, k, v: fixed by the family, or None for config's attention_bias
+    o_bias: bool | None = None  # bias on o: the same
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    sliding_window: bool = False  # every layer honours config's sliding_window (Mistral)
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM", qkv_bias=False, o_bias=False, sliding_window=True),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+}
+# keys transformers adds when it loads or converts a model: local paths and names that mean nothing elsewhere
+_LOAD_TIME_KEYS = ("_name_or_path", "_model_name_or_path", "_commit_hash", "_attn_implementation_autoset")
+_DEFAULT_LABELS = {"0": "LABEL_0", "1": "LABEL_1"}
+# dtype spellings users write -> torch attribute names (the canonical spellings are the values)
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16"}
+DType = Literal[tuple(sorted(set(DTYPE_NAMES.values())))]
+# LoRA target name -> module path inside a decoder block (lm_head lives at the top of the model)
+TARGET_MODULES = {
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj", "lm_head": "lm_head",
+}
+HF_NAME = {t: path.rsplit(".", 1)[-1] for t, path in TARGET_MODULES.items()}  # q -> q_proj: PEFT's target_modules
+DECODER_TARGETS = tuple(t for t in TARGET_MODULES if t != "lm_head")  # the seven linears of a block ("all-linear")
+Target = Literal[tuple(TARGET_MODULES)]
+# frozen decoder linears held weight-only (quant.py): int8, nf4, or a GGUF base's own blocks (source)
+QUANTIZE_KINDS = ("int8", "nf4", "source")
+DEVICE = r"auto|cpu|cuda(:\d+)?"  # model.device and --device, as a regular expression; what auto picks: precision.py
+PRECISIONS = ("fp32", "bf16-mixed", "auto")  # train.precision; what each means: precision.py
+
+
+def torch_dtype(name: str):
+    """The torch dtype for a spelling in DTYPE_NAMES (torch imported only here, when needed)."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise UserError(f"unknown dtype {name!r} (use one of {', '.join(DTYPE_NAMES)})")
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+@dataclass
+class ModelArgs:
+    model_type: str = "llama"  # a key of FAMILIES
+    vocab_size: int = 32000
+    dim: int = 4096  # hidden_size
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: multi-head attention (kv heads = heads)
+    head_dim: int | None = None  # None: dim // n_heads; Gemma-style configs give it explicitly
+    intermediate_size: int = 11008
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": 8.0, ...}
+    max_seq_len: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: q and k normalised per head before RoPE
+    sliding_window: int | None = None  # Mistral: a position attends to itself and the window - 1 before it
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    hf_config: dict = field(default_factory=dict, repr=False)  # the original, written back by merge
+
+    def __post_init__(self):
+        self.n_kv_heads = self.n_kv_heads or self.n_heads
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
+        if self.rope_scaling:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ("default", "llama3"):
+                raise UserError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        family = family_of(cfg)
+        attention_bias = cfg.get("attention_bias", False)
+        # transformers >= 5 writes `rope_parameters`; Hub checkpoints carry `rope_theta` + `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
+        return cls(
+            model_type=cfg.get("model_type", "llama"),
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"],
+            n_kv_heads=cfg.get("num_key_value_heads"),
+            head_dim=cfg.get("head_dim"),
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=dict(scaling) if scaling else None,
+            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            o_bias=attention_bias if family.o_bias is None else family.o_bias,
+            mlp_bias=cfg.get("mlp_bias", False),
+            qk_norm=family.qk_norm,
+            sliding_window=cfg.get("sliding_window") if family.sliding_window else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+            hf_config=dict(cfg),
+        )
+
+
+def family_of(cfg: dict) -> Family:
+    """The family of an HF config; what it sets that we do not implement is refused, never ignored."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in FAMILIES:
+        raise UserError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    family = FAMILIES[model_type]
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"{model_type} with hidden_act {act!r} is not supported (only silu)")
+    # Mistral's window covers every layer (ModelArgs.sliding_window); Qwen's per-layer windows are not implemented
+    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
+        raise UserError(f"{model_type} with sliding-window layers (use_sliding_window / layer_types) is not supported")
+    return family
+
+
+def portable_hf_config(cfg: dict) -> dict:
+    """config.json as we write it, for any tool to read: `architectures` names the family's class; no
+    local path, no load-time key, no default label maps; `rope_theta` (and a non-default `rope_scaling`)
+    also at the top level, where transformers < 5 and llama.cpp's converter read them."""
+    out = {k: v for k, v in cfg.items() if k not in _LOAD_TIME_KEYS and not (v is None and k in ("dtype", "torch_dtype"))}
+    out["architectures"] = [family_of(cfg).architecture]
+    if {str(k): v for k, v in (out.get("id2label") or {}).items()} == _DEFAULT_LABELS:
+        out.pop("id2label"), out.pop("label2id", None)
+    rope = dict(out.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        out.setdefault("rope_theta", rope.pop("rope_theta"))
+    if rope.get("rope_type", "default") != "default":
+        out.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    return out
+
+
+def rope_inv_freq(args: ModelArgs, dtype=None):
+    """RoPE's inverse frequencies (head_dim // 2,), with Llama 3.1 frequency scaling when configured:
+    long wavelengths are stretched by `factor`, short ones kept, the band between interpolated."""
+    import torch
+
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype or torch.float32) / d))
+    s = args.rope_scaling
+    if not s or s.get("rope_type", s.get("type")) != "llama3":
+        return inv_freq
+    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
+    return torch.where(medium, smoothed, scaled)

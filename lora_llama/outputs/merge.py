@@ -1,0 +1,149 @@
+"""Streaming merge: fold ΔW = scale·B·A into the base checkpoint, shard by shard.
+
+Only one shard (plus the small adapter) is in memory at a time, so the size of
+the model does not matter. ΔW is added to the original full-precision W0 read
+from the base checkpoint (a GGUF base is dequantised first), or, with
+onto="dequantized", to dequant(quant(W0)): what an adapter trained on an int8 /
+nf4 base saw. The result is a standard HF folder that `AutoModelForCausalLM`
+and `load_model` open.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from lora_llama.loading.adapters import adapter_deltas
+from lora_llama.loading.models import resolve_source
+from lora_llama.model.config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
+from lora_llama.errors import UserError
+from lora_llama.files import (INDEX_FILE, SAFETENSORS_DTYPES, atomic_dir, copy_tokenizer_files, open_safetensors, read_config,
+                    refuse_existing, release_freed_memory, shard_files, tensor_shapes, write_json,
+                    write_safetensors_streaming)
+from lora_llama.lora.layer import fold
+from lora_llama.quant.linear import DECODER_LINEARS, dequantized
+from lora_llama.registry import base_model_id
+
+
+def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
+    """Every adapted module exists in the base and every LoRA shape matches its weight."""
+    for name, (A, B, _) in deltas.items():
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes and tied else name
+        if source not in shapes:
+            raise UserError(f"the adapter targets {name.removesuffix('.weight')}, which the base model does not have")
+        out_f, in_f = shapes[source]
+        if A.shape[1] != in_f or B.shape[0] != out_f or A.shape[0] != B.shape[1]:
+            raise UserError(f"adapter for {name} has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}, "
+                            f"which do not fit the base weight {(out_f, in_f)}")
+
+
+ONTO = ("original", "dequantized")
+
+
+class Merger:
+    """Base + adapter, one tensor at a time, for `merge` and `export`: W0 + scale·B·A for every adapted weight.
+
+    onto="original" folds ΔW into the full-precision W0 of the checkpoint; onto="dequantized" into
+    dequant(quant(W0)) of every decoder linear, the weights an adapter trained on a `quantize` base saw.
+    Without an adapter, the base's own tensors come out unchanged."""
+
+    def __init__(self, base: str, adapter: str | os.PathLike | None = None, onto: str = "original",
+                 quantize: str | None = None, double_quant: bool = False):
+        if onto not in ONTO:
+            raise UserError(f"unknown --onto {onto!r} (use {' or '.join(ONTO)})")
+        if onto == "dequantized" and quantize not in QUANTIZE_KINDS:
+            raise UserError("--onto dequantized needs the quantisation the adapter was trained on: "
+                            f"--quantize {' or '.join(QUANTIZE_KINDS)} (or a run folder's recipe.yaml next to the adapter)")
+        self.deltas, self.scale = {}, 0.0
+        if adapter is not None:
+            adapter = Path(adapter)
+            if not adapter.is_dir():
+                raise UserError(f"adapter folder not found: {adapter}")
+            self.deltas, self.scale, adapter_cfg = adapter_deltas(adapter)
+        self.folder = resolve_source(base)
+        self.config = read_config(self.folder)
+        self.files = shard_files(self.folder)
+        tied = bool(self.config.get("tie_word_embeddings", False))
+        check_adapter_fits(self.deltas, tensor_shapes(self.files), tied)
+        named = adapter_cfg.get("base_model_name_or_path") if adapter is not None else None
+        if named and str(named) not in (str(base), base_model_id(base)) and Path(str(named)).name != Path(str(base)).name:
+            warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
+        # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
+        self.untie = tied and "lm_head.weight" in self.deltas
+        if self.untie:
+            self.config["tie_word_embeddings"] = False
+        self.config.pop("quantization_config", None)
+        self.onto, self.quantize, self.double_quant = onto, quantize, double_quant
+
+    def plan(self, sf) -> list[tuple[str, str]]:
+        """(output name, source name) of an open shard: a tied lm_head with an adapter comes from the embedding."""
+        plan = [(k, k) for k in sf.keys() if not k.endswith("rotary_emb.inv_freq")]
+        if self.untie and "model.embed_tokens.weight" in sf.keys():
+            plan.append(("lm_head.weight", "model.embed_tokens.weight"))
+        return plan
+
+    def entries(self, sf, out_dtype=None) -> list[tuple[str, torch.dtype, tuple]]:
+        """(name, dtype, shape) of what `tensors` yields for this shard, from its header alone."""
+        entries = []
+        for out_key, src in self.plan(sf):
+            piece = sf.get_slice(src)
+            entries.append((out_key, out_dtype or getattr(torch, SAFETENSORS_DTYPES[piece.get_dtype()]),
+                            tuple(piece.get_shape())))
+        return entries
+
+    def tensors(self, sf, out_dtype=None):
+        """The shard's merged tensors in `plan` order. Each is a fresh copy read from the shard, folded in place:
+        no (out, in) temporaries besides it."""
+        for out_key, src in self.plan(sf):
+            w = sf.get_tensor(src)
+            target_dtype = out_dtype or w.dtype
+            if self.onto == "dequantized" and out_key.rsplit(".", 2)[-2] in DECODER_LINEARS and w.dim() == 2:
+                w = dequantized(w, self.quantize, self.double_quant)
+            if out_key in self.deltas:
+                A, B, magnitude = self.deltas[out_key]
+                w = fold(w, A, B, self.scale, inplace=True, magnitude=magnitude)
+            yield out_key, w.to(target_dtype).contiguous()
+
+
+def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
+                     force: bool = False, progress: bool = True, onto: str = "original", quantize: str | None = None,
+                     double_quant: bool = False) -> dict:
+    """Write base + adapter as one HF checkpoint in `out`; returns {"out", "bytes", "seconds", "shards"}."""
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    out_dtype = torch_dtype(dtype) if dtype else None
+    out = Path(out)
+    refuse_existing(out, force)
+    merger = Merger(base, adapter, onto, quantize, double_quant)
+    files, config = merger.files, merger.config
+
+    def merge_shard(src_file: Path, dst_file: Path) -> tuple[list[str], int]:
+        """One shard, one tensor at a time: read, fold, write, free. Returns (names written, bytes)."""
+        with open_safetensors(src_file) as sf:
+            entries = merger.entries(sf, out_dtype)
+            folded = (t for _, t in merger.tensors(sf, out_dtype))
+            size = write_safetensors_streaming(dst_file, entries, folded, metadata={"format": "pt"})
+        return [k for k, _, _ in entries], size  # returning drops the shard's mapping before the next one
+
+    n = len(files)
+    weight_map, total = {}, 0
+    with atomic_dir(out, force=force) as tmp:
+        for i, f in enumerate(tqdm(files, desc="merge", unit="shard", disable=not progress)):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            keys, size = merge_shard(f, tmp / name)
+            release_freed_memory()
+            weight_map.update({k: name for k in keys})
+            total += size
+        write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if out_dtype is not None:
+            config["torch_dtype"] = config["dtype"] = str(out_dtype).removeprefix("torch.")
+        write_json(tmp / "config.json", portable_hf_config(config))
+        if (merger.folder / "generation_config.json").is_file():
+            shutil.copy2(merger.folder / "generation_config.json", tmp / "generation_config.json")
+        copy_tokenizer_files(merger.folder, tmp)
+    return {"out": str(out), "bytes": total, "seconds": time.perf_counter() - start, "shards": n}

@@ -1,0 +1,135 @@
+"""int8 and nf4 weights as bitsandbytes lays them out: quantized from float weights, and dequantized.
+
+    int8  one scale per output row: scale = absmax(row) / 127, q = round(w / scale) in [-127, 127]
+    nf4   QLoRA's NormalFloat-4 codebook (bitsandbytes' 16 values), blocks of 64 consecutive weights in
+          row-major order with one float32 absmax each; two codes a byte, the first in the high nibble.
+          With double quantization the absmax values, less their mean, are stored in 8 bits (bitsandbytes'
+          dynamic map) in blocks of 256 with one float32 absmax each, as QLoRA does
+"""
+from __future__ import annotations
+
+import torch
+
+from lora_llama.kernels import fused
+
+INT8_MAX = 127
+NF4_BLOCK = 64
+# bitsandbytes' NF4 codebook (quantiles of N(0, 1), QLoRA), sorted
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+            0.7229568362236023, 1.0)
+
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 (out, in), scale float32 (out,)) with w ≈ q · scale per row."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / INT8_MAX
+    q = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """q · scale in float32, rounded once into dtype (a mixed int8·float32 multiply runs ~10x slower)."""
+    return q.to(torch.float32).mul_(scale[:, None]).to(dtype)
+
+
+def _blockwise_scaled(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values / their block's absmax clamped to [-1, 1], absmax per block) as bitsandbytes computes them: full
+    blocks multiplied by 1 / absmax, a last partial block divided by its absmax."""
+    full = flat.numel() // block * block
+    blocks = flat[:full].view(-1, block)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1).view(-1)
+    if full < flat.numel():
+        last = flat[full:].abs().max().clamp(min=1e-38)
+        absmax, scaled = torch.cat([absmax, last[None]]), torch.cat([scaled, (flat[full:] / last).clamp_(-1, 1)])
+    return scaled, absmax
+
+
+def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, absmax float32) as bitsandbytes' quantize_4bit(blocksize=64, quant_type="nf4") makes them:
+    rows of in/2 bytes and in/64 blocks when in is a multiple of 64 (so both shard on dim 0), else flat."""
+    flat = w.reshape(-1).float()
+    n = flat.numel()
+    scaled, absmax = _blockwise_scaled(flat, NF4_BLOCK)
+    scaled = torch.nn.functional.pad(scaled, (0, n % 2))  # two codes a byte
+    code = torch.tensor(NF4_CODE, device=w.device)
+    idx = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+    packed = (idx[0::2] << 4) | idx[1::2]
+    if w.dim() == 2 and w.shape[1] % NF4_BLOCK == 0:
+        return packed.view(w.shape[0], -1), absmax.view(w.shape[0], -1)
+    return packed, absmax
+
+
+DOUBLE_QUANT_BLOCK = 256
+
+
+def dynamic_map() -> torch.Tensor:
+    """bitsandbytes' signed 8-bit dynamic map (`create_dynamic_map()`), computed as it computes it: 7 decades of
+    exponent, each with its share of linear fractions, plus 0 and 1, sorted."""
+    data = []
+    for i in range(7):
+        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist() + (-(10 ** (-6 + i)) * means).tolist()
+    return torch.tensor(sorted(data + [0, 1.0]), dtype=torch.float32)
+
+
+@fused.made_once
+def _dynamic_map_on(device: torch.device) -> torch.Tensor:
+    return dynamic_map().to(device)
+
+
+def quantize_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """nf4's double quantization: (codes uint8, second-level absmax float32, offset) of absmax - mean(absmax)."""
+    offset = absmax.mean()
+    scaled, absmax2 = _blockwise_scaled(absmax.reshape(-1) - offset, DOUBLE_QUANT_BLOCK)
+    code = dynamic_map().to(absmax.device)
+    codes = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+    return codes.view(absmax.shape), absmax2, offset
+
+
+def dequantize_absmax(codes: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    values = _dynamic_map_on(codes.device)[codes.reshape(-1).long()]
+    values = torch.nn.functional.pad(values, (0, -values.numel() % DOUBLE_QUANT_BLOCK)).view(-1, DOUBLE_QUANT_BLOCK)
+    return (values * absmax2[:, None]).view(-1)[:codes.numel()].add_(offset).view(codes.shape)
+
+
+@fused.made_once
+@torch.no_grad()
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """(256, 2): the two code values of every byte, so one lookup decodes a byte; made once per device."""
+    code = torch.tensor(NF4_CODE, device=device)
+    byte = torch.arange(256, device=device)
+    return torch.stack([code[byte >> 4], code[byte & 15]], dim=1)
+
+
+@fused.made_once
+@torch.no_grad()
+def _word_table(device: torch.device) -> torch.Tensor:
+    """(65536, 4): the four code values of every two bytes, at the bytes read as an int16 word plus 32768."""
+    word = torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16)
+    return _pair_table(device)[word.view(torch.uint8).view(-1, 2).int()].reshape(-1, 4)  # its bytes in memory order
+
+
+def _code_values(packed: torch.Tensor) -> torch.Tensor:
+    """(bytes x 2,) float32: the code values of packed nf4 bytes, in order. A lookup copies a row of the table, and
+    rows of four values a word cost the CPU 1.2-1.4x less than rows of two a byte; an odd count or start takes bytes."""
+    flat = packed.reshape(-1)
+    if flat.numel() % 2 or flat.storage_offset() % 2:
+        return torch.nn.functional.embedding(flat.int(), _pair_table(flat.device)).view(-1)
+    words = flat.view(torch.int16).int().add_(32768)
+    return torch.nn.functional.embedding(words, _word_table(flat.device)).view(-1)
+
+
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
+    values = _code_values(packed)
+    n = torch.Size(shape).numel()
+    if values.numel() % NF4_BLOCK == 0:
+        values = values.view(-1, NF4_BLOCK).mul_(absmax.reshape(-1, 1)).view(-1)
+    else:  # a last, partial block
+        values = torch.nn.functional.pad(values, (0, -values.numel() % NF4_BLOCK)).view(-1, NF4_BLOCK)
+        values = values.mul_(absmax.reshape(-1, 1)).view(-1)
+    return values[:n].view(shape).to(dtype)

@@ -1,0 +1,1 @@
+"""The recipe: its schema, overrides and validation, and the reference generated from it."""

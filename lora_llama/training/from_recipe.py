@@ -1,0 +1,218 @@
+"""`train_from_recipe`: what `lora-llama train` runs — check the inputs and the run folder, load the
+tokenizer, data and adapted model, hand them to the `Trainer`."""
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from lora_llama.kernels import fused
+from lora_llama.loading.adapters import load_adapter_weights
+from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
+from lora_llama.loading.models import gguf_file, load_model, load_tokenizer, resolve_source
+from lora_llama.model.config import torch_dtype
+from lora_llama.data.sft import build_examples
+from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
+from lora_llama.errors import UserError
+from lora_llama.files import shard_files
+from lora_llama.lora.layer import apply_lora
+from lora_llama.data.preference import build_pairs
+from lora_llama.data.prompts import build_prompts
+from lora_llama.runtime.precision import base_dtype, resolve_compile, resolve_precision, resolve_quantize
+from lora_llama.lora.init import moves_w0
+from lora_llama.quant.linear import base_weight_bytes, quantize_loaded_linears
+from lora_llama.loading.sharded import sharded_adapted_model
+from lora_llama.training.run_folder import ADAPTER, checkpoints, remove_leftovers, run_lock, write_run_recipe
+from lora_llama.data.chat import end_of_turn_id
+from lora_llama.training.trainer import Trainer
+
+
+def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=None) -> dict:
+    """Everything `lora-llama train` does, in one process or in each of torchrun's (rank 0 holds the
+    run folder's lock and writes; the others only compute). `log` receives one line per message."""
+    out = Path(recipe.output.dir)
+    ranks, device = setup(recipe.model.device, recipe.train.collective_timeout_s)
+    say = (log or _say) if ranks.main else (lambda *_: None)
+    try:
+        with run_lock(out) if ranks.main else contextlib.nullcontext():
+            return _train(recipe, out, resume, force, say, ranks, device)
+    finally:
+        teardown()
+
+
+def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, device: str) -> dict:
+    """Inputs are all checked before the run folder is touched."""
+    found = _check_run_folder(recipe, out, resume, force)
+    if ranks.main:  # a GGUF source is converted into its cached folder once, by rank 0, while the others wait
+        resolve_source(recipe.model.source)
+    ranks.barrier()
+    precision, why = resolve_precision(recipe.train.precision, device)
+    recipe, quantize_why = _quantize_resolved(recipe, precision, device)
+    strategy = _choose_strategy(recipe, ranks, device)
+    sharded = ranks.world > 1 and strategy == "fsdp"
+    recipe, compile_why = _compile_resolved(recipe, device, sharded)
+    torch.manual_seed(recipe.train.seed)
+    random.seed(recipe.train.seed)
+    tok = load_tokenizer(recipe.model.source)
+    train, val = _examples(recipe, tok, log)
+    # loading's weight-sized temporaries (conversions, quantization) go back at once; the steps' memory is kept below
+    allocator = return_freed_memory() if device == "cpu" else None
+    if sharded and _loads_by_rows(recipe):  # each rank reads only its own rows of the base
+        resume_from = found[-1] / ADAPTER if found and not (force and not resume) else None
+        model, summary = sharded_adapted_model(recipe.model.source, recipe.lora, base_dtype(precision, torch_dtype(
+            recipe.model.dtype)), recipe.model.quantize, recipe.model.nf4_double_quant, device, ranks, resume_from)
+        found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
+        _set_model_options(model, recipe)
+    else:
+        model, summary = _adapted_model(recipe, precision, "cpu" if sharded else device)
+        found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
+        if found:  # the adapter goes in before fsdp cuts it into shards
+            load_adapter_weights(model, found[-1] / ADAPTER)
+        if sharded:
+            shard_model(model)
+    if allocator and not sharded:
+        allocator = keep_freed_memory()
+    trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log)
+    log(f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
+        f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
+    _describe_setup(log, recipe, model, (precision, why), {"model.quantize": quantize_why, "train.compile": compile_why},
+                    allocator, device, sharded)
+    log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
+    _warn_if_stop_untrained(log, recipe, model, tok)
+    if found:
+        trainer.resume(found[-1])
+        log(f"resuming from {found[-1]} (step {trainer.step})")
+    return trainer.fit()
+
+
+def _say(message: str) -> None:
+    """Print above tqdm's progress bar rather than through it."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(message)
+    sys.stdout.flush()  # a line a supervisor (or a test) waits for is there at once
+
+
+def _check_run_folder(recipe, out: Path, resume: bool, force: bool) -> list[Path]:
+    """The run folder's checkpoints; a finished or foreign folder is refused without --force."""
+    found = checkpoints(out)
+    if (out / ADAPTER).exists() and not force and not resume:
+        raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
+    if out.exists() and any(out.iterdir()) and not found and not force:
+        raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
+    return found
+
+
+def _quantize_resolved(recipe, precision: str, device: str):
+    """(the recipe with model.quantize auto replaced by the kind it picks here, why). The run folder's
+    recipe.yaml records that kind, which `merge --onto dequantized` reads."""
+    m = recipe.model
+    kind, why = resolve_quantize(m.quantize, precision, device, gguf_file(m.source) is not None,
+                                 moves_w0(recipe.lora.init_lora_weights))
+    return recipe.model_copy(update={"model": m.model_copy(update={"quantize": kind})}), why
+
+
+def _compile_resolved(recipe, device: str, sharded: bool):
+    """(the recipe with train.compile auto replaced by what it picks here, why)."""
+    on, why = resolve_compile(recipe.train.compile, device, sharded)
+    return recipe.model_copy(update={"train": recipe.train.model_copy(update={"compile": on})}), why
+
+
+def _choose_strategy(recipe, ranks: Ranks, device: str) -> str:
+    weight_bytes = sum(f.stat().st_size for f in shard_files(resolve_source(recipe.model.source)))
+    strategy = choose_strategy(recipe.train.distributed, ranks, device, weight_bytes, bool(recipe.model.quantize))
+    if ranks.world > 1 and strategy == "fsdp":
+        if "lm_head" in recipe.lora.targets:  # the chunked loss runs lm_head outside the model's backward
+            raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head")
+    return strategy
+
+
+def _examples(recipe, tok, log) -> tuple[list[dict], list[dict]]:
+    """(train, val): examples for SFT, pairs for the preference objectives, prompts for GRPO."""
+    if recipe.train.objective == "sft":
+        return build_examples(recipe.data, tok, recipe.train.seed)
+    if recipe.train.objective == "grpo":
+        return build_prompts(recipe.data, tok, recipe.train.seed, recipe.train.grpo.max_new_tokens, log)
+    return build_pairs(recipe.data, tok, recipe.train.seed, log)
+
+
+def _adapted_model(recipe, precision: str, device: str):
+    """The base in the precision's dtype with the recipe's adapters; returns (model, apply_lora's summary)."""
+    m = recipe.model
+    principal = moves_w0(recipe.lora.init_lora_weights)  # PiSSA / OLoRA: the residual is what gets quantized
+    model = load_model(m.source, dtype=base_dtype(precision, torch_dtype(m.dtype)),
+                       quantize=None if principal else m.quantize, device=device, nf4_double_quant=m.nf4_double_quant)
+    summary = apply_lora(model, recipe.lora)
+    if principal and m.quantize:
+        quantize_loaded_linears(model, m.quantize, m.nf4_double_quant)
+    _set_model_options(model, recipe)
+    return model, summary
+
+
+def _loads_by_rows(recipe) -> bool:
+    """Whether fsdp can load the base row by row: DoRA's magnitude and PiSSA / OLoRA's split need whole weights."""
+    return not recipe.lora.use_dora and not moves_w0(recipe.lora.init_lora_weights)
+
+
+def _set_model_options(model, recipe) -> None:
+    model.gradient_checkpointing = recipe.train.gradient_checkpointing
+    model.offload_activations = recipe.train.offload_activations
+    if recipe.train.compile:  # resolved by _train: auto is true or false by now
+        model.compile_blocks()
+
+
+def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, force: bool, ranks: Ranks) -> list[Path]:
+    """Start over under --force (unless resuming), clear what a killed run half wrote, write the resolved
+    recipe; returns the checkpoints still to resume from. The other ranks wait until the folder is ready."""
+    if force and out.exists() and not (resume and found):
+        found = []
+        if ranks.main:
+            shutil.rmtree(out)
+    if ranks.main:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out)
+        write_run_recipe(out, recipe)
+    ranks.barrier()
+    return found
+
+
+def _describe_setup(log, recipe, model, precision_why: tuple, reasons: dict[str, str], allocator, device: str,
+                    sharded: bool) -> None:
+    """reasons: why each setting named (model.quantize, train.compile) has its value; those `auto` picked are said."""
+    m, (precision, why) = recipe.model, precision_why
+    dtype = str(base_dtype(precision, torch_dtype(m.dtype))).removeprefix("torch.")
+    log(f"base weights: {base_weight_bytes(model) / 1e6:.1f} MB ({m.quantize or dtype}); precision {precision} ({why})")
+    values = {"model.quantize": m.quantize or "null", "train.compile": str(recipe.train.compile).lower()}
+    for key, reason in reasons.items():
+        if reason.startswith("auto"):
+            log(f"{key} {values[key]} ({reason})")
+    if allocator:
+        log(f"allocator: {allocator}")
+    if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:
+        log("bf16 on the CPU: RMSNorm and SwiGLU run as compiled loops, built during the first step "
+            "(seconds; kept on disk for later runs)")
+    if sharded:
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.3f} MB of the base's "
+            f"{sum(p.numel() * p.element_size() for p in frozen) / 1e6:.3f} MB of frozen weights")
+
+
+def _warn_if_stop_untrained(log, recipe, model, tok) -> None:
+    if "lm_head" not in recipe.lora.targets and looks_untrained(model, stop := end_of_turn_id(tok)):
+        log(f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(stop)}) "
+            "looks untrained in this base (its embedding or lm_head row is near zero) and both stay frozen: "
+            "the model may never learn to stop; add lm_head to lora.targets or start from an instruct model")
+
+
+def looks_untrained(model, token_id: int | None) -> bool:
+    """Whether a token's embedding or lm_head row is far below the others (< 0.1 x the median row norm),
+    as the chat tokens of base checkpoints are that never saw them (base Qwen's <|im_end|>)."""
+    if token_id is None:
+        return False
+    rows = {model.model.embed_tokens.weight, model.lm_head.weight}
+    return any(float(norms[token_id]) < 0.1 * float(norms.median()) for norms in
+               (w.detach().float().norm(dim=1) for w in rows))

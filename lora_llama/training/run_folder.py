@@ -1,0 +1,249 @@
+"""A training run's folder: its file names and readers, one run at a time, checkpoint state
+without pickles, metrics and plots.
+
+    out/checkpoints/step-N/{adapter/, state.safetensors, state.json, trainer_state.json}
+    out/metrics.jsonl, out/tensorboard/, out/loss.png, out/recipe.yaml, out/adapter/
+
+Trainer state (optimizer, scheduler, RNG) is split into its tensors (safetensors) and the
+rest (JSON): loading a checkpoint someone sent you runs no code, where a pickle would.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+from lora_llama.errors import UserError
+from lora_llama.files import read_json, write_json
+
+# the run folder's names: every other module spells them through these
+ADAPTER, CHECKPOINTS, METRICS, LOSS_PLOT, RECIPE, TENSORBOARD = (
+    "adapter", "checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard")
+STATE_TENSORS, STATE_JSON, TRAINER_STATE = "state.safetensors", "state.json", "trainer_state.json"
+
+
+def run_of_adapter(adapter: Path) -> Path | None:
+    """The run folder an adapter folder belongs to (run/adapter or run/checkpoints/step-N/adapter), or None."""
+    adapter = Path(adapter).resolve()
+    for run in (adapter.parent, adapter.parent.parent.parent):
+        if (run / RECIPE).is_file():
+            return run
+    return None
+
+
+def read_run_recipe(run: Path | None) -> dict:
+    """The resolved recipe a run wrote (as plain data), or {} when there is none."""
+    import yaml
+
+    path = Path(run) / RECIPE if run else None
+    return (yaml.safe_load(path.read_text()) or {}) if path and path.is_file() else {}
+
+
+def write_run_recipe(out: Path, recipe) -> None:
+    import yaml
+
+    (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+
+
+def last_eval(run: Path | None) -> dict | None:
+    """The last eval record of a run's metrics, or None."""
+    evals = [r for r in read_metrics(Path(run) / METRICS) if "eval_loss" in r] if run else []
+    return evals[-1] if evals else None
+
+
+@contextlib.contextmanager
+def run_lock(out: Path):
+    """Hold a lock on the run folder for the whole run; a second run on it is refused at once.
+
+    The lock file sits beside the folder (--force may delete the folder) and is an flock, which
+    the kernel drops when its holder dies: the lock of a killed run is simply taken over.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    f = open(out.parent / f".{out.name}.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise UserError(f"{out} is in use by a running `lora-llama train` (pid {holder}); "
+                        "wait for it to end or choose another output.dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    try:
+        yield
+    finally:
+        f.close()  # closing releases the flock
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """Yield a list that SIGTERM (a preempted job) or SIGINT (Ctrl-C) fill with the signal's name,
+    for the trainer to stop at the next step boundary; a second signal stops at once.
+    Outside the main thread (no signal handlers there) the list just stays empty."""
+    requested: list[str] = []
+
+    def handler(signum, frame):
+        if requested:
+            raise KeyboardInterrupt(requested[0])
+        requested.append(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield requested
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """A run's complete checkpoint folders, oldest first (atomic_dir's temporaries start with a dot)."""
+    found = [p for p in (Path(out) / CHECKPOINTS).glob("step-*") if p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def remove_leftovers(out: Path) -> None:
+    """Temporary folders of writes that a killed run left half done (never mistaken for results)."""
+    for parent in (out, out / CHECKPOINTS):
+        for p in parent.glob(".*.tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- state without pickles
+
+
+def _split(obj, tensors: dict, path: str):
+    """obj with every tensor replaced by a reference into `tensors`, tuples and non-string keys kept."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu").contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, dict):
+        items = [[k, _split(v, tensors, f"{path}.{k}")] for k, v in obj.items()]
+        return {"__dict__": items}
+    if isinstance(obj, (list, tuple)):
+        items = [_split(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    return obj
+
+
+def _join(obj, tensors: dict):
+    if isinstance(obj, list):
+        return [_join(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_join(v, tensors) for v in obj["__tuple__"])
+        return {k: _join(v, tensors) for k, v in obj["__dict__"]}
+    return obj
+
+
+def save_state(folder: Path, state: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict = {}
+    tree = _split(state, tensors, "state")
+    save_file(tensors, folder / STATE_TENSORS, metadata={"format": "pt"})
+    write_json(folder / STATE_JSON, tree)
+
+
+def load_state(folder: Path) -> dict:
+    """What save_state wrote; a broken file is one UserError naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(folder / STATE_TENSORS)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {folder / STATE_TENSORS}: truncated or not a safetensors file ({e})") from None
+    try:
+        return _join(read_json(folder / STATE_JSON), tensors)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{folder / STATE_JSON} does not describe a trainer state ({type(e).__name__}: {e})") from None
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The metric records; a last line cut short by a kill is skipped, not an error."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines written after the checkpoint we resume from, so none is repeated."""
+    if path.is_file():
+        path.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step))
+
+
+def tensorboard(out: Path, resumed_step: int):
+    """A SummaryWriter that drops the events written after the checkpoint we resume from."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(out / TENSORBOARD), purge_step=resumed_step + 1 if resumed_step else None)
+
+
+def plot_losses(metrics: Path, png: Path) -> None:
+    """The loss curves; a second panel with the rewards: for preference objectives the reward accuracy and
+    margin, for GRPO the sampled completions' reward and the held-out greedy one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics)
+    curve = lambda key: [(r["step"], r[key]) for r in rows if key in r]
+    preference = any("rewards/margins" in r for r in rows)
+    panel = [k for k in (("rewards/accuracies", "rewards/margins", "eval_rewards/accuracies", "eval_rewards/margins")
+                         if preference else ("reward", "eval_reward")) if curve(k)]
+    fig, axes = plt.subplots(1, 2 if panel else 1, figsize=(12 if panel else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    for key, style, label in (("loss", "-", "train loss"), ("eval_loss", "o-", "eval loss")):
+        if curve(key):
+            ax.plot(*zip(*curve(key)), style, label=label, alpha=0.7 if key == "loss" else 1.0)
+    ax.set_ylabel("loss (per pair)" if preference else "loss" if panel else "loss (per target token)")
+    for key in panel:
+        held_out = key.startswith("eval_")
+        axes[0][1].plot(*zip(*curve(key)), "o-" if held_out else "-", label=key, alpha=1.0 if held_out else 0.7)
+    for a in axes[0]:
+        a.set_xlabel("step")
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
