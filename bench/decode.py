@@ -8,6 +8,7 @@ completions (prompts x group) of `new` tokens from prompts of `prompt` tokens, n
 step's time is the difference between runs of `new` tokens and of one, over new - 1. The figures go to
 bench/results/decode.jsonl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,10 +73,14 @@ def measure(name: str, a, folder, bandwidth: float) -> dict:
         length = a.prompt + a.new if static else a.prompt + a.new // 2  # the static cache reads all its length
         floor = step_bytes(model, a.rows, length) / bandwidth
         figures["static" if static else "growing"] = {
-            "completion_tokens_per_s": round(a.rows * a.new / full, 1), "decode_step_ms": round(step_s * 1e3, 3),
-            "bandwidth_floor_ms": round(floor * 1e3, 4), "step_over_floor": round(step_s / floor, 2)}
+            "completion_tokens_per_s": round(a.rows * a.new / full, 1),
+            "decode_step_ms": round(step_s * 1e3, 3),
+            "bandwidth_floor_ms": round(floor * 1e3, 4),
+            "step_over_floor": round(step_s / floor, 2),
+        }
     figures["static_vs_growing_tokens_per_s"] = round(
-        figures["static"]["completion_tokens_per_s"] / figures["growing"]["completion_tokens_per_s"], 3)
+        figures["static"]["completion_tokens_per_s"] / figures["growing"]["completion_tokens_per_s"], 3
+    )
     print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
     return figures
 
@@ -83,8 +88,9 @@ def measure(name: str, a, folder, bandwidth: float) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--models",
-                    help=f"comma-separated, of {', '.join(MODELS)} (default: both on a GPU, 135m on the CPU)")
+    ap.add_argument(
+        "--models", help=f"comma-separated, of {', '.join(MODELS)} (default: both on a GPU, 135m on the CPU)"
+    )
     ap.add_argument("--rows", type=int, default=32, help="completions decoded together (prompts x group)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--new", type=int, default=64, help="tokens each completion decodes")
@@ -97,8 +103,7 @@ def main():
     bandwidth = copy_bandwidth(a.device)
     print(f"copy bandwidth on {a.device}: {bandwidth / 1e9:.0f} GB/s (read + written)")
     tmp = scratch_dir("lora-llama-decode-bench-")
-    runs = {name: measure(name, a, random_model(tmp / name, MODELS[name], a.device), bandwidth)
-            for name in models}
+    runs = {name: measure(name, a, random_model(tmp / name, MODELS[name], a.device), bandwidth) for name in models}
     record("decode", {"device": a.device, "copy_gb_per_s": round(bandwidth / 1e9, 1), "runs": runs})
 
 

@@ -11,14 +11,15 @@ of a CPU training process; with --device cuda bitsandbytes' kernel for nf4 and t
 in quant.COMPILED_ON_CUDA, and the compiled kernel of every format is timed too. The last line is JSON, also appended
 to bench/results/dequant.jsonl.
 """
+
 import argparse
 
 import torch
 
 from bench.common import cpu_line, median_time, record
+from lora_llama.kernels.gemm import linear
 from lora_llama.quant import linear as quant
 from lora_llama.runtime.allocator import keep_freed_memory
-from lora_llama.kernels.gemm import linear
 from tests.helpers import quantized_layers
 
 IN, OUT = 2048, 5632
@@ -33,8 +34,10 @@ def timed(fn, device: str, repeats: int) -> float:
 
 def dequantize_ms(layers: dict, dtype, device: str, repeats: int, formula) -> dict:
     """Median milliseconds of formula(*layer.dequantize_args(dtype)) per layer."""
-    return {name: round(timed(lambda: formula(*layer.dequantize_args(dtype)), device, repeats), 3)
-            for name, layer in layers.items()}
+    return {
+        name: round(timed(lambda: formula(*layer.dequantize_args(dtype)), device, repeats), 3)
+        for name, layer in layers.items()
+    }
 
 
 def main():
@@ -59,16 +62,30 @@ def main():
     compiled_ms = dequantize_ms(layers, dtype, dev, a.repeats, quant._dequantize_compiled) if dev == "cuda" else {}
     # what a layer runs: on the CPU the weight written a few rows at a time into the reusable buffer; on CUDA
     # bitsandbytes' kernel for nf4, the compiled one for the formats of quant.COMPILED_ON_CUDA, else the eager chain
-    dequant_ms = {name: round(timed(lambda: layer.transient_weight(dtype), dev, a.repeats), 3)
-                  for name, layer in layers.items()}
-    print(f"{'format':<10}{'a layer ms':>12}{'whole eager':>13}{'compiled':>10}"
-          + "".join(f"{f'/ {n}-row product':>18}" for n in ROWS))
+    dequant_ms = {
+        name: round(timed(lambda: layer.transient_weight(dtype), dev, a.repeats), 3) for name, layer in layers.items()
+    }
+    print(
+        f"{'format':<10}{'a layer ms':>12}{'whole eager':>13}{'compiled':>10}"
+        + "".join(f"{f'/ {n}-row product':>18}" for n in ROWS)
+    )
     for kind, ms in dequant_ms.items():
-        print(f"{kind:<10}{ms:>12.3f}{eager_ms[kind]:>13.3f}{compiled_ms.get(kind, 0):>10.3f}"
-              + "".join(f"{ms / product_ms[n]:>18.3f}" for n in ROWS))
-    record("dequant", {"dtype": a.dtype, "device": dev, "shape": [OUT, IN],
-                       "product_ms": {str(n): round(ms, 3) for n, ms in product_ms.items()}, "dequantize_ms": dequant_ms,
-                       "eager_dequantize_ms": eager_ms, **({"compiled_dequantize_ms": compiled_ms} if compiled_ms else {})})
+        print(
+            f"{kind:<10}{ms:>12.3f}{eager_ms[kind]:>13.3f}{compiled_ms.get(kind, 0):>10.3f}"
+            + "".join(f"{ms / product_ms[n]:>18.3f}" for n in ROWS)
+        )
+    record(
+        "dequant",
+        {
+            "dtype": a.dtype,
+            "device": dev,
+            "shape": [OUT, IN],
+            "product_ms": {str(n): round(ms, 3) for n, ms in product_ms.items()},
+            "dequantize_ms": dequant_ms,
+            "eager_dequantize_ms": eager_ms,
+            **({"compiled_dequantize_ms": compiled_ms} if compiled_ms else {}),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ the same model (the embedded SmolLM2's weights as lora-llama reads them), batche
 use_dora false / true; median step time). Each configuration runs in its own process; the figures go to
 bench/results/dora.jsonl.
 """
+
 import argparse
 import json
 import statistics
@@ -22,9 +23,9 @@ def peft_worker(use_dora: bool, steps: int) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lora_llama.data.sft import build_examples, collate
     from lora_llama.loading.models import resolve_source
     from lora_llama.model.config import HF_NAME
-    from lora_llama.data.sft import build_examples, collate
     from lora_llama.recipe.schema import load_recipe
 
     torch.set_num_threads(2)
@@ -32,11 +33,15 @@ def peft_worker(use_dora: bool, steps: int) -> None:
     folder = resolve_source(r.model.source)  # the GGUF's weights as lora-llama reads them: an HF folder
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=r.lora.r, lora_alpha=r.lora.alpha, use_dora=use_dora,
-                                             target_modules=[HF_NAME[t] for t in r.lora.targets]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=r.lora.r, lora_alpha=r.lora.alpha, use_dora=use_dora, target_modules=[HF_NAME[t] for t in r.lora.targets]
+        ),
+    )
     examples = build_examples(r.data, tok, r.train.seed)[0]
     b = r.train.batch_size
-    batches = [collate(examples[i * b:(i + 1) * b], tok.pad_token_id) for i in range(steps + 2)]
+    batches = [collate(examples[i * b : (i + 1) * b], tok.pad_token_id) for i in range(steps + 2)]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=r.train.lr)
     model.train()
     rates = []
@@ -50,8 +55,12 @@ def peft_worker(use_dora: bool, steps: int) -> None:
 
 
 def peft_run(use_dora: bool, steps: int) -> float:
-    r = subprocess.run([sys.executable, "-m", "bench.dora", "--worker", "dora" if use_dora else "lora",
-                        "--steps", str(steps)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.dora", "--worker", "dora" if use_dora else "lora", "--steps", str(steps)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         sys.exit(f"peft failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])["tokens_per_s"]
@@ -72,13 +81,25 @@ def main():
     ours = {v: train("none", tmp / v, a, [f"lora.use_dora={v == 'dora'}"])["tokens_per_s"] for v in ("lora", "dora")}
     peer = {v: peft_run(v == "dora", a.steps) for v in ("lora", "dora")}
     print(cpu_line())
-    print(f"default recipe, {a.steps} steps, {a.precision}: tokens/s (a DoRA step's cost = LoRA tokens/s / DoRA tokens/s)")
+    print(
+        f"default recipe, {a.steps} steps, {a.precision}: tokens/s (a DoRA step's cost = LoRA tokens/s / DoRA tokens/s)"
+    )
     for name, runs in (("lora-llama", ours), ("transformers+peft", peer)):
-        print(f"{name:<20} LoRA {runs['lora']:8.0f}  DoRA {runs['dora']:8.0f}  DoRA step cost {runs['lora'] / runs['dora']:.2f}x")
-    record("dora", {"tokens_per_s": {"lora_llama": ours, "peft": peer},
-                    "dora_step_cost": {"lora_llama": round(ours["lora"] / ours["dora"], 3),
-                                       "peft": round(peer["lora"] / peer["dora"], 3)},
-                    "dora_vs_peft_dora_tokens_per_s": round(ours["dora"] / peer["dora"], 3)})
+        print(
+            f"{name:<20} LoRA {runs['lora']:8.0f}  DoRA {runs['dora']:8.0f}  "
+            f"DoRA step cost {runs['lora'] / runs['dora']:.2f}x"
+        )
+    record(
+        "dora",
+        {
+            "tokens_per_s": {"lora_llama": ours, "peft": peer},
+            "dora_step_cost": {
+                "lora_llama": round(ours["lora"] / ours["dora"], 3),
+                "peft": round(peer["lora"] / peer["dora"], 3),
+            },
+            "dora_vs_peft_dora_tokens_per_s": round(ours["dora"] / peer["dora"], 3),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Shapes of SmolLM2-135M at batch 4 x 512 (2048 rows): the base projections forwar
 their input gradients (gy·W, W passed transposed as a view), and one chunk of the loss's
 vocabulary projection. Prints GFLOP/s of each and their ratio; the last line is JSON.
 """
+
 import argparse
 
 import torch

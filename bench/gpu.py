@@ -22,6 +22,7 @@ call cut short keeps what finished; each configuration then appends one line to 
 with its runs, its MFU and the ratios to each peer. `bench/gpu_wheels.sh` fetches the wheels a bare GPU image lacks;
 `bench/gpu_call.sh` is the device call; docs/performance.md shows the commands.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,24 +37,69 @@ from pathlib import Path
 from bench.common import ROOT, record, scratch_dir
 from bench.train_step import memory_mb
 
-LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                  rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-LLAMA32_1B = dict(LLAMA31_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
-                  tie_word_embeddings=True,
-                  rope_scaling=dict(LLAMA31_8B["rope_scaling"], factor=32.0))
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+LLAMA31_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+LLAMA32_1B = dict(
+    LLAMA31_8B,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    head_dim=64,
+    tie_word_embeddings=True,
+    rope_scaling=dict(LLAMA31_8B["rope_scaling"], factor=32.0),
+)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # name: (model shapes, batch, seq, quantize, seconds a run may take: load, compile and steps)
 # a smoke test of the bench itself on the CPU (`--device cpu --configs tiny`), not a measurement
-TINY = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2)
-CONFIGS = {"8b": (LLAMA31_8B, 2, 2048, None, 170), "8b-nf4": (LLAMA31_8B, 2, 2048, "nf4", 170),
-           "1b": (LLAMA32_1B, 8, 2048, None, 100), "135m": (SMOLLM2_135M, 4, 512, None, 80),
-           "tiny": (TINY, 2, 64, None, 300), "tiny-nf4": (TINY, 2, 64, "nf4", 300)}
+TINY = dict(
+    SMOLLM2_135M,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+CONFIGS = {
+    "8b": (LLAMA31_8B, 2, 2048, None, 170),
+    "8b-nf4": (LLAMA31_8B, 2, 2048, "nf4", 170),
+    "1b": (LLAMA32_1B, 8, 2048, None, 100),
+    "135m": (SMOLLM2_135M, 4, 512, None, 80),
+    "tiny": (TINY, 2, 64, None, 300),
+    "tiny-nf4": (TINY, 2, 64, "nf4", 300),
+}
 MODEL_OF = {c: c.removesuffix("-nf4") for c in CONFIGS}  # configurations sharing one random model
 PEERS = ("transformers+peft", "transformers+peft+liger")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -81,8 +127,11 @@ def random_model(folder: Path, shapes: dict, device: str) -> Path:
     names = [n for n in skeleton.state_dict() if not (shapes.get("tie_word_embeddings") and n == "lm_head.weight")]
     for i, name in enumerate(names):
         shape = skeleton.get_parameter(name).shape
-        t = torch.ones(shape, device=device) if name.endswith("norm.weight") else \
-            torch.randn(shape, device=device, generator=g).mul_(0.02)
+        t = (
+            torch.ones(shape, device=device)
+            if name.endswith("norm.weight")
+            else torch.randn(shape, device=device, generator=g).mul_(0.02)
+        )
         shard[name] = t.to(torch.bfloat16).cpu()
         size += shard[name].numel() * 2
         if size > 5e9 or i == len(names) - 1:  # a shard written as soon as it is full
@@ -145,8 +194,10 @@ def matmul_peak(device: str) -> dict:
         a @ b
     synchronize(device)
     seconds = (time.perf_counter() - t) / 20
-    return {"matmul_tflops": 2 * n ** 3 / seconds / 1e12,
-            "gpu": torch.cuda.get_device_name() if device == "cuda" else "none (CPU smoke test)"}
+    return {
+        "matmul_tflops": 2 * n**3 / seconds / 1e12,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "none (CPU smoke test)",
+    }
 
 
 def synchronize(device: str) -> None:
@@ -156,8 +207,9 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def peer(folder: str, rows_file: str, batch: int, quantize: str | None, liger: bool, steps: int, warmup: int,
-         device: str) -> dict:
+def peer(
+    folder: str, rows_file: str, batch: int, quantize: str | None, liger: bool, steps: int, warmup: int, device: str
+) -> dict:
     """transformers+peft (optionally with liger-kernel's Llama kernels; on an nf4 base, bitsandbytes' 4-bit layers)."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -169,10 +221,12 @@ def peer(folder: str, rows_file: str, batch: int, quantize: str | None, liger: b
         apply_liger_kernel_to_llama()  # RoPE, RMSNorm, SwiGLU, fused linear cross-entropy
     extra = {}
     if quantize == "nf4":
-        extra["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                          bnb_4bit_compute_dtype=torch.bfloat16)
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                             device_map=device, **extra)
+        extra["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
+    model = LlamaForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, attn_implementation="sdpa", device_map=device, **extra
+    )
     if quantize == "nf4":
         from peft import prepare_model_for_kbit_training
 
@@ -184,7 +238,7 @@ def peer(folder: str, rows_file: str, batch: int, quantize: str | None, liger: b
     memory_mb(device, reset=True)
     times = []
     for i in range(warmup + steps):
-        ids = rows[(i * batch) % len(rows):][:batch]
+        ids = rows[(i * batch) % len(rows) :][:batch]
         synchronize(device)
         t = time.perf_counter()
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -195,23 +249,47 @@ def peer(folder: str, rows_file: str, batch: int, quantize: str | None, liger: b
         synchronize(device)
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times[warmup:])
-    return {"step_s": step_s, "first_step_s": times[0], "tokens_per_s": batch * rows.shape[1] / step_s,
-            "gpu_peak_mb": memory_mb(device, peak=True)}
+    return {
+        "step_s": step_s,
+        "first_step_s": times[0],
+        "tokens_per_s": batch * rows.shape[1] / step_s,
+        "gpu_peak_mb": memory_mb(device, peak=True),
+    }
 
 
-def ours(folder: str, data: str, out: str, batch: int, seq: int, quantize: str | None, steps: int, warmup: int,
-         device: str) -> dict:
+def ours(
+    folder: str, data: str, out: str, batch: int, seq: int, quantize: str | None, steps: int, warmup: int, device: str
+) -> dict:
     """`lora-llama train` (this process runs the CLI's main) on a recipe of the same settings."""
     from lora_llama.cli import main
 
-    args = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={folder}",
-            f"model.device={device}", f"model.quantize={quantize or 'null'}", f"data.source={data}", "data.format=text",
-            f"data.max_seq_len={seq}",
-            "data.val_size=0", "data.packing=false", f"train.batch_size={batch}", "train.grad_accum=1",
-            f"train.max_steps={warmup + steps}", "train.epochs=null", "train.precision=bf16-mixed",
-            "train.compile=auto", "train.eval_every=100000", "train.save_every=100000", "train.log_every=1",
-            "lora.r=16", "lora.alpha=32", "lora.dropout=0.0", "lora.targets=[q,k,v,o,gate,up,down]",
-            f"output.dir={out}", "--force"]
+    args = [
+        "train",
+        str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+        f"model.source={folder}",
+        f"model.device={device}",
+        f"model.quantize={quantize or 'null'}",
+        f"data.source={data}",
+        "data.format=text",
+        f"data.max_seq_len={seq}",
+        "data.val_size=0",
+        "data.packing=false",
+        f"train.batch_size={batch}",
+        "train.grad_accum=1",
+        f"train.max_steps={warmup + steps}",
+        "train.epochs=null",
+        "train.precision=bf16-mixed",
+        "train.compile=auto",
+        "train.eval_every=100000",
+        "train.save_every=100000",
+        "train.log_every=1",
+        "lora.r=16",
+        "lora.alpha=32",
+        "lora.dropout=0.0",
+        "lora.targets=[q,k,v,o,gate,up,down]",
+        f"output.dir={out}",
+        "--force",
+    ]
     memory_mb(device, reset=True)
     code = main(args)
     if code:
@@ -220,8 +298,12 @@ def ours(folder: str, data: str, out: str, batch: int, seq: int, quantize: str |
     rates = [r["tokens_per_s"] for r in logged if "tokens_per_s" in r]
     first = rates[0]
     rate = statistics.median(rates[warmup:])
-    return {"step_s": batch * seq / rate, "first_step_s": batch * seq / first, "tokens_per_s": rate,
-            "gpu_peak_mb": memory_mb(device, peak=True)}
+    return {
+        "step_s": batch * seq / rate,
+        "first_step_s": batch * seq / first,
+        "tokens_per_s": rate,
+        "gpu_peak_mb": memory_mb(device, peak=True),
+    }
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -256,8 +338,13 @@ def summary(config: str, runs: dict, peak: dict, common: dict) -> dict:
     """The configuration's line for bench/results: every run, MFU and the ratios to each peer. Its `args` name the
     configuration, so the report keeps the newest line of each."""
     ours_run, flops = runs.get("lora-llama", {}), common["model_flops_per_step"]
-    s = {"args": ["--configs", config], "kind": "summary", **common, "matmul_tflops": peak.get("matmul_tflops"),
-         "runs": runs}
+    s = {
+        "args": ["--configs", config],
+        "kind": "summary",
+        **common,
+        "matmul_tflops": peak.get("matmul_tflops"),
+        "runs": runs,
+    }
     if "tokens_per_s" in ours_run and peak.get("matmul_tflops"):
         s["mfu"] = round(flops / ours_run["step_s"] / (peak["matmul_tflops"] * 1e12), 3)
     for name, r in runs.items():
@@ -269,8 +356,9 @@ def summary(config: str, runs: dict, peak: dict, common: dict) -> dict:
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="8b,8b-nf4,1b,135m",
-                    help=f"comma-separated, in order; of {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--configs", default="8b,8b-nf4,1b,135m", help=f"comma-separated, in order; of {', '.join(CONFIGS)}"
+    )
     ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated; '' for lora-llama alone")
     ap.add_argument("--steps", type=int, default=6, help="measured steps a run")
     ap.add_argument("--warmup", type=int, default=3, help="steps before them (lora-llama's first compiles)")
@@ -306,16 +394,45 @@ def main():
             (tmp / f"{name}-rows.json").write_text(json.dumps(ids))
             models[name] = folder
         folder = models[name]
-        common = {"gpu": peak.get("gpu"), "config": config, "batch": batch, "seq": seq, "quantize": quantize,
-                  "steps": a.steps, "warmup": a.warmup, "model_flops_per_step": model_flops(shapes, batch, seq)}
-        runs = {"lora-llama": run_worker("ours", timeout, folder=str(folder), data=str(tmp / f"{name}.jsonl"),
-                                         out=str(tmp / f"run-{config}"), batch=batch, seq=seq, quantize=quantize,
-                                         steps=a.steps, warmup=a.warmup, device=a.device)}
+        common = {
+            "gpu": peak.get("gpu"),
+            "config": config,
+            "batch": batch,
+            "seq": seq,
+            "quantize": quantize,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "model_flops_per_step": model_flops(shapes, batch, seq),
+        }
+        runs = {
+            "lora-llama": run_worker(
+                "ours",
+                timeout,
+                folder=str(folder),
+                data=str(tmp / f"{name}.jsonl"),
+                out=str(tmp / f"run-{config}"),
+                batch=batch,
+                seq=seq,
+                quantize=quantize,
+                steps=a.steps,
+                warmup=a.warmup,
+                device=a.device,
+            )
+        }
         emit(out, {"kind": "run", "library": "lora-llama", **common, **runs["lora-llama"]}, keep=False)
         for p in [p for p in a.peers.split(",") if p]:
-            runs[p] = run_worker("peer", timeout, folder=str(folder), rows_file=str(tmp / f"{name}-rows.json"),
-                                 batch=batch, quantize=quantize, liger=p.endswith("liger"), steps=a.steps,
-                                 warmup=a.warmup, device=a.device)
+            runs[p] = run_worker(
+                "peer",
+                timeout,
+                folder=str(folder),
+                rows_file=str(tmp / f"{name}-rows.json"),
+                batch=batch,
+                quantize=quantize,
+                liger=p.endswith("liger"),
+                steps=a.steps,
+                warmup=a.warmup,
+                device=a.device,
+            )
             emit(out, {"kind": "run", "library": p, **common, **runs[p]}, keep=False)
         emit(out, summary(config, runs, peak, common), keep=not smoke)
     print(f"bench.gpu: {time.perf_counter() - started:.0f} s", flush=True)

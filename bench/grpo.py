@@ -4,6 +4,7 @@ and the update), completions/s, completion tokens/s and peak resident memory (Vm
 peak of CUDA memory). The first step (compilation, caches) is left out of the medians.
 The figures go to bench/results/grpo.jsonl.
 """
+
 import argparse
 import json
 import statistics
@@ -43,8 +44,17 @@ def overrides(a) -> list[str]:
 
 
 def ours(a, out) -> dict:
-    args = ["train", str(RECIPE), f"train.max_steps={a.steps}", "train.eval_every=100000", "train.save_every=100000",
-            f"train.precision={a.precision}", *overrides(a), f"output.dir={out}", "--force"]
+    args = [
+        "train",
+        str(RECIPE),
+        f"train.max_steps={a.steps}",
+        "train.eval_every=100000",
+        "train.save_every=100000",
+        f"train.precision={a.precision}",
+        *overrides(a),
+        f"output.dir={out}",
+        "--force",
+    ]
     r = subprocess.run([sys.executable, "-c", OURS, *args], cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"lora-llama failed:\n{r.stderr[-3000:]}")
@@ -52,8 +62,23 @@ def ours(a, out) -> dict:
 
 
 def peer(a) -> dict | None:
-    r = subprocess.run([sys.executable, "-m", "bench.grpo_trl", "--steps", str(a.steps), "--precision", a.precision,
-                        "--device", a.device, *overrides(a)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.grpo_trl",
+            "--steps",
+            str(a.steps),
+            "--precision",
+            a.precision,
+            "--device",
+            a.device,
+            *overrides(a),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         print(f"trl GRPOTrainer could not run: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
         return None
@@ -64,10 +89,14 @@ def figures(run: dict, completions: int) -> dict:
     steps = run["step_s"][1:] or run["step_s"]
     lengths = run["mean_length"][1:] or run["mean_length"]
     step_s = statistics.median(steps)
-    return {"step_s": round(step_s, 3), "completions_per_s": round(completions / step_s, 2),
-            "completion_tokens_per_s": round(statistics.mean(lengths) * completions / statistics.mean(steps), 1),
-            "mean_length": round(statistics.mean(lengths), 1), "peak_mb": round(run["peak_mb"]),
-            **({"gpu_peak_mb": round(run["gpu_peak_mb"])} if run.get("gpu_peak_mb") else {})}
+    return {
+        "step_s": round(step_s, 3),
+        "completions_per_s": round(completions / step_s, 2),
+        "completion_tokens_per_s": round(statistics.mean(lengths) * completions / statistics.mean(steps), 1),
+        "mean_length": round(statistics.mean(lengths), 1),
+        "peak_mb": round(run["peak_mb"]),
+        **({"gpu_peak_mb": round(run["gpu_peak_mb"])} if run.get("gpu_peak_mb") else {}),
+    }
 
 
 def main():
@@ -89,17 +118,23 @@ def main():
     if trl_run:
         runs["trl+peft"] = figures(trl_run, completions)
     print(cpu_line())
-    print(f"GRPO, {t.batch_size} prompts x {t.grpo.group_size} completions of up to {t.grpo.max_new_tokens} tokens, "
-          f"{a.precision} on {a.device}, {a.steps} steps (the first left out)")
+    print(
+        f"GRPO, {t.batch_size} prompts x {t.grpo.group_size} completions of up to {t.grpo.max_new_tokens} tokens, "
+        f"{a.precision} on {a.device}, {a.steps} steps (the first left out)"
+    )
     print(f"{'':<12}{'step s':>8}{'compl/s':>9}{'tok/s':>8}{'mean len':>10}{'peak MB':>9}")
     for name, f in runs.items():
-        print(f"{name:<12}{f['step_s']:>8.2f}{f['completions_per_s']:>9.2f}{f['completion_tokens_per_s']:>8.1f}"
-              f"{f['mean_length']:>10.1f}{f['peak_mb']:>9}")
+        print(
+            f"{name:<12}{f['step_s']:>8.2f}{f['completions_per_s']:>9.2f}{f['completion_tokens_per_s']:>8.1f}"
+            f"{f['mean_length']:>10.1f}{f['peak_mb']:>9}"
+        )
     ratios = {}
     if "trl+peft" in runs:
         ours_f, trl_f, peak = runs["lora-llama"], runs["trl+peft"], "gpu_peak_mb" if a.device == "cuda" else "peak_mb"
-        ratios = {"step_time_ratio": round(ours_f["step_s"] / trl_f["step_s"], 3),
-                  "peak_memory_ratio": round(ours_f[peak] / trl_f[peak], 3)}  # on a GPU, of GPU memory
+        ratios = {
+            "step_time_ratio": round(ours_f["step_s"] / trl_f["step_s"], 3),
+            "peak_memory_ratio": round(ours_f[peak] / trl_f[peak], 3),
+        }  # on a GPU, of GPU memory
     record("grpo", {"runs": runs, **ratios})
 
 

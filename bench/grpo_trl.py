@@ -1,6 +1,7 @@
 """The peer of bench/grpo.py: trl's GRPOTrainer with peft on recipes/smollm2-grpo-cpu.yaml's model, prompts, reward
 and settings (its batch counts completions: batch_size x group_size). Prints one JSON line: the seconds of each
 step, the completions' mean length per step and the peak memory."""
+
 import argparse
 import json
 import time
@@ -21,8 +22,10 @@ def _prompt(r, prompt):
 
 def _reward(fn, entries):
     """A reward that reads the `entry` column gets it by index: arrow would rewrite the entries' tuples."""
+
     def reward(prompts, completions, index, **kw):
         return fn(prompts, completions, **kw, **({"entry": [entries[i] for i in index]} if entries else {}))
+
     reward.__name__ = getattr(fn, "__name__", "reward")
     return reward
 
@@ -33,9 +36,9 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from lora_llama.data.prompts import build_prompts
     from lora_llama.loading.models import resolve_source
     from lora_llama.model.config import HF_NAME
-    from lora_llama.data.prompts import build_prompts
     from lora_llama.training.rewards import load_reward
 
     source = resolve_source(r.model.source)  # the installed SmolLM2 GGUF is read by transformers' own loader
@@ -47,16 +50,36 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
     entries = [p["columns"].get("entry") for p in train] if "entry" in train[0]["columns"] else None
     rewards = [_reward(load_reward(spec)[1], entries) for spec in r.train.grpo.rewards]
     g, t = r.train.grpo, r.train
-    cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=t.batch_size * g.group_size, num_generations=g.group_size,
-                     max_completion_length=g.max_new_tokens, temperature=g.temperature, beta=g.beta, epsilon=g.epsilon,
-                     loss_type=g.loss_type, learning_rate=t.lr, lr_scheduler_type="constant", max_steps=steps,
-                     bf16=precision == "bf16-mixed", use_cpu=device == "cpu", report_to=[], logging_steps=1,
-                     save_strategy="no", seed=t.seed)
-    lora = LoraConfig(r=r.lora.r, lora_alpha=r.lora.alpha, lora_dropout=r.lora.dropout,
-                      target_modules=[HF_NAME[x] for x in r.lora.targets], task_type="CAUSAL_LM")
+    cfg = GRPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=t.batch_size * g.group_size,
+        num_generations=g.group_size,
+        max_completion_length=g.max_new_tokens,
+        temperature=g.temperature,
+        beta=g.beta,
+        epsilon=g.epsilon,
+        loss_type=g.loss_type,
+        learning_rate=t.lr,
+        lr_scheduler_type="constant",
+        max_steps=steps,
+        bf16=precision == "bf16-mixed",
+        use_cpu=device == "cpu",
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=t.seed,
+    )
+    lora = LoraConfig(
+        r=r.lora.r,
+        lora_alpha=r.lora.alpha,
+        lora_dropout=r.lora.dropout,
+        target_modules=[HF_NAME[x] for x in r.lora.targets],
+        task_type="CAUSAL_LM",
+    )
     data = Dataset.from_list([{"prompt": _prompt(r, p["prompt"]), "index": i} for i, p in enumerate(train)])
-    return GRPOTrainer(model=model, reward_funcs=rewards, args=cfg, train_dataset=data, processing_class=tok,
-                       peft_config=lora)
+    return GRPOTrainer(
+        model=model, reward_funcs=rewards, args=cfg, train_dataset=data, processing_class=tok, peft_config=lora
+    )
 
 
 def main():
@@ -90,9 +113,16 @@ def main():
 
     trainer.add_callback(Timer())
     trainer.train()
-    print(json.dumps({"step_s": times, "mean_length": lengths,
-                      "peak_mb": status_mb("VmHWM"),
-                      "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0}))
+    print(
+        json.dumps(
+            {
+                "step_s": times,
+                "mean_length": lengths,
+                "peak_mb": status_mb("VmHWM"),
+                "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

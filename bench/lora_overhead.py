@@ -3,13 +3,13 @@
 SmolLM2-135M shapes, random weights, float32, 2 threads. Ratios are to the base model.
 Targets: merged / base = 1.00 ± 0.03, unmerged / base ≤ 1.10.
 """
+
 import argparse
 import statistics
 
 import torch
 
 from bench.common import cpu_line, median_time, random_checkpoint, record
-
 from lora_llama import LoraSettings, apply_lora, load_model
 from lora_llama.lora.layer import lora_modules
 
@@ -43,9 +43,18 @@ def main():
     print(f"{'variant':<12}{'ms':>10}{'ratio':>8}")
     for name, t in (("base", base), ("unmerged", unmerged), ("merged", merged)):
         print(f"{name:<12}{t * 1e3:>10.1f}{t / base:>8.3f}")
-    record("lora_overhead", {"forward_ms": {"base": round(base * 1e3, 1), "unmerged": round(unmerged * 1e3, 1),
-                                            "merged": round(merged * 1e3, 1)},
-                             "unmerged_ratio": round(unmerged / base, 3), "merged_ratio": round(merged / base, 3)})
+    record(
+        "lora_overhead",
+        {
+            "forward_ms": {
+                "base": round(base * 1e3, 1),
+                "unmerged": round(unmerged * 1e3, 1),
+                "merged": round(merged * 1e3, 1),
+            },
+            "unmerged_ratio": round(unmerged / base, 3),
+            "merged_ratio": round(merged / base, 3),
+        },
+    )
 
 
 if __name__ == "__main__":

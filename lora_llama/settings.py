@@ -1,5 +1,6 @@
 """The base of every settings class a user writes (recipe sections, LoRA settings): unknown keys are refused, and
 a validation error is said in one line that names the key path."""
+
 from __future__ import annotations
 
 import difflib
@@ -9,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
 
 
 def describe(err: ValidationError, model: type[BaseModel]) -> str:

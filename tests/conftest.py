@@ -1,4 +1,5 @@
 """Fixtures for the tests; the helpers they use live in helpers.py."""
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ def tiny_ckpt(tmp_path_factory):
 def make_ckpt(tmp_path):
     def make(name="ckpt", **kw):
         return build_checkpoint(tmp_path / name, **kw)
+
     return make
 
 

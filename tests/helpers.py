@@ -1,4 +1,5 @@
 """Helpers the tests import: tiny random LLaMA checkpoints built with transformers, an offline tokenizer."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,14 +8,32 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-CORPUS = ["the quick brown fox jumps over the lazy dog", "what is the capital of france? paris is.",
-          "to be or not to be, that is the question", "hello world, how are you today? i am fine."] * 20
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "what is the capital of france? paris is.",
+    "to be or not to be, that is the question",
+    "hello world, how are you today? i am fine.",
+] * 20
 
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 # per family: what its config must be told to fit TINY (Qwen3's head_dim defaults to 128)
@@ -23,15 +42,16 @@ FAMILY_DEFAULTS = {"qwen3": dict(head_dim=16)}
 
 def make_tokenizer():
     """A byte-level BPE tokenizer trained on a few lines, with BOS added and a ChatML template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>")
@@ -85,8 +105,16 @@ def reset_peak():  # Linux: writing 5 to clear_refs resets VmHWM, so only what f
 
 def sharded_checkpoint(folder: Path, shards: int) -> tuple[Path, list[Path]]:
     """A checkpoint big enough for memory measurements (~90 MB), in `shards` files."""
-    base = build_checkpoint(folder, shards=shards, vocab_size=4000, hidden_size=384, intermediate_size=1536,
-                            num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2)
+    base = build_checkpoint(
+        folder,
+        shards=shards,
+        vocab_size=4000,
+        hidden_size=384,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    )
     files = list(base.glob("model-*.safetensors"))
     assert len(files) >= shards
     return base, files
@@ -99,16 +127,24 @@ def fresh_python(script: str, *argv, env: dict | None = None) -> dict:
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, **(env or {})})
+    r = subprocess.run(
+        [sys.executable, "-c", script, *map(str, argv)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def peak_growth(setup: str, work: str, *argv) -> int:
     """Bytes the peak RSS grows by while `work` runs in a fresh Python (after `setup`: imports are not the work's)."""
-    script = PEAK_MEMORY_HELPERS + f"import sys, json\n{setup}\nbase = status_kb('VmRSS')\nreset_peak()\n{work}\n" \
+    script = (
+        PEAK_MEMORY_HELPERS
+        + f"import sys, json\n{setup}\nbase = status_kb('VmRSS')\nreset_peak()\n{work}\n"
         + "print(json.dumps({'base_kb': base, 'peak_kb': status_kb('VmHWM')}))\n"
+    )
     mem = fresh_python(script, *argv)
     return (mem["peak_kb"] - mem["base_kb"]) * 1024
 
@@ -138,7 +174,7 @@ def random_k_blocks(kind: str, rows: int, in_features: int, seed: int = 0):
     offsets, factor = K_FACTORS[kind]
     for at in offsets:
         d = (rng.uniform(0.5, 1, (rows, in_features // weights, 1)) * factor).astype(np.float16)
-        blocks[..., at:at + 2] = d.view(np.uint8)
+        blocks[..., at : at + 2] = d.view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -162,8 +198,11 @@ def quantized_layers(rows: int = 64, in_features: int = 512, seed: int = 2) -> d
 
     linear = torch.nn.Linear(in_features, rows, bias=False)
     torch.nn.init.normal_(linear.weight, std=0.05, generator=torch.Generator().manual_seed(seed))
-    layers = {"int8": QuantizedLinear.from_linear(linear, "int8"), "nf4": QuantizedLinear.from_linear(linear, "nf4"),
-              "nf4-dq": QuantizedLinear.from_linear(linear, "nf4", double_quant=True)}
+    layers = {
+        "int8": QuantizedLinear.from_linear(linear, "int8"),
+        "nf4": QuantizedLinear.from_linear(linear, "nf4"),
+        "nf4-dq": QuantizedLinear.from_linear(linear, "nf4", double_quant=True),
+    }
     for kind in GGUF_FORMATS:
         blocks = torch.from_numpy(random_blocks(kind.upper(), rows, in_features, seed))
         layers[kind] = QuantizedLinear(in_features, rows, kind, blocks, torch.empty(0))
@@ -180,8 +219,12 @@ def gguf_with_blocks(src: Path, out: Path, kinds: dict, seed: int = 0) -> Path:
     for field in reader.fields.values():  # gguf_new_metadata's copy: the writer adds the architecture itself
         if field.name != gguf.Keys.General.ARCHITECTURE and not field.name.startswith("GGUF."):
             kind = field.types[0]
-            writer.add_key_value(field.name, field.contents(), kind,
-                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+            writer.add_key_value(
+                field.name,
+                field.contents(),
+                kind,
+                sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None,
+            )
     for i, t in enumerate(reader.tensors):
         kind = kinds.get(t.name.split(".")[-2]) if t.name.startswith("blk.") else None
         if kind is None:

@@ -1,6 +1,7 @@
 """allocator: a step's freed memory is reused without page faults (keep_freed_memory), or handed back at once
 under fsdp (return_freed_memory); the user's settings win.
 Each case runs in a fresh Python: the settings are process-wide."""
+
 import platform
 
 import pytest

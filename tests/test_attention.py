@@ -1,11 +1,11 @@
 """The CPU training attention (blocked forward and backward; packed rows without a mask) against SDPA
 with k/v repeated per head and a dense mask."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lora_llama.kernels import attention
-from lora_llama.kernels import blocked_attention
+from lora_llama.kernels import attention, blocked_attention
 from lora_llama.kernels.attention import _CausalAttention, attend, causal_segment_mask
 
 
@@ -54,7 +54,7 @@ def packed_segments(B, T, mean_len, seed=1):
     """Segment ids of rows packed with examples of random lengths, the last row ending in padding (id -1)."""
     g = torch.Generator().manual_seed(seed)
     seg = torch.stack([torch.cumsum((torch.rand(T, generator=g) < 1 / mean_len).long(), 0) for _ in range(B)])
-    seg[-1, -(T // 10):] = -1
+    seg[-1, -(T // 10) :] = -1
     return seg
 
 
@@ -83,6 +83,7 @@ def test_packed_rows_build_no_square_buffer(monkeypatch):
     def watch(t):
         biggest.append(t.numel())
         return t
+
     monkeypatch.setattr(attention, "causal_segment_mask", lambda *a: pytest.fail("a dense mask was built"))
     with torch.autograd.graph.saved_tensors_hooks(watch, lambda t: t):
         out = attend(q, k, v, causal=True, segments=seg)
@@ -148,7 +149,10 @@ def test_long_rows_match_sdpa(T, packed):
     out = attend(q, k, v, causal=True, segments=seg)
     grad_out = torch.randn_like(out)
     ref = per_example_reference(q, k, v, seg) if packed else reference(q, k, v)
-    pairs = [(out, ref), *zip(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out))]
+    pairs = [
+        (out, ref),
+        *zip(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out)),
+    ]
     for got, want in pairs:
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 

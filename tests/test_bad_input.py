@@ -1,14 +1,15 @@
 """Bad input a user types or brings, each one line on stderr and exit code 2 before any work: devices that do not
 exist, data records with null fields, truncated weight files, counts below their least value."""
+
 import json
 import shutil
 
 import pytest
 import torch
+from test_reliability import RECIPE, one_error_line
 
 from helpers import chat_file
 from lora_llama.cli import main
-from test_reliability import RECIPE, one_error_line
 
 
 def run(capsys, args) -> str:
@@ -23,8 +24,16 @@ def run(capsys, args) -> str:
 
 
 def train(tiny_ckpt, data, out, *extra):
-    return ["train", RECIPE, f"model.source={tiny_ckpt}", f"data.source={data}", f"output.dir={out}",
-            "train.max_steps=1", "data.val_size=0", *extra]
+    return [
+        "train",
+        RECIPE,
+        f"model.source={tiny_ckpt}",
+        f"data.source={data}",
+        f"output.dir={out}",
+        "train.max_steps=1",
+        "data.val_size=0",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("device", ["tpu", "mps", "cuda:x", "gpu0"])
@@ -44,22 +53,34 @@ def test_a_gpu_this_machine_lacks_is_refused(tiny_ckpt, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("fmt,record,says", [
-    ("chat", {"messages": None}, "'messages' is null"),
-    ("chat", {"messages": ["hi", "hello"]}, "list of {role, content}"),
-    ("chat", {"messages": []}, "non-empty list"),
-    ("chat", {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]},
-     "without content"),
-    ("text", {"text": None}, "'text' is null"),
-    ("alpaca", {"instruction": "say hi", "output": None}, "'output' is null"),
-])
+@pytest.mark.parametrize(
+    "fmt,record,says",
+    [
+        ("chat", {"messages": None}, "'messages' is null"),
+        ("chat", {"messages": ["hi", "hello"]}, "list of {role, content}"),
+        ("chat", {"messages": []}, "non-empty list"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]},
+            "without content",
+        ),
+        ("text", {"text": None}, "'text' is null"),
+        ("alpaca", {"instruction": "say hi", "output": None}, "'output' is null"),
+    ],
+)
 def test_a_record_with_a_null_or_malformed_field_names_it(tiny_ckpt, tmp_path, capsys, fmt, record, says):
-    good = {"chat": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-            "text": {"text": "hello there"}, "alpaca": {"instruction": "say hi", "output": "hi"}}[fmt]
+    good = {
+        "chat": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        "text": {"text": "hello there"},
+        "alpaca": {"instruction": "say hi", "output": "hi"},
+    }[fmt]
     data = tmp_path / "d.jsonl"
     # messages of strings cannot share a column with {role, content} ones: that record comes alone
-    records = [record] if fmt == "chat" and record["messages"] and isinstance(record["messages"][0], str) else \
-        [good, good, record, good]
+    records = (
+        [record]
+        if fmt == "chat" and record["messages"] and isinstance(record["messages"][0], str)
+        else [good, good, record, good]
+    )
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     err = run(capsys, train(tiny_ckpt, data, tmp_path / "run", f"data.format={fmt}"))
     assert says in err and str(record)[:40] in err, err  # the record named by its start
@@ -69,8 +90,10 @@ def test_mixed_chat_styles_read_each_message_whole(tiny_ckpt):
     """A file mixing {role, content} and {from, value} messages reads back with the other style's keys null."""
     from lora_llama.data.chat import normalise_messages
 
-    mixed = [{"role": "user", "content": "hi", "from": None, "value": None},
-             {"role": None, "content": None, "from": "gpt", "value": "hello"}]
+    mixed = [
+        {"role": "user", "content": "hi", "from": None, "value": None},
+        {"role": None, "content": None, "from": "gpt", "value": "hello"},
+    ]
     assert normalise_messages(mixed) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
@@ -84,8 +107,10 @@ def test_a_truncated_base_is_named_by_merge_and_export(tiny_ckpt, tmp_path, caps
     shutil.copytree(tiny_ckpt, base)
     weights = base / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    for args in (["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "merged")],
-                 ["export", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "m.gguf")]):
+    for args in (
+        ["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "merged")],
+        ["export", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "m.gguf")],
+    ):
         err = run(capsys, args)
         assert "model.safetensors" in err and "truncated" in err, err
     assert not (tmp_path / "merged").exists() and not (tmp_path / "m.gguf").exists()
@@ -103,12 +128,20 @@ def test_fsdp_row_reading_names_a_file_cut_inside_its_header(tiny_ckpt, tmp_path
         CheckpointRows(base)
 
 
-@pytest.mark.parametrize("args", [
-    ["generate", "--max-new-tokens", "-4"], ["generate", "--max-new-tokens", "0"],
-    ["generate", "--max-new-tokens", "x"],
-    ["generate", "--top-k", "0"], ["generate", "--top-p", "1.5"], ["generate", "--top-p", "0"],
-    ["generate", "--temperature", "-1"], ["generate", "--temperature", "nan"], ["eval", "--batch-size", "0"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "--max-new-tokens", "-4"],
+        ["generate", "--max-new-tokens", "0"],
+        ["generate", "--max-new-tokens", "x"],
+        ["generate", "--top-k", "0"],
+        ["generate", "--top-p", "1.5"],
+        ["generate", "--top-p", "0"],
+        ["generate", "--temperature", "-1"],
+        ["generate", "--temperature", "nan"],
+        ["eval", "--batch-size", "0"],
+    ],
+)
 def test_counts_below_their_least_value_are_refused_before_any_work(tiny_ckpt, capsys, args):
     extra = ["--prompt", "hi"] if args[0] == "generate" else ["--data", "missing.jsonl"]
     err = run(capsys, [args[0], "--model", str(tiny_ckpt), *args[1:], *extra])

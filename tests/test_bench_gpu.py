@@ -1,5 +1,6 @@
 """bench.gpu, the GPU benchmark, kept runnable: its FLOP count against the model's own parameter count, and the
 whole bench on the CPU (a smoke test: a tiny model, one measured step a run) writing the lines the report reads."""
+
 import json
 import subprocess
 import sys
@@ -19,8 +20,11 @@ def test_model_flops_count_every_frozen_linear_lm_head_and_causal_attention(conf
     shapes, batch, seq, _, _ = CONFIGS[config]
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**shapes))
-    linears = sum(m.weight.numel() for name, m in model.named_modules()
-                  if isinstance(m, torch.nn.Linear) and name.startswith("model.layers."))
+    linears = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.startswith("model.layers.")
+    )
     c = model.config
     head_dim = c.hidden_size // c.num_attention_heads
     # forward + input gradient: 2 x 2 FLOPs a weight a token; attention: QKᵀ and PV (2 x 2 x T² x d a head), half
@@ -35,11 +39,31 @@ def test_the_bench_runs_end_to_end_on_the_cpu(tmp_path):
     """Every worker (matmul peak, lora-llama train on plain and nf4 bases, transformers+peft) and the report's rows."""
     from bench.report import gpu_rows
 
-    results = (ROOT / "bench" / "results" / "gpu.jsonl")
+    results = ROOT / "bench" / "results" / "gpu.jsonl"
     before = results.read_text() if results.is_file() else None
-    r = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu", "--configs", "tiny,tiny-nf4",
-                        "--peers", "transformers+peft", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu",
+            "--device",
+            "cpu",
+            "--configs",
+            "tiny,tiny-nf4",
+            "--peers",
+            "transformers+peft",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [json.loads(line) for line in (tmp_path / "gpu.jsonl").read_text().splitlines()]
     assert [line["kind"] for line in lines] == ["matmul_peak"] + ["run", "run", "summary"] * 2

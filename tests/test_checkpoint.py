@@ -1,4 +1,5 @@
 """Model sources (loading/models.py), the file layer under them (files.py) and registered names (registry.py)."""
+
 import json
 import os
 import shutil
@@ -9,9 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from helpers import build_checkpoint, hf_model
 from lora_llama import UserError, load_model
-from lora_llama.loading.models import gguf_cache_key, gguf_to_folder, resolve_source
 from lora_llama.cli import main
 from lora_llama.files import atomic_dir, shard_files, write_safetensors_streaming
+from lora_llama.loading.models import gguf_cache_key, gguf_to_folder, resolve_source
 from lora_llama.registry import is_hub_id, package_dir
 
 
@@ -50,24 +51,42 @@ def test_the_gguf_cache_is_keyed_by_content(tiny_ckpt, tmp_path, monkeypatch):
     second = gguf_to_folder(b)
     assert second != first and set(conversions) == {str(b)}  # read again (config, tensors, tokenizer)
     assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == sorted([".seen", first.name, second.name])
-    assert not torch.equal(load_model(b).state_dict()["model.norm.weight"], load_model(a).state_dict()["model.norm.weight"])
+    assert not torch.equal(
+        load_model(b).state_dict()["model.norm.weight"], load_model(a).state_dict()["model.norm.weight"]
+    )
 
 
 def test_sources_that_are_not_models(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("hi")
-    cases = {tmp_path / "empty": "has no config.json", tmp_path / "notes.txt": "neither a model folder nor a .gguf",
-             tmp_path / "nothing": "model not found", "not a name": "model not found"}
+    cases = {
+        tmp_path / "empty": "has no config.json",
+        tmp_path / "notes.txt": "neither a model folder nor a .gguf",
+        tmp_path / "nothing": "model not found",
+        "not a name": "model not found",
+    }
     for source, message in cases.items():
         with pytest.raises(UserError, match=message):
             resolve_source(source)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}), "unexpected tensor 'model.layers.0.extra.weight'"),
-    (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), r"model.norm.weight has shape \(3,\), config.json implies \(64,\)"),
-    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "lacks 1 tensors, first 'model.layers.1.mlp.up_proj.weight'"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}),
+            "unexpected tensor 'model.layers.0.extra.weight'",
+        ),
+        (
+            lambda t: t.update({"model.norm.weight": torch.zeros(3)}),
+            r"model.norm.weight has shape \(3,\), config.json implies \(64,\)",
+        ),
+        (
+            lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+            "lacks 1 tensors, first 'model.layers.1.mlp.up_proj.weight'",
+        ),
+    ],
+)
 def test_a_checkpoint_that_does_not_fit_its_config_is_one_line(tiny_ckpt, tmp_path, edit, message):
     folder = tmp_path / "ckpt"
     folder.mkdir()

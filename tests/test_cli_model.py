@@ -1,4 +1,5 @@
 """`lora-llama generate` / `eval`, the SmolLM2 GGUF, and one-line errors for bad model input."""
+
 import json
 import math
 import subprocess
@@ -22,8 +23,12 @@ def test_help_is_fast_and_lists_commands():
         assert cmd in r.stdout
         assert run_cli(cmd, "--help").returncode == 0
     # the CLI module must not pull in torch at import time
-    r = subprocess.run([sys.executable, "-c", "import sys, lora_llama.cli; print('torch' in sys.modules)"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys, lora_llama.cli; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.stdout.strip() == "False"
 
 
@@ -106,8 +111,9 @@ def test_smollm2_gguf_matches_transformers_and_knows_paris(smollm2):
     model = load_model("smollm2-135m-instruct")
     assert model.args.n_layers == 30 and model.args.n_kv_heads == 3 and model.args.tie_word_embeddings
     tok = load_tokenizer("smollm2-135m-instruct")
-    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     prompt = tok(text, add_special_tokens=False)["input_ids"]
     ref = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
     x = torch.tensor([prompt])
@@ -132,8 +138,8 @@ def test_hub_id_offline_is_one_clear_line(capsys, monkeypatch, tmp_path):
 def test_generate_compare_prints_base_and_adapter_answers(tiny_ckpt, tmp_path, capsys):
     from lora_llama import LoraSettings, apply_lora, load_model, load_tokenizer, save_adapter
     from lora_llama.data.chat import encode_rendered
-    from lora_llama.model.generate import generate
     from lora_llama.lora.layer import lora_modules
+    from lora_llama.model.generate import generate
 
     model = load_model(tiny_ckpt)
     torch.manual_seed(0)  # A's initialisation draws from the global generator: the same adapter whatever ran before
@@ -143,17 +149,29 @@ def test_generate_compare_prints_base_and_adapter_answers(tiny_ckpt, tmp_path, c
             m.lora_B.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     save_adapter(model, tmp_path / "a")
     prompts = ["the quick", "to be"]
-    args = ["generate", "--model", str(tiny_ckpt), "--adapter", str(tmp_path / "a"), "--compare", "--chat",
-            "--max-new-tokens", "5"]
+    args = [
+        "generate",
+        "--model",
+        str(tiny_ckpt),
+        "--adapter",
+        str(tmp_path / "a"),
+        "--compare",
+        "--chat",
+        "--max-new-tokens",
+        "5",
+    ]
     assert main(args + [x for p in prompts for x in ("--prompt", p)]) == 0
     out = capsys.readouterr().out
     tok, base = load_tokenizer(tiny_ckpt), load_model(tiny_ckpt)
     want = []
     for p in prompts:
-        ids, _ = encode_rendered(tok, tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                             add_generation_prompt=True))
-        answers = [tok.decode(generate(m, ids, 5, eos_ids=[tok.eos_token_id]), skip_special_tokens=True).strip()
-                   for m in (base, model)]
+        ids, _ = encode_rendered(
+            tok, tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        )
+        answers = [
+            tok.decode(generate(m, ids, 5, eos_ids=[tok.eos_token_id]), skip_special_tokens=True).strip()
+            for m in (base, model)
+        ]
         assert answers[0] != answers[1]  # the adapter changes the answer, so the check can tell them apart
         want += [f"prompt:  {p}", f"base:    {answers[0]}", f"adapter: {answers[1]}", ""]
     assert out.splitlines() == want

@@ -1,6 +1,7 @@
 """train.compile: each decoder block one torch.compile graph (fullgraph=True: no graph break) that trains as the eager
 hand-written kernels do, on plain and quantized bases; the quantized product stays one op that saves nothing
 weight-sized; nf4 through bitsandbytes' own kernel; the loss's target positions taken on the host."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,13 +44,16 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("quantize,dtype,backend", [
-    (None, torch.float32, "inductor"),  # what runs on a GPU, with the CPU's inductor: Triton there, C++ here
-    ("int8", torch.float32, "aot_eager"),  # the graph and its autograd without code generation (seconds)
-    (None, torch.bfloat16, "aot_eager"),
-    pytest.param("nf4", torch.float32, "inductor", marks=pytest.mark.slow),
-    pytest.param("int8", torch.bfloat16, "inductor", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "quantize,dtype,backend",
+    [
+        (None, torch.float32, "inductor"),  # what runs on a GPU, with the CPU's inductor: Triton there, C++ here
+        ("int8", torch.float32, "aot_eager"),  # the graph and its autograd without code generation (seconds)
+        (None, torch.bfloat16, "aot_eager"),
+        pytest.param("nf4", torch.float32, "inductor", marks=pytest.mark.slow),
+        pytest.param("int8", torch.bfloat16, "inductor", marks=pytest.mark.slow),
+    ],
+)
 def test_compiled_blocks_are_whole_graphs_that_train_as_the_eager_kernels(tiny_ckpt, quantize, dtype, backend):
     torch._dynamo.reset()
     labels = ids()
@@ -83,16 +87,18 @@ def test_decoding_and_eval_keep_the_eager_blocks(tiny_ckpt):
     assert calls  # the same model's training passes do run compiled
 
 
-@pytest.mark.parametrize("kind,traced", [("nf4", False), ("int8", False), ("int8", True)],
-                         ids=["nf4-op", "int8-op", "int8-traced-formula"])
+@pytest.mark.parametrize(
+    "kind,traced", [("nf4", False), ("int8", False), ("int8", True)], ids=["nf4-op", "int8-op", "int8-traced-formula"]
+)
 def test_a_compiled_quantized_product_saves_no_weight_for_backward(tiny_ckpt, monkeypatch, kind, traced):
     """The dequantized weight is made again in backward, never kept: only the plain formula traced into the graph
     (the variant, so this check can fail) saves (out, in) float weights."""
     from lora_llama.quant.linear import QuantizedLinear
 
     if traced:
-        monkeypatch.setattr(QuantizedLinear, "forward",
-                            lambda self, x: F.linear(x, self.dequantize(x.dtype), self.bias))
+        monkeypatch.setattr(
+            QuantizedLinear, "forward", lambda self, x: F.linear(x, self.dequantize(x.dtype), self.bias)
+        )
     torch._dynamo.reset()
     model = adapted(tiny_ckpt, kind)
     model.compile_blocks(fullgraph=True, backend="aot_eager")
@@ -103,6 +109,7 @@ def test_a_compiled_quantized_product_saves_no_weight_for_backward(tiny_ckpt, mo
         if t.is_floating_point():  # the codes and scales are inputs: saving them costs nothing
             saved.append(tuple(t.shape))
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss, n = target_loss(model, ids(), ids())
     assert fused._broken is None  # the compiled graph ran, not the eager fallback
@@ -132,8 +139,8 @@ def test_every_quantized_layer_kind_compiles_whole_with_the_eager_product():
 def test_nf4_through_bitsandbytes_kernel_equals_ours():
     """On CUDA nf4 weights dequantize in bitsandbytes' own op (here its CPU implementation of the same op)."""
     pytest.importorskip("bitsandbytes")
-    from lora_llama.quant.linear import nf4_by_bitsandbytes
     from lora_llama.quant.formats import dequantize_absmax, dequantize_nf4, quantize_absmax, quantize_nf4
+    from lora_llama.quant.linear import nf4_by_bitsandbytes
 
     for shape in [(96, 128), (5, 50)]:  # rows of blocks, and a flat layout with a last partial block
         w = torch.randn(shape, generator=torch.Generator().manual_seed(0))

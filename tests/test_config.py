@@ -1,21 +1,36 @@
-"""model/config.py, lora/settings.py and recipe/schema.py: ModelArgs from HF configs, the vocabularies against transformers/peft, recipes and overrides."""
+"""model/config.py, lora/settings.py and recipe/schema.py: ModelArgs from HF configs, the vocabularies against
+transformers/peft, recipes and overrides."""
+
 import pytest
 import torch
 
 from helpers import TINY
 from lora_llama import UserError
-from lora_llama.model.config import DECODER_TARGETS, HF_NAME, TARGET_MODULES, ModelArgs, torch_dtype
 from lora_llama.lora.settings import LoraSettings, lora_scale
+from lora_llama.model.config import DECODER_TARGETS, HF_NAME, TARGET_MODULES, ModelArgs, torch_dtype
 from lora_llama.recipe.schema import load_recipe
 
 
 def test_model_args_from_a_llama3_config_written_by_transformers():
     from transformers import LlamaConfig
 
-    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
-    cfg = LlamaConfig(**{**TINY, "head_dim": 32, "rope_theta": 500000.0, "rope_scaling": rope,
-                         "tie_word_embeddings": True, "attention_bias": True}).to_dict()
+    rope = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    cfg = LlamaConfig(
+        **{
+            **TINY,
+            "head_dim": 32,
+            "rope_theta": 500000.0,
+            "rope_scaling": rope,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+        }
+    ).to_dict()
     args = ModelArgs.from_hf_config(cfg)
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim) == (64, 2, 4, 2, 32)
     assert args.rope_theta == 500000.0 and args.rope_scaling["rope_type"] == "llama3"
@@ -25,8 +40,13 @@ def test_model_args_from_a_llama3_config_written_by_transformers():
 
 
 def test_model_args_defaults_and_refusals():
-    base = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "intermediate_size": 16}
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+    }
     args = ModelArgs.from_hf_config(base)
     assert args.n_kv_heads == 2 and args.head_dim == 4  # MHA and dim // heads when the config is silent
     with pytest.raises(UserError, match="model_type 'gpt2' is not supported"):
@@ -45,8 +65,11 @@ def test_target_vocabulary_is_transformers_module_names():
 
     with torch.device("meta"):
         hf = LlamaForCausalLM(LlamaConfig(**TINY))
-    linears = {n.removeprefix("model.layers.0.") for n, m in hf.named_modules()
-               if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.0.")}
+    linears = {
+        n.removeprefix("model.layers.0.")
+        for n, m in hf.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.0.")
+    }
     assert linears == {TARGET_MODULES[t] for t in DECODER_TARGETS}
     assert TARGET_MODULES["lm_head"] == "lm_head" and isinstance(hf.lm_head, torch.nn.Linear)
     assert HF_NAME["q"] == "q_proj" and HF_NAME["down"] == "down_proj"
@@ -75,12 +98,17 @@ def test_recipe_overrides_are_yaml_values_and_errors_name_the_key(tmp_path):
     assert (r.lora.r, r.lora.targets, r.train.max_steps, r.train.lr, r.data.packing) == (4, ["q", "v"], 7, 1e-3, True)
     assert r.model.dtype == "bfloat16"
     assert load_recipe(str(f), ["train.gradient_checkpointing=selective"]).train.gradient_checkpointing == "selective"
-    cases = {"lora.alhpa=4": "unknown recipe key 'lora.alhpa' (did you mean 'lora.alpha'?)",
-             "lora.r=0": "recipe key 'lora.r'", "model.dtype=fp8": "recipe key 'model.dtype'",
-             "lora.targets=[q,x]": "recipe key 'lora.targets.1'", "train=3": "recipe key 'train'",
-             "noequals": "must look like key.path=value", "lora.r.x=1": "'r' is not a section",
-             "train.gradient_checkpointing=sometimes": "recipe key 'train.gradient_checkpointing': Input should be "
-                                                      "False, True, 'block' or 'selective'"}
+    cases = {
+        "lora.alhpa=4": "unknown recipe key 'lora.alhpa' (did you mean 'lora.alpha'?)",
+        "lora.r=0": "recipe key 'lora.r'",
+        "model.dtype=fp8": "recipe key 'model.dtype'",
+        "lora.targets=[q,x]": "recipe key 'lora.targets.1'",
+        "train=3": "recipe key 'train'",
+        "noequals": "must look like key.path=value",
+        "lora.r.x=1": "'r' is not a section",
+        "train.gradient_checkpointing=sometimes": "recipe key 'train.gradient_checkpointing': Input should be "
+        "False, True, 'block' or 'selective'",
+    }
     for override, message in cases.items():
         with pytest.raises(UserError) as e:
             load_recipe(str(f), [override])

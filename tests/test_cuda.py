@@ -1,5 +1,6 @@
 """The CUDA paths (skipped without a GPU): logits and LoRA gradients against transformers + peft on the GPU,
 bf16-mixed training there (what `auto` picks), int8 and nf4 bases (weight-only, dequantized on the GPU), generate."""
+
 import pytest
 import torch
 
@@ -10,8 +11,16 @@ from lora_llama.kernels.cross_entropy import target_loss
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
-QA = [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not"), ("the quick", "brown fox"),
-      ("how are you", "i am fine"), ("the lazy", "dog"), ("hello", "world"), ("that is", "the question")]
+QA = [
+    ("hi", "hello"),
+    ("what is the capital", "paris"),
+    ("to be", "or not"),
+    ("the quick", "brown fox"),
+    ("how are you", "i am fine"),
+    ("the lazy", "dog"),
+    ("hello", "world"),
+    ("that is", "the question"),
+]
 
 
 def ids(batch=2, seq=40, seed=1):
@@ -46,8 +55,11 @@ def test_lora_gradients_match_peft_on_cuda(tiny_ckpt, tmp_path):
     for name, p in ref.named_parameters():
         p.requires_grad_("lora_" in name)
     ref(x, labels=x).loss.backward()
-    ref_grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
-                 for n, p in ref.named_parameters() if p.grad is not None}
+    ref_grads = {
+        n.replace("base_model.model.", "").replace(".default", ""): p.grad
+        for n, p in ref.named_parameters()
+        if p.grad is not None
+    }
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert set(grads) == set(ref_grads) and len(grads) == 28
     for k in grads:
@@ -68,8 +80,13 @@ def test_auto_is_bf16_mixed_on_cuda_and_trains_to_the_float32_loss(tiny_ckpt, tm
     lines = {}
     # 30 steps, as test_precision's CPU run: past ~35 the overfit runs of these 8 examples turn chaotic
     steps = ("train.max_steps=30", "train.eval_every=30")
-    results = {p: train_from_recipe(cuda_recipe(tiny_ckpt, data, tmp_path / p, f"train.precision={p}", *steps),
-                                    log=lambda s, p=p: lines.setdefault(p, []).append(s)) for p in ("fp32", "auto")}
+    results = {
+        p: train_from_recipe(
+            cuda_recipe(tiny_ckpt, data, tmp_path / p, f"train.precision={p}", *steps),
+            log=lambda s, p=p: lines.setdefault(p, []).append(s),
+        )
+        for p in ("fp32", "auto")
+    }
     start, fp32, bf16 = results["fp32"]["eval_loss_start"], results["fp32"]["eval_loss"], results["auto"]["eval_loss"]
     print(f"cuda eval loss: start {start:.4f}, fp32 {fp32:.4f}, bf16-mixed {bf16:.4f}")
     assert any("precision bf16-mixed (auto: this GPU supports bfloat16)" in s for s in lines["auto"]), lines["auto"]
@@ -83,13 +100,31 @@ def test_quantized_bases_train_on_cuda(tiny_ckpt, tmp_path, kind):
     from lora_llama.training.from_recipe import train_from_recipe
 
     data = helpers.chat_file(tmp_path / "d.jsonl", QA)
-    r = cuda_recipe(tiny_ckpt, data, tmp_path / kind, f"model.quantize={kind}", "train.max_steps=30",
-                    "train.eval_every=30", "lora.targets=[q,k,v,o,gate,up,down]")
+    r = cuda_recipe(
+        tiny_ckpt,
+        data,
+        tmp_path / kind,
+        f"model.quantize={kind}",
+        "train.max_steps=30",
+        "train.eval_every=30",
+        "lora.targets=[q,k,v,o,gate,up,down]",
+    )
     result = train_from_recipe(r, log=lambda *_: None)
-    plain = train_from_recipe(cuda_recipe(tiny_ckpt, data, tmp_path / "plain", "train.max_steps=30", "train.eval_every=30",
-                                          "lora.targets=[q,k,v,o,gate,up,down]"), log=lambda *_: None)
-    print(f"{kind} on cuda: eval loss {result['eval_loss_start']:.4f} -> {result['eval_loss']:.4f} "
-          f"(unquantised base: {plain['eval_loss']:.4f})")
+    plain = train_from_recipe(
+        cuda_recipe(
+            tiny_ckpt,
+            data,
+            tmp_path / "plain",
+            "train.max_steps=30",
+            "train.eval_every=30",
+            "lora.targets=[q,k,v,o,gate,up,down]",
+        ),
+        log=lambda *_: None,
+    )
+    print(
+        f"{kind} on cuda: eval loss {result['eval_loss_start']:.4f} -> {result['eval_loss']:.4f} "
+        f"(unquantised base: {plain['eval_loss']:.4f})"
+    )
     # the quantized runs train to within 5% of the unquantized one
     assert result["eval_loss"] < 0.85 * result["eval_loss_start"] and result["eval_loss"] < 1.05 * plain["eval_loss"]
     from safetensors.torch import load_file
@@ -181,7 +216,9 @@ def test_gguf_blocks_dequantize_on_the_gpu_as_on_the_cpu(kind):
 
     rows = torch.from_numpy(random_blocks(kind, rows=64, in_features=512, seed=2))
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(dequantize_gguf(kind.lower(), rows.cuda(), dtype).cpu(), dequantize_gguf(kind.lower(), rows, dtype))
+        assert torch.equal(
+            dequantize_gguf(kind.lower(), rows.cuda(), dtype).cpu(), dequantize_gguf(kind.lower(), rows, dtype)
+        )
 
 
 def test_every_quantized_layer_dequantizes_on_the_gpu_as_on_the_cpu():
@@ -193,9 +230,9 @@ def test_every_quantized_layer_dequantizes_on_the_gpu_as_on_the_cpu():
     for name, layer in quantized_layers().items():
         cpu = layer.dequantize(torch.float32)
         gpu = layer.cuda().dequantize(torch.float32).cpu()
-        torch.testing.assert_close(gpu, cpu, rtol=2 ** -23, atol=2 ** -23 * float(cpu.abs().max()), msg=name)
+        torch.testing.assert_close(gpu, cpu, rtol=2**-23, atol=2**-23 * float(cpu.abs().max()), msg=name)
         bf16 = layer.dequantize(torch.bfloat16).float().cpu()
-        torch.testing.assert_close(bf16, cpu.bfloat16().float(), rtol=2 ** -7, atol=0, msg=name)
+        torch.testing.assert_close(bf16, cpu.bfloat16().float(), rtol=2**-7, atol=0, msg=name)
     assert fused._broken is None
 
 
@@ -239,8 +276,12 @@ def test_graphed_decoding_on_cuda_gives_the_growing_cache_completions(tiny_ckpt,
     random_lora_b(model, seed=0)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 7, 5) for _ in range(2)]
-    run = lambda static, t: sample_completions(model, prompts, 24, eos_ids=[], pad_id=0, temperature=t,
-                                               seeds=list(range(6)), group=2, static=static)
+
+    def run(static, t):
+        return sample_completions(
+            model, prompts, 24, eos_ids=[], pad_id=0, temperature=t, seeds=list(range(6)), group=2, static=static
+        )
+
     for temperature in (0.0, 1.0):
         assert run(True, temperature) == run(False, temperature) == run(True, temperature)
     decoder = decoder_for(model, 6, 7 + 24)

@@ -1,4 +1,5 @@
 """Tokenised examples: hand-computed label masks, packing, sources, formats."""
+
 import json
 
 import pytest
@@ -7,8 +8,7 @@ import torch.nn.functional as F
 
 from helpers import make_tokenizer
 from lora_llama import UserError, load_model
-from lora_llama.data.sft import (IGNORE_INDEX, collate, load_records, pack, split, tokenize_records,
-                             Tokenize)
+from lora_llama.data.sft import IGNORE_INDEX, Tokenize, collate, load_records, pack, split, tokenize_records
 
 M = IGNORE_INDEX
 
@@ -23,18 +23,47 @@ def pieces(tok, text):
 
 
 def test_chat_labels_hand_computed(tok):
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-            {"role": "user", "content": "fox"}, {"role": "assistant", "content": "dog"}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "fox"},
+        {"role": "assistant", "content": "dog"},
+    ]
     ex = Tokenize(tok, "chat", 512).chat(msgs)
     bos, eos, start = tok.bos_token_id, tok.eos_token_id, tok.convert_tokens_to_ids("<|im_start|>")
     nl = pieces(tok, "\n")
-    user = lambda t: [start] + pieces(tok, "user\n" + t) + [eos] + nl
+
+    def user(t):
+        return [start] + pieces(tok, "user\n" + t) + [eos] + nl
+
     asst_prefix = [start] + pieces(tok, "assistant\n")
-    expected_ids = [bos] + user("hi") + asst_prefix + pieces(tok, "hello") + [eos] + nl \
-        + user("fox") + asst_prefix + pieces(tok, "dog") + [eos] + nl
-    masked = lambda n: [M] * n
-    expected_labels = masked(1 + len(user("hi")) + len(asst_prefix)) + pieces(tok, "hello") + [eos] + nl \
-        + masked(len(user("fox")) + len(asst_prefix)) + pieces(tok, "dog") + [eos] + nl
+    expected_ids = (
+        [bos]
+        + user("hi")
+        + asst_prefix
+        + pieces(tok, "hello")
+        + [eos]
+        + nl
+        + user("fox")
+        + asst_prefix
+        + pieces(tok, "dog")
+        + [eos]
+        + nl
+    )
+
+    def masked(n):
+        return [M] * n
+
+    expected_labels = (
+        masked(1 + len(user("hi")) + len(asst_prefix))
+        + pieces(tok, "hello")
+        + [eos]
+        + nl
+        + masked(len(user("fox")) + len(asst_prefix))
+        + pieces(tok, "dog")
+        + [eos]
+        + nl
+    )
     assert ex["input_ids"] == expected_ids
     assert ex["labels"] == expected_labels
     assert ex["input_ids"].count(bos) == 1
@@ -76,9 +105,14 @@ def load_records_from(rows):
 
 def test_packed_row_losses_equal_separate_examples(tiny_ckpt, tok):
     model = load_model(tiny_ckpt)
-    msgs = lambda q, a: [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    examples = [Tokenize(tok, "chat", 512).chat(msgs(q, a)) for q, a in
-                [("hi", "hello world"), ("what is the capital", "paris"), ("to be", "or not to be")]]
+
+    def msgs(q, a):
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+    examples = [
+        Tokenize(tok, "chat", 512).chat(msgs(q, a))
+        for q, a in [("hi", "hello world"), ("what is the capital", "paris"), ("to be", "or not to be")]
+    ]
     row = collate(pack(examples, 512), tok.pad_token_id)
     assert row["input_ids"].shape[0] == 1
 
@@ -102,7 +136,9 @@ def test_sources_and_auto_format(tmp_path, tok):
     for ext, write in {
         ".jsonl": lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in rows)),
         ".json": lambda p: p.write_text(json.dumps(rows)),
-        ".csv": lambda p: p.write_text("instruction,input,output\n" + "".join(f"{r['instruction']},,{r['output']}\n" for r in rows)),
+        ".csv": lambda p: p.write_text(
+            "instruction,input,output\n" + "".join(f"{r['instruction']},,{r['output']}\n" for r in rows)
+        ),
     }.items():
         path = tmp_path / f"d{ext}"
         write(path)
@@ -114,7 +150,7 @@ def test_sources_and_auto_format(tmp_path, tok):
 def test_field_mapping(tok):
     ds = load_records_from([{"question": "hi", "answer": "hello"}])
     ex = tokenize_records(ds, tok, "alpaca", 64, fields={"instruction": "question", "output": "answer"})
-    assert ex and any(l != M for l in ex[0]["labels"])
+    assert ex and any(label != M for label in ex[0]["labels"])
 
 
 def test_registered_sources():

@@ -2,6 +2,7 @@
 token for token, as the growing cache and as each row decoded alone without a cache, greedy and seeded, alone and
 in groups, with padding, with a sliding window; a decoder reused across calls and weight changes; attention of one
 query over grouped keys."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ def alone(model, prompt, n, temperature, seed, eos=()):
         seq.append(token)
         if token in eos:
             break
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
@@ -51,8 +52,12 @@ def test_static_decoding_gives_the_completions_of_each_row_alone(tiny_ckpt, temp
     model = adapted(tiny_ckpt)
     prompts = [p for p in prompts_of((3, 7, 1), seed=4) for _ in range(group)]  # left padding of 4 and 6
     seeds = list(range(10, 10 + len(prompts)))
-    runs = {static: sample_completions(model, prompts, 9, eos_ids=[], pad_id=0, temperature=temperature,
-                                       seeds=seeds, group=group, static=static) for static in (False, True)}
+    runs = {
+        static: sample_completions(
+            model, prompts, 9, eos_ids=[], pad_id=0, temperature=temperature, seeds=seeds, group=group, static=static
+        )
+        for static in (False, True)
+    }
     want = [alone(model, p, 9, temperature, s) for p, s in zip(prompts, seeds)]
     assert runs[True] == runs[False] == want
 
@@ -63,9 +68,10 @@ def test_static_decoding_stops_rows_at_their_eos_between_checks(tiny_ckpt):
     prompts = prompts_of((4, 6), seed=5)
     free = sample_completions(model, prompts, 20, eos_ids=[], pad_id=0, temperature=0, static=False)
     stop = {free[0][2], free[1][4]}
-    eager, static = (sample_completions(model, prompts, 20, eos_ids=stop, pad_id=0, temperature=0, static=s)
-                     for s in (False, True))
-    cut = [next((c[:i + 1] for i, t in enumerate(c) if t in stop), c) for c in free]
+    eager, static = (
+        sample_completions(model, prompts, 20, eos_ids=stop, pad_id=0, temperature=0, static=s) for s in (False, True)
+    )
+    cut = [next((c[: i + 1] for i, t in enumerate(c) if t in stop), c) for c in free]
     assert static == eager == cut and all(len(c) <= 5 for c in cut)
 
 
@@ -75,8 +81,9 @@ def test_a_kept_decoder_serves_later_calls_and_the_weights_of_the_moment(tiny_ck
     from lora_llama.model.decoding import decoder_for
 
     model = adapted(tiny_ckpt)
-    first = sample_completions(model, prompts_of((9, 8), seed=6), 6, eos_ids=[], pad_id=0, temperature=1.0,
-                               seeds=[1, 2], static=True)
+    first = sample_completions(
+        model, prompts_of((9, 8), seed=6), 6, eos_ids=[], pad_id=0, temperature=1.0, seeds=[1, 2], static=True
+    )
     decoder = decoder_for(model, 2, 9 + 6)
     short = prompts_of((2, 3), seed=7)
     with torch.no_grad():
@@ -93,8 +100,9 @@ def test_a_sliding_window_holds_in_the_static_cache(tmp_path):
     ckpt = build_checkpoint(tmp_path / "m", family="mistral", sliding_window=5)
     model = load_model(ckpt)
     prompts = prompts_of((6, 3), seed=8)
-    eager, static = (sample_completions(model, prompts, 8, eos_ids=[], pad_id=0, temperature=0, static=s)
-                     for s in (False, True))
+    eager, static = (
+        sample_completions(model, prompts, 8, eos_ids=[], pad_id=0, temperature=0, static=s) for s in (False, True)
+    )
     assert static == eager == [alone(model, p, 8, 0.0, 0) for p in prompts]
 
 

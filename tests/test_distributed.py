@@ -1,4 +1,5 @@
 """Two processes (torchrun, gloo on the CPU, one thread each) against one process with the same global batch."""
+
 import json
 import os
 import re
@@ -21,14 +22,35 @@ SLOW = pytest.mark.slow  # `make test-slow`: the variants beyond one of each kin
 RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
 # examples of clearly different lengths, so padding differs between one batch of 4 and two of 2.
 # lr 1e-3: Adam turns float-order noise in near-zero gradients into steps of about lr (3e-5 at lr 1e-2)
-QA = [("hi", "hello"), ("what is the capital of france", "paris is"), ("to be", "or not to be, that is the question"),
-      ("the", "fox"), ("how are you today", "i am fine, thank you"), ("the lazy", "dog"), ("hello", "world"),
-      ("that is", "the question of the day"), ("quick", "brown fox jumps over the lazy dog"), ("a", "b"),
-      ("what is the question", "to be or not"), ("where", "here")]
-COMMON = ["train.max_steps=6", "train.grad_accum=2", "train.warmup_steps=0", "train.lr=1e-3", "train.eval_every=3",
-          "train.save_every=2", "data.val_size=0.25", "lora.r=4", "lora.dropout=0.0",
-          "lora.targets=[q,k,v,o,gate,up,down]", "train.collective_timeout_s=60",
-          "train.precision=fp32", "model.device=cpu"]  # one process and two agree to 1e-5: float32 on gloo
+QA = [
+    ("hi", "hello"),
+    ("what is the capital of france", "paris is"),
+    ("to be", "or not to be, that is the question"),
+    ("the", "fox"),
+    ("how are you today", "i am fine, thank you"),
+    ("the lazy", "dog"),
+    ("hello", "world"),
+    ("that is", "the question of the day"),
+    ("quick", "brown fox jumps over the lazy dog"),
+    ("a", "b"),
+    ("what is the question", "to be or not"),
+    ("where", "here"),
+]
+COMMON = [
+    "train.max_steps=6",
+    "train.grad_accum=2",
+    "train.warmup_steps=0",
+    "train.lr=1e-3",
+    "train.eval_every=3",
+    "train.save_every=2",
+    "data.val_size=0.25",
+    "lora.r=4",
+    "lora.dropout=0.0",
+    "lora.targets=[q,k,v,o,gate,up,down]",
+    "train.collective_timeout_s=60",
+    "train.precision=fp32",
+    "model.device=cpu",
+]  # one process and two agree to 1e-5: float32 on gloo
 
 
 @pytest.fixture
@@ -37,8 +59,16 @@ def data(tmp_path):
 
 
 def args(ckpt, data, out, batch, *extra):
-    return ["train", RECIPE, f"model.source={ckpt}", f"data.source={data}", f"output.dir={out}",
-            f"train.batch_size={batch}", *COMMON, *extra]
+    return [
+        "train",
+        RECIPE,
+        f"model.source={ckpt}",
+        f"data.source={data}",
+        f"output.dir={out}",
+        f"train.batch_size={batch}",
+        *COMMON,
+        *extra,
+    ]
 
 
 def torchrun(argv, script=None, timeout=240):
@@ -60,7 +90,7 @@ def torchrun(argv, script=None, timeout=240):
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if "Signal 11 (SIGSEGV)" in r.stderr:
             start = max(r.stderr.find("Fatal Python error"), 0)
-            warnings.warn(f"a worker crashed (SIGSEGV); run again once. Its report:\n{r.stderr[start:start + 12000]}")
+            warnings.warn(f"a worker crashed (SIGSEGV); run again once. Its report:\n{r.stderr[start : start + 12000]}")
             shutil.rmtree(out, ignore_errors=True)
             if before.exists():
                 shutil.copytree(before, out)
@@ -75,7 +105,7 @@ def patched_script(tmp_path, patch: str):
 
 
 def rows(out):
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_runs(one, two, keys):
@@ -94,8 +124,10 @@ def close_adapters(a, b, tol=1e-5):
     return x.keys() == y.keys() and max(float((x[k] - y[k]).abs().max()) for k in x) < tol
 
 
-@pytest.mark.parametrize("strategy, packing", [("ddp", False), pytest.param("ddp", True, marks=SLOW), ("fsdp", False),
-                                               pytest.param("fsdp", True, marks=SLOW)])
+@pytest.mark.parametrize(
+    "strategy, packing",
+    [("ddp", False), pytest.param("ddp", True, marks=SLOW), ("fsdp", False), pytest.param("fsdp", True, marks=SLOW)],
+)
 def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path, strategy, packing):
     extra = ["data.packing=true", "data.max_seq_len=48"] if packing else []
     assert main(args(tiny_ckpt, data, tmp_path / "one", 4, *extra)) == 0
@@ -106,15 +138,20 @@ def test_two_processes_of_batch_2_equal_one_of_batch_4(tiny_ckpt, data, tmp_path
     if strategy == "fsdp":  # each rank keeps half of the base's frozen weights
         held, whole = map(float, re.search(r"each rank holds ([\d.]+) MB of the base's ([\d.]+) MB", out).groups())
         assert abs(held / whole - 0.5) < 0.01, (held, whole)
+
     # the run folder is what one process writes
-    names = lambda p: sorted(str(f.relative_to(p)) for f in p.rglob("*") if "tensorboard" not in str(f))
+    def names(p):
+        return sorted(str(f.relative_to(p)) for f in p.rglob("*") if "tensorboard" not in str(f))
+
     assert names(tmp_path / "one") == names(tmp_path / "two")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_killed_job_resumes_on_two_and_on_one_process(tiny_ckpt, data, tmp_path, capsys, strategy):
-    args_2 = lambda out: args(tiny_ckpt, data, out, 2, f"train.distributed={strategy}")
+    def args_2(out):
+        return args(tiny_ckpt, data, out, 2, f"train.distributed={strategy}")
+
     code, _, err = torchrun(args_2(tmp_path / "full"))
     assert code == 0, err[-3000:]
     kill = """import lora_llama.training.trainer as t
@@ -153,12 +190,13 @@ t.target_loss = loss
     code_file = tmp_path / "code"
     os.environ["LORA_LLAMA_EXIT_FILE"] = str(code_file)
     try:
-        code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "run", 2, "train.eval_every=1000"),
-                                patched_script(tmp_path, nan_on_rank_1))
+        code, _, err = torchrun(
+            args(tiny_ckpt, data, tmp_path / "run", 2, "train.eval_every=1000"), patched_script(tmp_path, nan_on_rank_1)
+        )
     finally:
         del os.environ["LORA_LLAMA_EXIT_FILE"]
     assert code != 0 and code_file.read_text() == "2"  # rank 0 stopped with the one-line error, exit 2
-    errors = [l for l in err.replace("\r", "\n").splitlines() if l.startswith("lora-llama train: error")]
+    errors = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("lora-llama train: error")]
     assert len(errors) == 1 and "non-finite loss (on another rank) at step" in errors[0]  # rank 0 speaks for the job
     step = int(errors[0].split(" at step ")[1].split(";")[0])
     ckpts = tmp_path / "run" / "checkpoints"
@@ -198,8 +236,11 @@ def test_fsdp_on_a_gguf_files_own_blocks_equals_one_process(data, tmp_path):
 
     ckpt = build_checkpoint(tmp_path / "ckpt", hidden_size=256, intermediate_size=512)
     export_gguf(str(ckpt), tmp_path / "f16.gguf", progress=False)
-    gguf = gguf_with_blocks(tmp_path / "f16.gguf", tmp_path / "mixed.gguf",
-                            {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "ffn_down": "Q5_K"})
+    gguf = gguf_with_blocks(
+        tmp_path / "f16.gguf",
+        tmp_path / "mixed.gguf",
+        {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "ffn_down": "Q5_K"},
+    )
     assert main(args(gguf, data, tmp_path / "one", 4, "model.quantize=source")) == 0
     code, out, err = torchrun(args(gguf, data, tmp_path / "two", 2, "train.distributed=fsdp", "model.quantize=source"))
     assert code == 0, err[-3000:]
@@ -209,13 +250,17 @@ def test_fsdp_on_a_gguf_files_own_blocks_equals_one_process(data, tmp_path):
 
 
 def test_fsdp_refuses_an_adapted_lm_head_before_training(tiny_ckpt, data, tmp_path):
-    code, _, err = torchrun(args(tiny_ckpt, data, tmp_path / "run", 2, "train.distributed=fsdp", "lora.targets=[q,v,lm_head]"))
-    errors = [l for l in err.splitlines() if l.startswith("lora-llama train: error")]
+    code, _, err = torchrun(
+        args(tiny_ckpt, data, tmp_path / "run", 2, "train.distributed=fsdp", "lora.targets=[q,v,lm_head]")
+    )
+    errors = [line for line in err.splitlines() if line.startswith("lora-llama train: error")]
     assert code == 2 and len(errors) == 1 and "lm_head is not supported" in errors[0], err[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("quantize", ["int8", *(pytest.param(q, marks=SLOW) for q in ("nf4", "nf4-double", "int8-dora"))])
+@pytest.mark.parametrize(
+    "quantize", ["int8", *(pytest.param(q, marks=SLOW) for q in ("nf4", "nf4-double", "int8-dora"))]
+)
 def test_fsdp_on_a_quantized_base_equals_one_process(tiny_ckpt, data, tmp_path, quantize):
     """Each rank quantizes only its own rows of the checkpoint; the result is one process's on the same base.
     DoRA needs whole weights for its magnitude: each rank loads the base whole, then shards it."""
@@ -229,19 +274,28 @@ def test_fsdp_on_a_quantized_base_equals_one_process(tiny_ckpt, data, tmp_path, 
     assert held < 0.6 * whole, (held, whole)
 
 
-@pytest.mark.parametrize("objective, strategy", [pytest.param("dpo", "ddp", marks=SLOW), ("dpo", "fsdp"),
-                                                 pytest.param("orpo", "fsdp", marks=SLOW)])
+@pytest.mark.parametrize(
+    "objective, strategy",
+    [pytest.param("dpo", "ddp", marks=SLOW), ("dpo", "fsdp"), pytest.param("orpo", "fsdp", marks=SLOW)],
+)
 def test_preference_objectives_on_two_processes_equal_one(tiny_ckpt, tmp_path, objective, strategy):
     """The reference pass (adapter off, no grad) and the per-pair loss over the global batch on two ranks."""
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": q, "chosen": a, "rejected": QA[(i + 5) % len(QA)][1]}) + "\n"
-                             for i, (q, a) in enumerate(QA)))
+    pairs.write_text(
+        "".join(
+            json.dumps({"prompt": q, "chosen": a, "rejected": QA[(i + 5) % len(QA)][1]}) + "\n"
+            for i, (q, a) in enumerate(QA)
+        )
+    )
     dpo = [f"train.objective={objective}", "data.format=preference", "train.lr=1e-2"]
     assert main(args(tiny_ckpt, pairs, tmp_path / "one", 4, *dpo)) == 0
     code, _, err = torchrun(args(tiny_ckpt, pairs, tmp_path / "two", 2, f"train.distributed={strategy}", *dpo))
     assert code == 0, err[-3000:]
-    assert_same_runs(tmp_path / "one", tmp_path / "two",
-                     ("loss", "rewards/margins", "rewards/accuracies", "eval_loss", "eval_rewards/margins"))
+    assert_same_runs(
+        tmp_path / "one",
+        tmp_path / "two",
+        ("loss", "rewards/margins", "rewards/accuracies", "eval_loss", "eval_rewards/margins"),
+    )
     assert any(abs(r.get("rewards/margins", 0)) > 1e-3 for r in rows(tmp_path / "one"))  # the adapter did move
 
 
@@ -260,10 +314,28 @@ def test_two_nodes_on_localhost_equal_two_processes_of_one_node(tiny_ckpt, data,
     assert code == 0, err[-3000:]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     endpoint = f"localhost:{free_port()}"
-    nodes = [subprocess.Popen([sys.executable, "-m", "lora_llama", *args(tiny_ckpt, data, tmp_path / "two-nodes", 2),
-                               "--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "lora_llama",
+                *args(tiny_ckpt, data, tmp_path / "two-nodes", 2),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(r),
+                "--rdzv-endpoint",
+                endpoint,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     results = [(p.wait(timeout=240), *p.communicate()) for p in nodes]
     assert all(code == 0 for code, _, _ in results), [e[-2000:] for _, _, e in results]
     assert sum("2 processes (ddp)" in out for _, out, _ in results) == 1  # rank 0, on one of the nodes, reports
@@ -295,15 +367,25 @@ def test_killing_the_launcher_ends_every_worker_and_resume_is_exact(tiny_ckpt, d
     slow = tmp_path / "slow"  # each worker's step takes 0.5 s more, so the kill lands mid-run
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(
-        "import os, time\nif 'RANK' in os.environ:\n    import lora_llama.training.trainer as t\n    _step = t.Trainer.train_step\n"
-        "    t.Trainer.train_step = lambda self: (time.sleep(0.5), _step(self))[1]\n")
-    argv = lambda out: args(tiny_ckpt, data, out, 2, "train.max_steps=12", "train.eval_every=100")
+        "import os, time\nif 'RANK' in os.environ:\n    import lora_llama.training.trainer as t\n"
+        "    _step = t.Trainer.train_step\n"
+        "    t.Trainer.train_step = lambda self: (time.sleep(0.5), _step(self))[1]\n"
+    )
+
+    def argv(out):
+        return args(tiny_ckpt, data, out, 2, "train.max_steps=12", "train.eval_every=100")
+
     code, _, err = torchrun(argv(tmp_path / "full"))
     assert code == 0, err[-3000:]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{slow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cut = tmp_path / "cut"
-    launcher = subprocess.Popen([sys.executable, "-m", "lora_llama", *argv(cut), "--nproc-per-node", "2"], cwd=ROOT,
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "lora_llama", *argv(cut), "--nproc-per-node", "2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 180
     while not (cut / "checkpoints" / "step-4").is_dir() and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

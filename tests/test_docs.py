@@ -1,5 +1,6 @@
 """The documentation against the code: the recipe reference and bench tables are generated, every documented
 command parses as the CLI reads it, every recipe snippet validates, and the commands a CPU can run do run."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,16 @@ SCRIPT_VALUES = {"SLURM_NNODES": "2", "SLURM_NODEID": "0", "HEAD": "node-0"}
 OTHER_TOOLS = {"pip", "llama-cli", "ollama", "cd", "hf"}
 # documented commands that need what a CPU-only machine without the Hub lacks (GPUs, a Hub login, 7-8B weights,
 # a finished GRPO run)
-NEEDS_MORE = ("--nproc-per-node 8", "llama3-8b", "llama2-7b", "qwen2.5-7b", "mistral-7b", "RECIPE.yaml", "runs/int8",
-              "runs/smollm2-grpo")
+NEEDS_MORE = (
+    "--nproc-per-node 8",
+    "llama3-8b",
+    "llama2-7b",
+    "qwen2.5-7b",
+    "mistral-7b",
+    "RECIPE.yaml",
+    "runs/int8",
+    "runs/smollm2-grpo",
+)
 
 
 def code_blocks(lang: str) -> list[tuple[str, str]]:
@@ -37,8 +46,15 @@ def commands() -> list[tuple[str, str]]:
     """(page, command line) of every bash block, and the lines of sh scripts that start lora-llama: continuations
     joined, comments and environment assignments dropped."""
     out = []
-    scripts = [(page, "\n".join(l for l in b.replace("\\\n", " ").splitlines() if "lora_llama" in l or "lora-llama" in l))
-               for page, b in code_blocks("sh")]
+    scripts = [
+        (
+            page,
+            "\n".join(
+                line for line in b.replace("\\\n", " ").splitlines() if "lora_llama" in line or "lora-llama" in line
+            ),
+        )
+        for page, b in code_blocks("sh")
+    ]
     for page, block in code_blocks("bash") + scripts:
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split(" #")[0].strip()
@@ -61,15 +77,16 @@ def lora_llama_args(command: str) -> list[str] | None:
     if words[0] == "lora-llama":
         return words[1:]
     if "-m" in words and words[words.index("-m") + 1] == "lora_llama":
-        return words[words.index("-m") + 2:]
+        return words[words.index("-m") + 2 :]
     return None
 
 
 def test_recipe_reference_is_generated_from_the_schema():
     from lora_llama.recipe.reference import reference
 
-    assert (ROOT / "docs" / "recipes.md").read_text() == reference(), \
+    assert (ROOT / "docs" / "recipes.md").read_text() == reference(), (
         "docs/recipes.md is stale: python -m lora_llama.recipe.reference docs/recipes.md"
+    )
 
 
 def test_every_recipe_key_is_in_the_reference():
@@ -83,7 +100,8 @@ def test_every_recipe_key_is_in_the_reference():
 
 
 def test_bench_tables_are_generated_from_the_results():
-    from bench.report import CPU_ONLY, PAGES as TABLES, rewrite
+    from bench.report import CPU_ONLY, rewrite
+    from bench.report import PAGES as TABLES
 
     for page, names in TABLES.items():
         want = rewrite(ROOT / page, names, page in CPU_ONLY)
@@ -100,11 +118,14 @@ def test_every_documented_command_is_known():
         args = lora_llama_args(command)
         if args is not None:
             parsed, extra = build_parser().parse_known_args(args)  # argparse exits on an unknown option
-            assert all("=" in x and not x.startswith("-") for x in extra) and (not extra or parsed.command == "train"), \
-                f"{page}: {command}"
+            assert all("=" in x and not x.startswith("-") for x in extra) and (
+                not extra or parsed.command == "train"
+            ), f"{page}: {command}"
         elif words[0] == "make":
             assert re.search(rf"^{words[1]}:", makefile, flags=re.M), f"{page}: no make target {words[1]}"
-        elif words[:3] == [".venv/bin/python", "-m", "pytest"] or words[:2] == ["python", "-m"] and words[2] == "pytest":
+        elif (
+            words[:3] == [".venv/bin/python", "-m", "pytest"] or words[:2] == ["python", "-m"] and words[2] == "pytest"
+        ):
             for marker in re.findall(r"\b(slow|distributed|cuda)\b", command):
                 assert f'"{marker}:' in markers, f"{page}: marker {marker} is not registered"
         elif words[:2] == ["python", "-m"] and words[2].startswith("bench."):
@@ -139,8 +160,12 @@ def test_every_python_snippet_compiles():
 
 def runnable(command: str) -> bool:
     args = lora_llama_args(command)
-    return (args is not None and not any(n in command for n in NEEDS_MORE) and command.split()[0] == "lora-llama"
-            and not (args[0] == "push" and "--dry-run" not in args))
+    return (
+        args is not None
+        and not any(n in command for n in NEEDS_MORE)
+        and command.split()[0] == "lora-llama"
+        and not (args[0] == "push" and "--dry-run" not in args)
+    )
 
 
 @pytest.mark.slow
@@ -154,8 +179,18 @@ def test_the_commands_a_cpu_can_run_do_run(smollm2, tmp_path):
     (tmp_path / "notes.txt").write_text("What can you eat?\nWho is your father?\n")
     (tmp_path / "my-data.jsonl").write_text(code_blocks("jsonl")[0][1] * 20)  # the data page's example record
     (tmp_path / "my-recipe.yaml").write_text(next(b for page, b in code_blocks("yaml") if page == "README.md"))
-    train = [sys.executable, "-m", "lora_llama", "train", "recipes/smollm2-chat-cpu.yaml", "train.max_steps=2",
-             "train.eval_every=2", "train.save_every=2", "data.max_examples=40", "train.precision=fp32"]
+    train = [
+        sys.executable,
+        "-m",
+        "lora_llama",
+        "train",
+        "recipes/smollm2-chat-cpu.yaml",
+        "train.max_steps=2",
+        "train.eval_every=2",
+        "train.save_every=2",
+        "data.max_examples=40",
+        "train.precision=fp32",
+    ]
     r = subprocess.run(train, cwd=tmp_path, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     ran = []
@@ -164,11 +199,24 @@ def test_the_commands_a_cpu_can_run_do_run(smollm2, tmp_path):
             continue
         args = lora_llama_args(command)
         if args[0] == "train":  # one short step into a fresh folder: the options, not the training, are checked here
-            args = args + ["train.max_steps=1", "data.max_examples=40", "data.max_seq_len=128", "data.val_size=0",
-                           "train.precision=fp32", "output.dir=runs/doc", "--force"]
+            args = args + [
+                "train.max_steps=1",
+                "data.max_examples=40",
+                "data.max_seq_len=128",
+                "data.val_size=0",
+                "train.precision=fp32",
+                "output.dir=runs/doc",
+                "--force",
+            ]
         threads = "1" if "--nproc-per-node" in args else "2"
-        r = subprocess.run([sys.executable, "-m", "lora_llama", *args], cwd=tmp_path, capture_output=True, text=True,
-                           env={**env, "OMP_NUM_THREADS": threads}, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-m", "lora_llama", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={**env, "OMP_NUM_THREADS": threads},
+            timeout=600,
+        )
         assert r.returncode == 0, f"{page}: {command}\n{r.stderr[-2000:]}"
         ran.append(command)
     print("\n".join(ran))
@@ -191,8 +239,19 @@ def test_readme_is_a_short_page():
 def test_no_history_in_the_project():
     """Code, recipes and docs speak in the present tense: no sessions, no issue numbers (history is in git)."""
     words = re.compile(r"\bsession \d|\bsessions? \d|\bissue \d+|\bissues? #\d|\bslow day\b|\bdev machine\b", re.I)
-    files = [*PAGES, ROOT / "Makefile", *ROOT.glob("recipes/*.yaml"), *ROOT.glob("lora_llama/*.py"),
-             *ROOT.glob("bench/*.py"), *ROOT.glob("tests/*.py")]
-    found = [f"{f.name}:{n}" for f in files if f != Path(__file__)
-             for n, line in enumerate(f.read_text().splitlines(), 1) if words.search(line)]
+    files = [
+        *PAGES,
+        ROOT / "Makefile",
+        *ROOT.glob("recipes/*.yaml"),
+        *ROOT.glob("lora_llama/*.py"),
+        *ROOT.glob("bench/*.py"),
+        *ROOT.glob("tests/*.py"),
+    ]
+    found = [
+        f"{f.name}:{n}"
+        for f in files
+        if f != Path(__file__)
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if words.search(line)
+    ]
     assert not found, found

@@ -1,12 +1,13 @@
 """DoRA against peft (forward both ways, gradients, merge), its row norm by hand, and LoRA+'s first step."""
+
 import pytest
 import torch
 
 from helpers import hf_model
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
+from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.loading.adapters import load_adapter
 from lora_llama.lora.layer import lora_modules, merge_lora, row_norms
-from lora_llama.kernels.cross_entropy import target_loss
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -54,8 +55,12 @@ def test_peft_dora_adapter_in_ours_gives_peft_logits(tiny_ckpt, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(3)
-    ref = get_peft_model(hf_model(tiny_ckpt), LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False,
-                                                         target_modules=["q_proj", "v_proj", "down_proj"]))
+    ref = get_peft_model(
+        hf_model(tiny_ckpt),
+        LoraConfig(
+            r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=["q_proj", "v_proj", "down_proj"]
+        ),
+    )
     ref.save_pretrained(tmp_path / "p")
     ours = load_model(tiny_ckpt)
     load_adapter(ours, tmp_path / "p")
@@ -75,8 +80,11 @@ def test_dora_gradients_equal_peft(tiny_ckpt, tmp_path):
     loss, n = target_loss(ours, x, x)
     (loss / n).backward()
     ref(x, labels=x).loss.backward()
-    want = {k.replace("base_model.model.", "").replace(".default", ""): p.grad
-            for k, p in ref.named_parameters() if p.grad is not None}
+    want = {
+        k.replace("base_model.model.", "").replace(".default", ""): p.grad
+        for k, p in ref.named_parameters()
+        if p.grad is not None
+    }
     want = {k.removesuffix(".weight") if "magnitude" in k else k: v for k, v in want.items()}
     grads = {k: p.grad for k, p in ours.named_parameters() if p.grad is not None}
     assert set(grads) == set(want) and len(grads) == 3 * 7 * 2
@@ -137,14 +145,20 @@ def test_loraplus_first_step_moves_b_by_ratio_times_lr(tiny_ckpt, tmp_path):
     gradient is 0 while B is 0) not at all."""
     from test_train import chat_file, recipe
 
-    from lora_llama.training.trainer import Trainer
-    from lora_llama.training.from_recipe import _adapted_model, _examples
     from lora_llama.loading.models import load_tokenizer
+    from lora_llama.training.from_recipe import _adapted_model, _examples
+    from lora_llama.training.trainer import Trainer
 
     moved = {}
     for ratio in (None, 16.0):
-        r = recipe(tiny_ckpt, chat_file(tmp_path / "d.jsonl"), tmp_path / str(ratio), "train.lr=1e-4",
-                   f"train.loraplus_lr_ratio={ratio if ratio else 'null'}", "train.max_grad_norm=null")
+        r = recipe(
+            tiny_ckpt,
+            chat_file(tmp_path / "d.jsonl"),
+            tmp_path / str(ratio),
+            "train.lr=1e-4",
+            f"train.loraplus_lr_ratio={ratio if ratio else 'null'}",
+            "train.max_grad_norm=null",
+        )
         model, _ = _adapted_model(r, "fp32", "cpu")
         tok = load_tokenizer(r.model.source)
         train, val = _examples(r, tok, lambda *_: None)
@@ -166,7 +180,6 @@ def test_dora_on_nf4_merges_onto_the_dequantized_weights_it_trained_on(tiny_ckpt
     trained = dora_model(tiny_ckpt, quantize="nf4")
     save_adapter(trained, tmp_path / "a")
     x = ids()
-    merge_checkpoint(str(tiny_ckpt), tmp_path / "a", tmp_path / "m", progress=False, onto="dequantized",
-                     quantize="nf4")
+    merge_checkpoint(str(tiny_ckpt), tmp_path / "a", tmp_path / "m", progress=False, onto="dequantized", quantize="nf4")
     with torch.no_grad():
         assert rel(load_model(tmp_path / "m")(x), trained(x)) < 1e-5

@@ -1,5 +1,6 @@
 """`lora-llama export` (GGUF for llama.cpp / Ollama, and llama.cpp LoRA GGUFs) read back by an independent reader,
 transformers' GGUF loader; `merge --onto dequantized`; refusals."""
+
 import json
 
 import pytest
@@ -7,15 +8,22 @@ import torch
 
 from helpers import build_checkpoint, hf_model, make_tokenizer, peak_growth, sharded_checkpoint
 from lora_llama import load_model
-from lora_llama.loading.adapters import save_adapter
 from lora_llama.cli import main
-from lora_llama.model.config import DECODER_TARGETS
-from lora_llama.lora.settings import lora_settings
+from lora_llama.loading.adapters import save_adapter
 from lora_llama.lora.layer import apply_lora, lora_modules
+from lora_llama.lora.settings import lora_settings
+from lora_llama.model.config import DECODER_TARGETS
 
-TEXTS = ["hello world, how are you today? i am fine.", "The Quick brown fox 12345 jumps\n\nover   the lazy dog's tail!",
-         "what's the capital of france? paris is. <|im_end|> to be or not to be", "   leading spaces and\ttabs 3.14"]
-MESSAGES = [{"role": "user", "content": "what is the capital of france?"}, {"role": "assistant", "content": "paris is."}]
+TEXTS = [
+    "hello world, how are you today? i am fine.",
+    "The Quick brown fox 12345 jumps\n\nover   the lazy dog's tail!",
+    "what's the capital of france? paris is. <|im_end|> to be or not to be",
+    "   leading spaces and\ttabs 3.14",
+]
+MESSAGES = [
+    {"role": "user", "content": "what is the capital of france?"},
+    {"role": "assistant", "content": "paris is."},
+]
 TOLERANCE = {"f16": 2e-3, "bf16": 2e-2, "q8_0": 3e-2}  # of the largest |logit|
 
 
@@ -61,8 +69,10 @@ def assert_same_tokenizer(gguf_path, folder):
     assert theirs(rendered)["input_ids"] == ours(rendered)["input_ids"]
 
 
-@pytest.mark.parametrize("family, out_type", [("llama", "f16"), ("mistral", "f16"), ("qwen2", "f16"), ("qwen3", "f16"),
-                                              ("llama", "bf16"), ("llama", "q8_0")])
+@pytest.mark.parametrize(
+    "family, out_type",
+    [("llama", "f16"), ("mistral", "f16"), ("qwen2", "f16"), ("qwen3", "f16"), ("llama", "bf16"), ("llama", "q8_0")],
+)
 def test_exported_gguf_reads_back_as_the_merged_model(family, out_type, tmp_path, capsys):
     # transformers' GGUF reader takes Qwen3's head_dim from its default (128), not from the file: give it 128
     extra = {"head_dim": 128} if family == "qwen3" else {}
@@ -99,8 +109,12 @@ def tokenizer_with(pre_tokenizer, normalizer=None):
     specials = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>"]
     from tokenizers import pre_tokenizers
 
-    tok.train_from_iterator(CORPUS + TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS + TEXTS,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.post_processor = fast.backend_tokenizer.post_processor
     out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>")
     out.chat_template = fast.chat_template
@@ -115,7 +129,9 @@ def test_pre_tokenizers_llama_cpp_knows(name, tmp_path):
     from lora_llama.outputs.gguf_vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 
     if name == "smollm":
-        pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        pre = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
         normalizer = None
     else:
         split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT if name == "llama-bpe" else QWEN2_SPLIT), behavior="isolated")
@@ -169,12 +185,18 @@ def test_lora_gguf_holds_the_adapter_in_the_model_files_layout(tmp_path):
     assert main(["export", "--adapter", str(adapter), "--lora-gguf", str(tmp_path / "lora.gguf")]) == 0
     (tmp_path / "plain").mkdir(), (tmp_path / "merged").mkdir()
     assert main(["export", "--base", str(base), "--out", str(tmp_path / "plain" / "m.gguf")]) == 0
-    assert main(["export", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "merged" / "m.gguf")]) == 0
+    assert (
+        main(["export", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "merged" / "m.gguf")])
+        == 0
+    )
     lora = GGUFReader(tmp_path / "lora.gguf")
     assert lora.fields["general.type"].contents() == "adapter" and lora.fields["adapter.type"].contents() == "lora"
     alpha = lora.fields["adapter.lora.alpha"].contents()
     tensors = {t.name: torch.from_numpy(t.data.copy()) for t in lora.tensors}
-    read = lambda p: {t.name: torch.from_numpy(t.data.astype("float32")) for t in GGUFReader(p).tensors}
+
+    def read(p):
+        return {t.name: torch.from_numpy(t.data.astype("float32")) for t in GGUFReader(p).tensors}
+
     plain, merged = read(tmp_path / "plain" / "m.gguf"), read(tmp_path / "merged" / "m.gguf")
     assert len(tensors) == 2 * 7 * 2
     for name in {n.rsplit(".", 1)[0] for n in tensors}:
@@ -190,22 +212,44 @@ def test_smollm2_with_adapter(smollm2, tmp_path):
     from gguf import GGUFReader
 
     adapter = make_adapter("smollm2-135m-instruct", tmp_path / "adapter", targets=["q", "k", "v", "o"], std=0.02)
-    assert main(["merge", "--base", "smollm2-135m-instruct", "--adapter", str(adapter), "--out", str(tmp_path / "merged")]) == 0
+    assert (
+        main(["merge", "--base", "smollm2-135m-instruct", "--adapter", str(adapter), "--out", str(tmp_path / "merged")])
+        == 0
+    )
     for out_type in ("f16", "q8_0"):
         out = tmp_path / out_type / "smol.gguf"
         out.parent.mkdir()
-        assert main(["export", "--base", "smollm2-135m-instruct", "--adapter", str(adapter), "--out", str(out),
-                     "--type", out_type]) == 0
+        assert (
+            main(
+                [
+                    "export",
+                    "--base",
+                    "smollm2-135m-instruct",
+                    "--adapter",
+                    str(adapter),
+                    "--out",
+                    str(out),
+                    "--type",
+                    out_type,
+                ]
+            )
+            == 0
+        )
         if out_type == "f16":
             assert_same_model(out, tmp_path / "merged", out_type, 49152)
             assert_same_tokenizer(out, tmp_path / "merged")
-            assert "PARAMETER stop \"<|im_end|>\"" in (out.parent / "Modelfile").read_text()
+            assert 'PARAMETER stop "<|im_end|>"' in (out.parent / "Modelfile").read_text()
         else:
             reader = GGUFReader(out)
             expected = sum(t.n_elements * (34 / 32 if len(t.shape) > 1 else 4) for t in reader.tensors)
             assert abs(out.stat().st_size / expected - 1) < 0.02, (out.stat().st_size, expected)
             source = GGUFReader(smollm2)
-            for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template", "tokenizer.ggml.pre"):
+            for key in (
+                "tokenizer.ggml.tokens",
+                "tokenizer.ggml.merges",
+                "tokenizer.chat_template",
+                "tokenizer.ggml.pre",
+            ):
                 assert reader.fields[key].contents() == source.fields[key].contents(), key
 
 
@@ -223,23 +267,70 @@ def test_merge_onto_dequantized_reproduces_the_adapter_on_int8(tmp_path, capsys)
     # inference kernels quantise the activations to int8 too, which no fold of weights can reproduce)
     with torch.no_grad():
         expected = trained.train()(x)
-    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "deq"),
-                 "--onto", "dequantized"]) == 0  # int8 read from the run's recipe.yaml
-    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "orig"),
-                 "--onto", "original"]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                "--base",
+                str(base),
+                "--adapter",
+                str(adapter),
+                "--out",
+                str(tmp_path / "deq"),
+                "--onto",
+                "dequantized",
+            ]
+        )
+        == 0
+    )  # int8 read from the run's recipe.yaml
+    assert (
+        main(
+            [
+                "merge",
+                "--base",
+                str(base),
+                "--adapter",
+                str(adapter),
+                "--out",
+                str(tmp_path / "orig"),
+                "--onto",
+                "original",
+            ]
+        )
+        == 0
+    )
     assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "default")]) == 0
     with torch.no_grad():
         deq, orig = load_model(tmp_path / "deq")(x), load_model(tmp_path / "orig")(x)
-    rel = lambda a: float((a - expected).norm() / expected.norm())
+
+    def rel(a):
+        return float((a - expected).norm() / expected.norm())
+
     assert rel(deq) < 1e-3 < rel(orig), (rel(deq), rel(orig))
     from safetensors.torch import load_file
 
-    a, b = load_file(tmp_path / "orig" / "model-00001-of-00001.safetensors"), \
-        load_file(tmp_path / "default" / "model-00001-of-00001.safetensors")
+    a, b = (
+        load_file(tmp_path / "orig" / "model-00001-of-00001.safetensors"),
+        load_file(tmp_path / "default" / "model-00001-of-00001.safetensors"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     (run / "recipe.yaml").unlink()
-    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "x"),
-                 "--onto", "dequantized"]) == 2
+    assert (
+        main(
+            [
+                "merge",
+                "--base",
+                str(base),
+                "--adapter",
+                str(adapter),
+                "--out",
+                str(tmp_path / "x"),
+                "--onto",
+                "dequantized",
+            ]
+        )
+        == 2
+    )
     assert "--quantize" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
@@ -247,10 +338,14 @@ def test_export_peak_memory_is_about_one_shard(tmp_path):
     base, shards = sharded_checkpoint(tmp_path / "big", 4)
     adapter = make_adapter(base, tmp_path / "a")
     # the tokenizer's modules (transformers' tokenization, jinja) load first: a fixed cost, whatever the model's size
-    grown = peak_growth("import torch, safetensors, gguf, numpy, tqdm.auto, transformers, lora_llama.outputs.export as e\n"
-                        "from lora_llama.data.chat import end_of_turn_id\nend_of_turn_id(e.load_tokenizer(sys.argv[1]))",
-                        "e.export_gguf(sys.argv[1], sys.argv[3], adapter=sys.argv[2], progress=False)",
-                        base, adapter, tmp_path / "out.gguf")
+    grown = peak_growth(
+        "import torch, safetensors, gguf, numpy, tqdm.auto, transformers, lora_llama.outputs.export as e\n"
+        "from lora_llama.data.chat import end_of_turn_id\nend_of_turn_id(e.load_tokenizer(sys.argv[1]))",
+        "e.export_gguf(sys.argv[1], sys.argv[3], adapter=sys.argv[2], progress=False)",
+        base,
+        adapter,
+        tmp_path / "out.gguf",
+    )
     largest = max(f.stat().st_size for f in shards)
     print(f"export grew {grown / 1e6:.1f} MB; largest shard {largest / 1e6:.1f} MB")
     assert grown < 2.5 * largest, (grown, largest)

@@ -1,4 +1,5 @@
 """Mistral, Qwen2, Qwen3 and Llama 3.2 in the one native model, each against transformers' own class and peft."""
+
 import json
 
 import pytest
@@ -7,12 +8,18 @@ import torch
 from helpers import ROOT, build_checkpoint, hf_model, make_tokenizer
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
 from lora_llama.cli import main
-from lora_llama.model.generate import generate
-from lora_llama.lora.layer import lora_modules
 from lora_llama.kernels.cross_entropy import target_loss
+from lora_llama.lora.layer import lora_modules
+from lora_llama.model.generate import generate
 
-LLAMA32_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA32_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 FAMILIES = {  # name: (model_type, config overrides); all GQA 4:2 (TINY)
     "mistral": ("mistral", dict(sliding_window=None)),
     "mistral_window": ("mistral", dict(sliding_window=8)),  # shorter than every sequence below
@@ -20,8 +27,12 @@ FAMILIES = {  # name: (model_type, config overrides); all GQA 4:2 (TINY)
     "qwen3": ("qwen3", dict(head_dim=32)),  # head_dim given explicitly, != hidden / heads
     "llama3.2": ("llama", dict(rope_parameters=LLAMA32_ROPE, tie_word_embeddings=True)),
 }
-CLASSES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "llama": "LlamaForCausalLM"}
+CLASSES = {
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
@@ -50,8 +61,13 @@ def test_greedy_generation_with_the_cache_equals_transformers(family):
     _, _, folder = family
     prompt = ids(1, 9, seed=7)[0].tolist()
     ours = generate(load_model(folder), prompt, max_new_tokens=24)
-    ref = hf_model(folder).generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ref = (
+        hf_model(folder)
+        .generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(prompt) :
+        ]
+        .tolist()
+    )
     assert ours == ref == generate(load_model(folder), prompt, max_new_tokens=24, use_cache=False)
 
 
@@ -63,10 +79,16 @@ def test_training_loss_and_gradients_equal_transformers(family):
     x = ids(2, 30, seed=3)
     model = load_model(folder).train()
     apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
-    peft = get_peft_model(hf_model(folder).train(), LoraConfig(r=4, lora_alpha=8, target_modules=[f"{t}_proj" for t in ALL]))
+    peft = get_peft_model(
+        hf_model(folder).train(), LoraConfig(r=4, lora_alpha=8, target_modules=[f"{t}_proj" for t in ALL])
+    )
     with torch.no_grad():  # the same non-zero B in both, so every path carries a gradient
-        for (n, p), (_, q) in zip(sorted(model.named_parameters()), sorted(
-                (k.removeprefix("base_model.model.").replace(".default", ""), v) for k, v in peft.named_parameters())):
+        for (n, p), (_, q) in zip(
+            sorted(model.named_parameters()),
+            sorted(
+                (k.removeprefix("base_model.model.").replace(".default", ""), v) for k, v in peft.named_parameters()
+            ),
+        ):
             if "lora_B" in n:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
                 q.copy_(p)
@@ -78,8 +100,11 @@ def test_training_loss_and_gradients_equal_transformers(family):
     ref.loss.backward()
     assert abs(float(loss / n) - float(ref.loss)) < 1e-5
     ours = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-    theirs = {k.removeprefix("base_model.model.").replace(".default", ""): p.grad
-              for k, p in peft.named_parameters() if p.grad is not None}
+    theirs = {
+        k.removeprefix("base_model.model.").replace(".default", ""): p.grad
+        for k, p in peft.named_parameters()
+        if p.grad is not None
+    }
     assert ours.keys() == theirs.keys() and len(ours) == 2 * 7 * 2
     for k in ours:
         assert (ours[k] - theirs[k]).abs().max() < 1e-5, k
@@ -111,7 +136,9 @@ def test_adapter_merge_and_int8_per_family(family, tmp_path):
     peft = PeftModel.from_pretrained(hf_model(folder), tmp_path / "a").eval()
     with torch.no_grad():
         assert (model(x) - peft(x).logits).abs().max() < 1e-4
-        assert main(["merge", "--base", str(folder), "--adapter", str(tmp_path / "a"), "--out", str(tmp_path / "m")]) == 0
+        assert (
+            main(["merge", "--base", str(folder), "--adapter", str(tmp_path / "a"), "--out", str(tmp_path / "m")]) == 0
+        )
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
         assert type(merged).__name__ == CLASSES[model_type]
         assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == [CLASSES[model_type]]
@@ -122,11 +149,14 @@ def test_adapter_merge_and_int8_per_family(family, tmp_path):
         assert (int8(x) - ref).abs().max() / ref.abs().max() < 0.05
 
 
-@pytest.mark.parametrize("model_type, change, message", [
-    ("gpt2", {}, "model_type 'gpt2' is not supported"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "sliding-window layers"),
-    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn' is not supported"),
-])
+@pytest.mark.parametrize(
+    "model_type, change, message",
+    [
+        ("gpt2", {}, "model_type 'gpt2' is not supported"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "sliding-window layers"),
+        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn' is not supported"),
+    ],
+)
 def test_unsupported_families_and_options_are_one_line(tiny_ckpt, tmp_path, capsys, model_type, change, message):
     import shutil
 
@@ -145,15 +175,18 @@ def test_unsupported_families_and_options_are_one_line(tiny_ckpt, tmp_path, caps
 
 QWEN25_TEMPLATE = (  # Qwen2.5-Instruct's template without its tool branches
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
+    "You are a helpful assistant.<|im_end|>\\n' }}"
     "{%- endif %}{%- for message in messages %}{%- if not (message.role == 'system' and loop.first) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 LLAMA3_TEMPLATE = (  # Meta-Llama-3-8B-Instruct's template
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
     "message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
     "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
 
 
 def template_tokenizer(template, specials, eos):
@@ -166,15 +199,21 @@ def template_tokenizer(template, specials, eos):
 
 
 def test_chatml_labels_hand_checked():
-    from lora_llama.data.sft import IGNORE_INDEX as M, Tokenize
     from lora_llama.data.chat import end_of_turn_id
+    from lora_llama.data.sft import IGNORE_INDEX as M
+    from lora_llama.data.sft import Tokenize
 
     tok = template_tokenizer(QWEN25_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], "<|endoftext|>")
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     ex = Tokenize(tok, "chat", 512).chat(msgs)
-    p = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+    def p(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
     start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
-    system = [start] + p("system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.") + [end] + p("\n")
+    system = (
+        [start] + p("system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.") + [end] + p("\n")
+    )
     user = [start] + p("user\nhi") + [end] + p("\n")
     prompt = [tok.bos_token_id] + system + user + [start] + p("assistant\n")
     answer = p("hello") + [end] + p("\n")
@@ -184,23 +223,44 @@ def test_chatml_labels_hand_checked():
 
 
 def test_llama3_labels_hand_checked():
-    from lora_llama.data.sft import IGNORE_INDEX as M, Tokenize
     from lora_llama.data.chat import end_of_turn_id
+    from lora_llama.data.sft import IGNORE_INDEX as M
+    from lora_llama.data.sft import Tokenize
 
     specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>"]
     tok = template_tokenizer(LLAMA3_TEMPLATE, specials, "<|end_of_text|>")  # a base Llama 3 tokenizer's EOS
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "fox"},
-            {"role": "assistant", "content": "dog"}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "fox"},
+        {"role": "assistant", "content": "dog"},
+    ]
     ex = Tokenize(tok, "chat", 512).chat(msgs)
-    p = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+    def p(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
     sh, eh, eot = (tok.convert_tokens_to_ids(t) for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
-    turn = lambda role, text: [sh] + p(role) + [eh] + p("\n\n" + text) + [eot]
-    head = lambda role: [sh] + p(role) + [eh] + p("\n\n")
+
+    def turn(role, text):
+        return [sh] + p(role) + [eh] + p("\n\n" + text) + [eot]
+
+    def head(role):
+        return [sh] + p(role) + [eh] + p("\n\n")
+
     hello, dog = p("hello") + [eot], p("dog") + [eot]
     assert p("\n\nhello") == p("\n\n") + p("hello")  # the split below is exact for this tokenizer
-    ids = [tok.bos_token_id] + turn("system", "be brief") + turn("user", "hi") + head("assistant") + hello \
-        + turn("user", "fox") + head("assistant") + dog
+    ids = (
+        [tok.bos_token_id]
+        + turn("system", "be brief")
+        + turn("user", "hi")
+        + head("assistant")
+        + hello
+        + turn("user", "fox")
+        + head("assistant")
+        + dog
+    )
     assert ex["input_ids"] == ids and ex["input_ids"].count(tok.bos_token_id) == 1
     first = 1 + len(turn("system", "be brief")) + len(turn("user", "hi")) + len(head("assistant"))
     second = len(turn("user", "fox")) + len(head("assistant"))
@@ -222,7 +282,7 @@ def test_generation_stops_at_every_end_of_turn_id(tiny_ckpt, tmp_path):
     assert {2, 57, 91} <= set(eos_token_ids(model, tok))
     free = generate(model, [1, 5, 9], max_new_tokens=12)
     stop = free[4]
-    assert generate(model, [1, 5, 9], max_new_tokens=12, eos_ids=[stop]) == free[:free.index(stop) + 1]
+    assert generate(model, [1, 5, 9], max_new_tokens=12, eos_ids=[stop]) == free[: free.index(stop) + 1]
 
 
 def test_untrained_stop_token_warning(tmp_path, capsys, smollm2):
@@ -236,10 +296,25 @@ def test_untrained_stop_token_warning(tmp_path, capsys, smollm2):
         tensors[key][eot] = 0
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n"
+    )
     recipe = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
-    run = lambda source, out, *extra: main(["train", recipe, f"data.source={data}", "data.val_size=0", "train.max_steps=1",
-                                            f"model.source={source}", f"output.dir={out}", *extra])
+
+    def run(source, out, *extra):
+        return main(
+            [
+                "train",
+                recipe,
+                f"data.source={data}",
+                "data.val_size=0",
+                "train.max_steps=1",
+                f"model.source={source}",
+                f"output.dir={out}",
+                *extra,
+            ]
+        )
+
     assert run(folder, tmp_path / "r1") == 0
     assert "looks untrained" in capsys.readouterr().out
     assert run(folder, tmp_path / "r2", "lora.targets=[q,v,lm_head]") == 0  # lm_head adapted: it can learn the row

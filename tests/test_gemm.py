@@ -1,4 +1,5 @@
 """gemm.linear (oneDNN on CPU float32) against float64 products, and which path it takes."""
+
 import pytest
 import torch
 
@@ -55,7 +56,7 @@ def test_other_cases_take_f_linear_with_the_same_values(calls):
     assert len(calls) == (torch.bfloat16 in gemm.ONEDNN_DTYPES) and got.dtype == torch.bfloat16  # AVX2 CPUs: F.linear
     assert (got.double() - x.bfloat16().double() @ w.bfloat16().double().t()).abs().max() < 5e-2
     gy = torch.randn(20, 16, generator=g).bfloat16()  # bf16's gy·W, W.t() a view: row-major first where F.linear
-    got = gemm.linear(gy, w.bfloat16().t())          # takes it (its kernel for the view is ~70x slower)
+    got = gemm.linear(gy, w.bfloat16().t())  # takes it (its kernel for the view is ~70x slower)
     assert got.dtype == torch.bfloat16 and (got.double() - gy.double() @ w.bfloat16().double()).abs().max() < 5e-2
 
 

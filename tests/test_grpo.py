@@ -1,5 +1,6 @@
 """GRPO: the loss and its gradients against trl's GRPOTrainer on the same model and tokens (per loss type, with
 and without the KL term), advantages by hand, batched sampling against transformers' generate."""
+
 import math
 
 import pytest
@@ -7,9 +8,9 @@ import torch
 
 from helpers import hf_model, make_tokenizer, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-from lora_llama.training.grpo import GRPO, group_advantages
 from lora_llama.kernels.cross_entropy import IGNORE_INDEX
 from lora_llama.recipe.schema import GRPOSettings
+from lora_llama.training.grpo import GRPO, group_advantages
 from lora_llama.training.rollout import sample_completions
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
@@ -27,7 +28,7 @@ def test_batched_sampling_equals_transformers_greedy_on_left_padded_prompts(tiny
     width = max(map(len, prompts))
     ids, mask = torch.zeros(4, width, dtype=torch.long), torch.zeros(4, width, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     assert ours == want[:, width:].tolist()
 
@@ -55,8 +56,8 @@ def test_sampling_stops_each_row_at_its_eos(tiny_ckpt):
     free = sample_completions(model, prompts_of((4, 4)), 12, eos_ids=[], pad_id=0, temperature=0)
     stop = free[0][3]  # the token row 0 produces fourth
     cut = sample_completions(model, prompts_of((4, 4)), 12, eos_ids=[stop], pad_id=0, temperature=0)
-    assert cut[0] == free[0][:free[0].index(stop) + 1]
-    assert cut[1] == (free[1][:free[1].index(stop) + 1] if stop in free[1] else free[1])
+    assert cut[0] == free[0][: free[0].index(stop) + 1]
+    assert cut[1] == (free[1][: free[1].index(stop) + 1] if stop in free[1] else free[1])
 
 
 def test_rows_decode_on_while_another_rank_says_so_and_come_out_the_same(tiny_ckpt):
@@ -66,7 +67,10 @@ def test_rows_decode_on_while_another_rank_says_so_and_come_out_the_same(tiny_ck
     free = sample_completions(model, prompts, 12, eos_ids=[], pad_id=0, temperature=0)
     stop = [free[0][1], free[1][1]]  # both rows end on their second token
     calls = []
-    other_rank = lambda mine: calls.append(mine) or len(calls) < 6  # "another rank still decodes", 5 times
+
+    def other_rank(mine):
+        return calls.append(mine) or len(calls) < 6  # "another rank still decodes", 5 times
+
     alone = sample_completions(model, prompts, 12, eos_ids=stop, pad_id=0, temperature=0)
     synced = sample_completions(model, prompts, 12, eos_ids=stop, pad_id=0, temperature=0, any_rank=other_rank)
     assert synced == alone and all(len(c) <= 2 for c in alone)
@@ -105,13 +109,28 @@ def _trl_trainer(ckpt, adapter, folder, settings):
     from trl import GRPOConfig, GRPOTrainer
 
     peft_model = PeftModel.from_pretrained(hf_model(ckpt), adapter, is_trainable=True)
-    cfg = GRPOConfig(output_dir=str(folder), per_device_train_batch_size=4, num_generations=settings.group_size,
-                     max_completion_length=settings.max_new_tokens, loss_type=settings.loss_type, beta=settings.beta,
-                     epsilon=settings.epsilon, epsilon_high=settings.epsilon_high, temperature=settings.temperature,
-                     use_bias_correction_kl=settings.use_bias_correction_kl, report_to=[], use_cpu=True, bf16=False)
-    trainer = GRPOTrainer(model=peft_model, reward_funcs=[lambda prompts, completions, **_: [0.0] * len(prompts)],
-                          args=cfg, train_dataset=Dataset.from_list([{"prompt": "hi"}] * 4),
-                          processing_class=make_tokenizer())
+    cfg = GRPOConfig(
+        output_dir=str(folder),
+        per_device_train_batch_size=4,
+        num_generations=settings.group_size,
+        max_completion_length=settings.max_new_tokens,
+        loss_type=settings.loss_type,
+        beta=settings.beta,
+        epsilon=settings.epsilon,
+        epsilon_high=settings.epsilon_high,
+        temperature=settings.temperature,
+        use_bias_correction_kl=settings.use_bias_correction_kl,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+    )
+    trainer = GRPOTrainer(
+        model=peft_model,
+        reward_funcs=[lambda prompts, completions, **_: [0.0] * len(prompts)],
+        args=cfg,
+        train_dataset=Dataset.from_list([{"prompt": "hi"}] * 4),
+        processing_class=make_tokenizer(),
+    )
     trainer.current_gradient_accumulation_steps = 1
     return trainer
 
@@ -122,30 +141,65 @@ def _rollout_batch(prompts, completions, advantages):
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     labels = torch.full_like(ids, IGNORE_INDEX)
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
-    return {"input_ids": ids, "labels": labels, "advantages": advantages, "completions": torch.tensor(len(prompts)),
-            "completion": torch.arange(len(prompts))[:, None].expand_as(ids).clone()}
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "advantages": advantages,
+        "completions": torch.tensor(len(prompts)),
+        "completion": torch.arange(len(prompts))[:, None].expand_as(ids).clone(),
+    }
 
 
 def _trl_inputs(prompts, completions, advantages, max_new):
     """trl's: prompts left-padded, completions right-padded to max_new, with their masks."""
     width = max(map(len, prompts))
-    prompt_ids, prompt_mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
-    comp_ids, comp_mask = torch.zeros(len(prompts), max_new, dtype=torch.long), torch.zeros(len(prompts), max_new, dtype=torch.long)
+    prompt_ids, prompt_mask = (
+        torch.zeros(len(prompts), width, dtype=torch.long),
+        torch.zeros(len(prompts), width, dtype=torch.long),
+    )
+    comp_ids, comp_mask = (
+        torch.zeros(len(prompts), max_new, dtype=torch.long),
+        torch.zeros(len(prompts), max_new, dtype=torch.long),
+    )
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_ids[i, width - len(p):], prompt_mask[i, width - len(p):] = torch.tensor(p), 1
-        comp_ids[i, :len(c)], comp_mask[i, :len(c)] = torch.tensor(c), 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": comp_ids, "completion_mask": comp_mask,
-            "advantages": advantages, "num_items_in_batch": comp_mask.sum()}
+        prompt_ids[i, width - len(p) :], prompt_mask[i, width - len(p) :] = torch.tensor(p), 1
+        comp_ids[i, : len(c)], comp_mask[i, : len(c)] = torch.tensor(c), 1
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": comp_ids,
+        "completion_mask": comp_mask,
+        "advantages": advantages,
+        "num_items_in_batch": comp_mask.sum(),
+    }
 
 
-@pytest.mark.parametrize("loss_type,beta,correction", [("dapo", 0.0, True), ("grpo", 0.0, True), ("bnpo", 0.0, True),
-                                                       ("dr_grpo", 0.0, True), ("dapo", 0.04, True), ("grpo", 0.04, True),
-                                                       ("bnpo", 0.04, False)])
+@pytest.mark.parametrize(
+    "loss_type,beta,correction",
+    [
+        ("dapo", 0.0, True),
+        ("grpo", 0.0, True),
+        ("bnpo", 0.0, True),
+        ("dr_grpo", 0.0, True),
+        ("dapo", 0.04, True),
+        ("grpo", 0.04, True),
+        ("bnpo", 0.04, False),
+    ],
+)
 def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, correction):
-    settings = GRPOSettings(group_size=4, max_new_tokens=9, loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
-                            temperature=0.7, rewards=["format"], use_bias_correction_kl=correction)
+    settings = GRPOSettings(
+        group_size=4,
+        max_new_tokens=9,
+        loss_type=loss_type,
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        temperature=0.7,
+        rewards=["format"],
+        use_bias_correction_kl=correction,
+    )
     model = _policy(tiny_ckpt, tmp_path / "a")
     prompts = prompts_of((3, 5, 5, 2), seed=3)
     completions = prompts_of((9, 4, 7, 1), seed=4)
@@ -178,8 +232,11 @@ def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, corr
     want.backward()
     assert abs(float(loss.detach()) - float(want.detach())) < 1e-5, (float(loss.detach()), float(want.detach()))
     assert stats["clip_ratio/low_mean"] > 0 and stats["clip_ratio/high_mean"] > 0
-    trl_grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
-                 for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trl_grads = {
+        n.replace("base_model.model.", "").replace(".default", ""): p.grad
+        for n, p in trainer.model.named_parameters()
+        if p.grad is not None
+    }
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert set(grads) == set(trl_grads) and len(grads) == 28
     for k in grads:
@@ -201,8 +258,13 @@ def test_packed_completions_train_as_separate_rows(tiny_ckpt, tmp_path, loss_typ
         model.train()
         terms, _ = grpo.terms(model, batch)
         (terms[0] / grpo.counts(batch)[0]).backward()
-        results.append((batch["input_ids"].shape[0], float(terms[0].detach()) / grpo.counts(batch)[0],
-                        {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        results.append(
+            (
+                batch["input_ids"].shape[0],
+                float(terms[0].detach()) / grpo.counts(batch)[0],
+                {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+            )
+        )
     (rows, loss, grads), (packed_rows, packed_loss, packed_grads) = results
     assert packed_rows < rows and abs(loss - packed_loss) < 1e-5
     assert all(torch.allclose(grads[k], packed_grads[k], atol=1e-5, rtol=1e-4) for k in grads)

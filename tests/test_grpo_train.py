@@ -1,5 +1,6 @@
 """GRPO through the trainer and the CLI: held-out greedy reward rises, resume is exact, rewards load from files,
 modules and built-ins, bad rewards and recipes stop with one line (exit 2) and keep the checkpoints."""
+
 import json
 
 import pytest
@@ -8,12 +9,14 @@ import torch
 from lora_llama.cli import main
 from lora_llama.errors import UserError
 from lora_llama.recipe.schema import load_recipe
-from lora_llama.training.rewards import extract_answer, format_reward, load_reward, score
 from lora_llama.training.from_recipe import train_from_recipe
+from lora_llama.training.rewards import extract_answer, format_reward, load_reward, score
 
 # rewards completions for token ids in the lower half of the tiny tokenizer's 300: learnable in a few steps
-LOW_IDS = "def low_ids(prompts, completions, completion_ids, **kw):\n" \
-          "    return [sum(t < 150 for t in c) / max(len(c), 1) for c in completion_ids]\n"
+LOW_IDS = (
+    "def low_ids(prompts, completions, completion_ids, **kw):\n"
+    "    return [sum(t < 150 for t in c) / max(len(c), 1) for c in completion_ids]\n"
+)
 
 
 def prompt_file(path, n=24, extra=None):
@@ -25,13 +28,31 @@ def prompt_file(path, n=24, extra=None):
 def grpo_recipe(ckpt, tmp_path, *overrides):
     rewards = tmp_path / "rewards.py"
     rewards.write_text(LOW_IDS)
-    return load_recipe(None, [f"model.source={ckpt}", f"data.source={prompt_file(tmp_path / 'p.jsonl')}",
-                              "data.format=prompt", "data.val_size=0.25", "data.max_seq_len=48",
-                              "train.objective=grpo", f"train.grpo.rewards=[{rewards}:low_ids]",
-                              "train.grpo.group_size=4", "train.grpo.max_new_tokens=12", "train.batch_size=3",
-                              "train.precision=fp32", "model.device=cpu", "train.warmup_steps=0", "train.lr=2e-2",
-                              "train.schedule=constant", "lora.targets=[q,v,lm_head]", "train.max_steps=12",
-                              "train.eval_every=12", f"output.dir={tmp_path / 'run'}", *overrides])
+    return load_recipe(
+        None,
+        [
+            f"model.source={ckpt}",
+            f"data.source={prompt_file(tmp_path / 'p.jsonl')}",
+            "data.format=prompt",
+            "data.val_size=0.25",
+            "data.max_seq_len=48",
+            "train.objective=grpo",
+            f"train.grpo.rewards=[{rewards}:low_ids]",
+            "train.grpo.group_size=4",
+            "train.grpo.max_new_tokens=12",
+            "train.batch_size=3",
+            "train.precision=fp32",
+            "model.device=cpu",
+            "train.warmup_steps=0",
+            "train.lr=2e-2",
+            "train.schedule=constant",
+            "lora.targets=[q,v,lm_head]",
+            "train.max_steps=12",
+            "train.eval_every=12",
+            f"output.dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+    )
 
 
 def metrics(folder):
@@ -48,7 +69,13 @@ def test_grpo_raises_the_held_out_greedy_reward(tiny_ckpt, tmp_path, setting):
     rows = [m for m in metrics(tmp_path / "run") if "loss" in m]
     rewards = [m["reward"] for m in rows]
     assert len(rows) == 12 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards  # the sampled ones too
-    for key in ("reward_std", "rewards/low_ids/mean", "completions/mean_length", "clip_ratio/region_mean", "tokens_per_s"):
+    for key in (
+        "reward_std",
+        "rewards/low_ids/mean",
+        "completions/mean_length",
+        "clip_ratio/region_mean",
+        "tokens_per_s",
+    ):
         assert key in rows[0], key
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
@@ -82,7 +109,10 @@ def test_grpo_resume_between_iterations_continues_exactly(tiny_ckpt, tmp_path):
     train_from_recipe(cut, log=lambda *_: None)
     a, b = (load_file(tmp_path / r / "adapter" / "adapter_model.safetensors") for r in ("full", "cut"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    losses = lambda r: [m["loss"] for m in metrics(tmp_path / r) if "loss" in m]
+
+    def losses(r):
+        return [m["loss"] for m in metrics(tmp_path / r) if "loss" in m]
+
     assert losses("full") == losses("cut") and "kl" in metrics(tmp_path / "full")[1]
 
 
@@ -92,8 +122,12 @@ def test_rewards_load_from_files_modules_and_built_ins(tmp_path):
     assert load_reward(f"{f}:low_ids")[0] == "low_ids"
     assert load_reward("lora_llama.training.rewards:format_reward")[1] is format_reward
     assert load_reward("format")[1] is format_reward
-    for spec, words in ((f"{tmp_path}/none.py:x", "no such file"), (f"{f}:missing", "no function 'missing'"),
-                        ("nomodule_xyz:f", "cannot import"), ("justaname", "use path/to/file.py:function")):
+    for spec, words in (
+        (f"{tmp_path}/none.py:x", "no such file"),
+        (f"{f}:missing", "no function 'missing'"),
+        ("nomodule_xyz:f", "cannot import"),
+        ("justaname", "use path/to/file.py:function"),
+    ):
         with pytest.raises(UserError, match=words):
             load_reward(spec)
 
@@ -117,14 +151,21 @@ def _bad(values=None, raise_on=None):
         if raise_on is not None and raise_on in completions:
             raise ValueError("cannot parse")
         return values if values is not None else [1.0] * len(completions)
+
     return fn
 
 
-@pytest.mark.parametrize("fn,message", [
-    (_bad(raise_on="b"), r"reward fn raised ValueError: cannot parse on row 1 \(prompt 'q1'\)"),
-    (_bad(values=[1.0]), "reward fn returned 1 values for 3 completions"),
-    (_bad(values=[1.0, "x", 2.0]), r"reward fn returned 'x' \(str\) for row 1 \(prompt 'q1'\): not a number or None"),
-])
+@pytest.mark.parametrize(
+    "fn,message",
+    [
+        (_bad(raise_on="b"), r"reward fn raised ValueError: cannot parse on row 1 \(prompt 'q1'\)"),
+        (_bad(values=[1.0]), "reward fn returned 1 values for 3 completions"),
+        (
+            _bad(values=[1.0, "x", 2.0]),
+            r"reward fn returned 'x' \(str\) for row 1 \(prompt 'q1'\): not a number or None",
+        ),
+    ],
+)
 def test_bad_rewards_name_the_function_and_the_row(fn, message):
     with pytest.raises(UserError, match=message):
         score({"fn": fn}, ["q0", "q1", "q2"], ["a", "b", "c"], {})
@@ -137,28 +178,53 @@ def test_none_is_not_applicable():
 
 def test_a_reward_that_raises_stops_the_run_with_exit_2_and_keeps_checkpoints(tiny_ckpt, tmp_path, capsys):
     rewards = tmp_path / "boom.py"
-    rewards.write_text("calls = []\ndef boom(prompts, completions, **kw):\n    calls.append(1)\n"
-                       "    if len(calls) > 2:\n        raise KeyError('answer')\n    return [0.5] * len(completions)\n")
+    rewards.write_text(
+        "calls = []\ndef boom(prompts, completions, **kw):\n    calls.append(1)\n"
+        "    if len(calls) > 2:\n        raise KeyError('answer')\n    return [0.5] * len(completions)\n"
+    )
     r = grpo_recipe(tiny_ckpt, tmp_path)  # writes the prompt file
     (tmp_path / "r.yaml").write_text("")
-    overrides = [f"model.source={tiny_ckpt}", f"data.source={tmp_path / 'p.jsonl'}", "data.format=prompt",
-                 "train.objective=grpo", f"train.grpo.rewards=[{rewards}:boom]", "train.grpo.group_size=2",
-                 "train.grpo.max_new_tokens=4", "train.batch_size=2", "data.val_size=0", "train.max_steps=4",
-                 "train.save_every=2", "train.precision=fp32", f"output.dir={r.output.dir}"]
+    overrides = [
+        f"model.source={tiny_ckpt}",
+        f"data.source={tmp_path / 'p.jsonl'}",
+        "data.format=prompt",
+        "train.objective=grpo",
+        f"train.grpo.rewards=[{rewards}:boom]",
+        "train.grpo.group_size=2",
+        "train.grpo.max_new_tokens=4",
+        "train.batch_size=2",
+        "data.val_size=0",
+        "train.max_steps=4",
+        "train.save_every=2",
+        "train.precision=fp32",
+        f"output.dir={r.output.dir}",
+    ]
     code = main(["train", str(tmp_path / "r.yaml"), *overrides])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith("lora-llama train: error: reward boom raised KeyError: 'answer' on row 0"), err
+    assert code == 2 and err[-1].startswith(
+        "lora-llama train: error: reward boom raised KeyError: 'answer' on row 0"
+    ), err
     assert (tmp_path / "run" / "checkpoints" / "step-2").is_dir()
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["train.objective=grpo", "data.format=chat"], "train.objective grpo needs data.format prompt"),
-    (["data.format=prompt"], "train.objective grpo needs data.format prompt"),
-    (["train.objective=grpo", "data.format=prompt", "train.grpo.rewards=[format]", "train.grpo.reward_weights=[1, 2]"],
-     "reward_weights has 2 values for 1 rewards"),
-    (["train.objective=grpo", "data.format=prompt", "train.grpo.group_size=1"], "train.grpo.group_size"),
-    (["train.objective=grpo", "data.format=prompt", "train.grpo.loss_type=ppo"], "train.grpo.loss_type"),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["train.objective=grpo", "data.format=chat"], "train.objective grpo needs data.format prompt"),
+        (["data.format=prompt"], "train.objective grpo needs data.format prompt"),
+        (
+            [
+                "train.objective=grpo",
+                "data.format=prompt",
+                "train.grpo.rewards=[format]",
+                "train.grpo.reward_weights=[1, 2]",
+            ],
+            "reward_weights has 2 values for 1 rewards",
+        ),
+        (["train.objective=grpo", "data.format=prompt", "train.grpo.group_size=1"], "train.grpo.group_size"),
+        (["train.objective=grpo", "data.format=prompt", "train.grpo.loss_type=ppo"], "train.grpo.loss_type"),
+    ],
+)
 def test_grpo_recipe_errors_are_one_line(overrides, words):
     with pytest.raises(UserError, match=words):
         load_recipe(None, overrides)
@@ -173,13 +239,28 @@ def test_grpo_on_two_processes_equals_one(tiny_ckpt, tmp_path, strategy):
 
     base = grpo_recipe(tiny_ckpt, tmp_path)  # writes the prompt and reward files
     rewards = tmp_path / "rewards.py"
-    common = [f"model.source={tiny_ckpt}", f"data.source={tmp_path / 'p.jsonl'}", "data.format=prompt",
-              "data.val_size=0.25", "data.max_seq_len=48", "train.objective=grpo",
-              f"train.grpo.rewards=[{rewards}:low_ids]", "train.grpo.group_size=4", "train.grpo.max_new_tokens=8",
-              "train.grpo.beta=0.05", "train.grpo.scale_rewards=batch", "train.precision=fp32", "model.device=cpu",
-              "train.warmup_steps=0", "train.lr=1e-3", "train.max_steps=3", "train.eval_every=3",
-              "lora.targets=[q,v,lm_head]" if strategy == "ddp" else "lora.targets=[q,v,o]",
-              "train.collective_timeout_s=60", f"train.distributed={strategy}"]
+    common = [
+        f"model.source={tiny_ckpt}",
+        f"data.source={tmp_path / 'p.jsonl'}",
+        "data.format=prompt",
+        "data.val_size=0.25",
+        "data.max_seq_len=48",
+        "train.objective=grpo",
+        f"train.grpo.rewards=[{rewards}:low_ids]",
+        "train.grpo.group_size=4",
+        "train.grpo.max_new_tokens=8",
+        "train.grpo.beta=0.05",
+        "train.grpo.scale_rewards=batch",
+        "train.precision=fp32",
+        "model.device=cpu",
+        "train.warmup_steps=0",
+        "train.lr=1e-3",
+        "train.max_steps=3",
+        "train.eval_every=3",
+        "lora.targets=[q,v,lm_head]" if strategy == "ddp" else "lora.targets=[q,v,o]",
+        "train.collective_timeout_s=60",
+        f"train.distributed={strategy}",
+    ]
     recipe = str(tmp_path / "empty.yaml")
     (tmp_path / "empty.yaml").write_text("")
     assert base.train.objective == "grpo"

@@ -1,4 +1,5 @@
 """`lora-llama push` against a minimal local server that answers the Hub API calls huggingface_hub makes."""
+
 import base64
 import json
 import threading
@@ -46,15 +47,18 @@ class FakeHub(BaseHTTPRequestHandler):
             return self._reply(200 if isinstance(meta, dict) else 400, {"errors": [], "warnings": []})
         if path.startswith(prefix + "preupload/"):
             files = json.loads(body)["files"]
-            return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                               for f in files]})
+            return self._reply(
+                200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+            )
         if path.startswith(prefix + "commit/"):
-            lines = [json.loads(l) for l in body.splitlines() if l.strip()]
-            if lines[0]["key"] != "header" or any(l["key"] != "file" for l in lines[1:]):
+            lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+            if lines[0]["key"] != "header" or any(entry["key"] != "file" for entry in lines[1:]):
                 return self._reply(400, {"error": "unexpected commit payload"})
             self.server.commits.append(lines)
-            return self._reply(200, {"commitUrl": f"{self.server.url}/{REPO}/commit/abc123", "commitOid": "abc123",
-                                     "pullRequestUrl": None})
+            return self._reply(
+                200,
+                {"commitUrl": f"{self.server.url}/{REPO}/commit/abc123", "commitOid": "abc123", "pullRequestUrl": None},
+            )
         self._reply(404, {"error": f"no route {path}"})
 
 
@@ -84,8 +88,9 @@ def run_dir(tiny_ckpt, tmp_path):
     apply_lora(model, LoraSettings(r=4, alpha=8))
     run = tmp_path / "run"
     save_adapter(model, run / "adapter")
-    (run / "recipe.yaml").write_text(yaml.safe_dump({"data": {"source": "tatsu-lab/alpaca"},
-                                                     "train": {"lr": 0.001, "max_steps": 5}}))
+    (run / "recipe.yaml").write_text(
+        yaml.safe_dump({"data": {"source": "tatsu-lab/alpaca"}, "train": {"lr": 0.001, "max_steps": 5}})
+    )
     (run / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval_loss": 1.25, "eval_perplexity": 3.49}) + "\n")
     (run / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\nfake")
     return run
@@ -99,7 +104,7 @@ def test_push_creates_repo_and_commits_expected_files(hub, run_dir, capsys):
     assert ("POST", "/api/repos/create") in routes
     assert json.loads(next(b for m, p, _, b in hub.requests if p == "/api/repos/create"))["name"] == "tiny-lora"
     assert len(hub.commits) == 1
-    files = {l["value"]["path"]: base64.b64decode(l["value"]["content"]) for l in hub.commits[0][1:]}
+    files = {entry["value"]["path"]: base64.b64decode(entry["value"]["content"]) for entry in hub.commits[0][1:]}
     assert set(files) == {"adapter_config.json", "adapter_model.safetensors", "README.md", "loss.png"}
     assert files["adapter_model.safetensors"] == (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
     card = files["README.md"].decode()
@@ -107,7 +112,9 @@ def test_push_creates_repo_and_commits_expected_files(hub, run_dir, capsys):
     assert meta["library_name"] == "peft" and meta["pipeline_tag"] == "text-generation"
     assert {"lora", "lora-llama"} <= set(meta["tags"]) and meta["datasets"] == ["tatsu-lab/alpaca"]
     base = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert "base_model" not in meta and base not in card  # a local base: its folder's name only, no path of this machine
+    assert (
+        "base_model" not in meta and base not in card
+    )  # a local base: its folder's name only, no path of this machine
     assert "1.2500" in card and "PeftModel.from_pretrained" in card and "lora-llama generate" in card
     # every API call that changes something carries the token (huggingface_hub also makes an anonymous GET)
     assert all(auth == f"Bearer {TOKEN}" for m, _, auth, _ in hub.requests if m == "POST")

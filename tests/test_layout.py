@@ -128,8 +128,11 @@ def test_training_pushes_nothing_to_the_hub():
 
 
 def test_folders_stay_small():
-    counts = {f.name: len([p for p in f.glob("*.py") if p.stem != "__init__"]) for f in PACKAGE.iterdir() if f.is_dir()
-              and (f / "__init__.py").exists()}
+    counts = {
+        f.name: len([p for p in f.glob("*.py") if p.stem != "__init__"])
+        for f in PACKAGE.iterdir()
+        if f.is_dir() and (f / "__init__.py").exists()
+    }
     assert max(counts.values()) <= MAX_FOLDER_MODULES, counts
     assert len(list(PACKAGE.glob("*.py"))) <= MAX_TOP_LEVEL_MODULES
 
@@ -147,8 +150,11 @@ def long_definitions(path) -> list[str]:
     """Functions over MAX_FUNCTION_LINES and classes over MAX_CLASS_LINES, with their lengths."""
     found = []
     for n in ast.walk(ast.parse(path.read_text())):
-        limit = {ast.FunctionDef: MAX_FUNCTION_LINES, ast.AsyncFunctionDef: MAX_FUNCTION_LINES,
-                 ast.ClassDef: MAX_CLASS_LINES}.get(type(n))
+        limit = {
+            ast.FunctionDef: MAX_FUNCTION_LINES,
+            ast.AsyncFunctionDef: MAX_FUNCTION_LINES,
+            ast.ClassDef: MAX_CLASS_LINES,
+        }.get(type(n))
         if limit and n.end_lineno - n.lineno + 1 > limit:
             found.append(f"{path.name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)")
     return found
@@ -161,5 +167,7 @@ def test_no_function_or_class_is_long():
 
 def test_the_length_check_counts_lines(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 60 + "class Big:\n" + "    x = 1\n" * 150)
+    f.write_text(
+        "def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 60 + "class Big:\n" + "    x = 1\n" * 150
+    )
     assert long_definitions(f) == ["m.py:long (61 lines)", "m.py:Big (151 lines)"]

@@ -1,4 +1,5 @@
 """LoRA on the native model against peft on transformers' LlamaForCausalLM."""
+
 import json
 
 import pytest
@@ -6,8 +7,8 @@ import torch
 
 from helpers import hf_model
 from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
-from lora_llama.lora.layer import lora_modules
 from lora_llama.kernels.cross_entropy import target_loss
+from lora_llama.lora.layer import lora_modules
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -71,7 +72,9 @@ def test_saved_adapter_loads_in_peft_with_same_logits(tiny_ckpt, tmp_path, extra
 def test_peft_adapter_loads_natively(tiny_ckpt, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    peft = get_peft_model(hf_model(tiny_ckpt), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+    peft = get_peft_model(
+        hf_model(tiny_ckpt), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "lora_B" in n:
@@ -124,8 +127,11 @@ def test_only_lora_gets_gradients_equal_to_peft(tiny_ckpt, tmp_path, batch, seq)
     for n, p in ref.named_parameters():
         p.requires_grad_("lora_" in n)
     ref(x, labels=x).loss.backward()
-    ref_grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
-                 for n, p in ref.named_parameters() if p.grad is not None}
+    ref_grads = {
+        n.replace("base_model.model.", "").replace(".default", ""): p.grad
+        for n, p in ref.named_parameters()
+        if p.grad is not None
+    }
     assert set(ref_grads) == set(grads)
     for k in grads:
         assert (grads[k] - ref_grads[k]).abs().max() <= 1e-5 * max(1.0, float(ref_grads[k].abs().max())), k
@@ -140,11 +146,14 @@ def test_shape_mismatch_names_key_and_shapes(tiny_ckpt, make_ckpt, tmp_path):
         load_adapter(load_model(tiny_ckpt), tmp_path / "wide_adapter")
 
 
-@pytest.mark.parametrize("patch, message", [
-    ({"use_dora": True}, "lacks 8 tensors, first"),  # a DoRA config without its magnitudes
-    ({"target_modules": ["q_proj", "conv1"]}, "unknown target module 'conv1'"),
-    ({"r": 0}, "r must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ({"use_dora": True}, "lacks 8 tensors, first"),  # a DoRA config without its magnitudes
+        ({"target_modules": ["q_proj", "conv1"]}, "unknown target module 'conv1'"),
+        ({"r": 0}, "r must be a positive integer"),
+    ],
+)
 def test_bad_adapter_config(tiny_ckpt, tmp_path, capsys, patch, message):
     from lora_llama.cli import main
 
@@ -185,14 +194,19 @@ def test_checkpointed_or_compiled_blocks_give_the_same_gradients(tiny_ckpt, vari
 
     moved = []
     if variant == "offload":  # on the CPU offloading is a no-op: run CUDA's hooks (host copies, unpinned) here
+
         class HostCopies(torch.autograd.graph.save_on_cpu):
             def __init__(self, pin_memory):
                 super().__init__(pin_memory=False)
                 pack = self.pack_hook
                 self.pack_hook = lambda t: moved.append(t.shape) or pack(t)
+
         monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", HostCopies)
-        monkeypatch.setattr(lora_llama.model.llama, "offloaded", lambda active, device: (
-            HostCopies(True) if active else __import__("contextlib").nullcontext()))
+        monkeypatch.setattr(
+            lora_llama.model.llama,
+            "offloaded",
+            lambda active, device: HostCopies(True) if active else __import__("contextlib").nullcontext(),
+        )
     grads = []
     for on in (False, True):
         model = adapted_model(tiny_ckpt)
@@ -235,7 +249,11 @@ def test_fused_lora_layer_matches_the_written_out_formula(bias, x_needs_grad):
     y.backward(gy)
     got = [layer.lora_A.weight.grad, layer.lora_B.weight.grad] + ([x.grad] if x_needs_grad else [])
 
-    w0, a, b = layer.base_layer.weight, layer.lora_A.weight.detach().requires_grad_(), layer.lora_B.weight.detach().requires_grad_()
+    w0, a, b = (
+        layer.base_layer.weight,
+        layer.lora_A.weight.detach().requires_grad_(),
+        layer.lora_B.weight.detach().requires_grad_(),
+    )
     x_ref = x.detach().requires_grad_(x_needs_grad)
     ref = x_ref @ w0.T + (layer.base_layer.bias if bias else 0) + 2.0 * (x_ref @ a.T) @ b.T
     ref.backward(gy)
@@ -268,8 +286,10 @@ def test_layers_sharing_an_input_run_as_one_node_with_the_same_gradients():
     from lora_llama.lora.layer import LoRALinear
 
     torch.manual_seed(0)
-    layers = [LoRALinear(torch.nn.Linear(12, out, bias=bias), r=r, alpha=4) for out, r, bias in
-              [(12, 2, False), (6, 3, True), (6, 2, False)]]
+    layers = [
+        LoRALinear(torch.nn.Linear(12, out, bias=bias), r=r, alpha=4)
+        for out, r, bias in [(12, 2, False), (6, 3, True), (6, 2, False)]
+    ]
     for m in layers:
         m.base_layer.requires_grad_(False)
         torch.nn.init.normal_(m.lora_B.weight)
@@ -281,8 +301,11 @@ def test_layers_sharing_an_input_run_as_one_node_with_the_same_gradients():
             m.zero_grad()
         ys = project(x, layers) if grouped else [m(x) for m in layers]
         (ys[0].square().sum() + ys[1].sum()).backward()  # ys[2] unused: no gradient reaches it
-        results.append([y.detach() for y in ys] + [x.grad] + [p.grad.clone() for m in layers for p in
-                                                              (m.lora_A.weight, m.lora_B.weight) if p.grad is not None])
+        results.append(
+            [y.detach() for y in ys]
+            + [x.grad]
+            + [p.grad.clone() for m in layers for p in (m.lora_A.weight, m.lora_B.weight) if p.grad is not None]
+        )
     assert len(results[0]) == len(results[1]) == 3 + 1 + 4
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -329,8 +352,13 @@ def test_adapters_disabled_gives_exactly_the_base_logits(tiny_ckpt):
             pass
 
 
-@pytest.mark.parametrize("settings", [dict(r=4, alpha=8, targets=["v", "q", "lm_head"], layers=[1]),
-                                      dict(r=2, alpha=3, dropout=0.1, rslora=True, targets=["down"])])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(r=4, alpha=8, targets=["v", "q", "lm_head"], layers=[1]),
+        dict(r=2, alpha=3, dropout=0.1, rslora=True, targets=["down"]),
+    ],
+)
 def test_saved_settings_are_read_off_the_layers(tiny_ckpt, tmp_path, settings):
     from lora_llama.loading.adapters import read_adapter_config
 
@@ -339,7 +367,13 @@ def test_saved_settings_are_read_off_the_layers(tiny_ckpt, tmp_path, settings):
     save_adapter(model, tmp_path / "a")
     back, cfg = read_adapter_config(tmp_path / "a")
     want = LoraSettings(**settings)
-    assert (back.r, back.alpha, back.dropout, back.rslora, back.layers) == (want.r, want.alpha, want.dropout, want.rslora, want.layers)
+    assert (back.r, back.alpha, back.dropout, back.rslora, back.layers) == (
+        want.r,
+        want.alpha,
+        want.dropout,
+        want.rslora,
+        want.layers,
+    )
     assert sorted(back.targets) == sorted(want.targets)
     assert cfg["base_model_name_or_path"] == str(tiny_ckpt)
 

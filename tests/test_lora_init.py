@@ -1,12 +1,13 @@
 """PiSSA / OLoRA against peft: the same A, B and residual base, outputs unchanged at the start, and the saved adapter
 in its plain form gives our outputs in peft on the original base; the start-up forms for resume; recipe errors."""
+
 import pytest
 import torch
 
 from helpers import hf_model
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-from lora_llama.loading.adapters import load_adapter
 from lora_llama.errors import UserError
+from lora_llama.loading.adapters import load_adapter
 from lora_llama.lora.layer import lora_modules
 from lora_llama.recipe.schema import load_recipe
 
@@ -43,10 +44,13 @@ def test_adapter_and_residual_equal_peft(tiny_ckpt, how):
     from peft import LoraConfig, get_peft_model
 
     ours = principal(tiny_ckpt, how)
-    ref = get_peft_model(hf_model(tiny_ckpt), LoraConfig(r=4, lora_alpha=8, target_modules=HF_TARGETS,
-                                                         init_lora_weights=how))
-    theirs = {k.replace("base_model.model.", "").replace(".default", "").replace(".base_layer", ""): v
-              for k, v in ref.state_dict().items()}
+    ref = get_peft_model(
+        hf_model(tiny_ckpt), LoraConfig(r=4, lora_alpha=8, target_modules=HF_TARGETS, init_lora_weights=how)
+    )
+    theirs = {
+        k.replace("base_model.model.", "").replace(".default", "").replace(".base_layer", ""): v
+        for k, v in ref.state_dict().items()
+    }
     for name, value in ours.state_dict().items():
         key = name.replace(".base_layer", "")
         if "lora_" in name or name.endswith("_proj.base_layer.weight"):
@@ -80,8 +84,18 @@ def test_a_quantized_base_quantizes_the_residual(tiny_ckpt, tmp_path):
     from lora_llama.quant.linear import QuantizedLinear, dequantized
     from lora_llama.training.from_recipe import _adapted_model
 
-    r = load_recipe(None, [f"model.source={tiny_ckpt}", "model.quantize=int8", "lora.init_lora_weights=pissa",
-                           "lora.r=4", "lora.alpha=8", "lora.targets=[q,v]", "model.device=cpu"])
+    r = load_recipe(
+        None,
+        [
+            f"model.source={tiny_ckpt}",
+            "model.quantize=int8",
+            "lora.init_lora_weights=pissa",
+            "lora.r=4",
+            "lora.alpha=8",
+            "lora.targets=[q,v]",
+            "model.device=cpu",
+        ],
+    )
     model, _ = _adapted_model(r, "fp32", "cpu")
     layer = lora_modules(model)["model.layers.0.self_attn.q_proj"]
     assert type(layer.base_layer) is QuantizedLinear
@@ -90,12 +104,15 @@ def test_a_quantized_base_quantizes_the_residual(tiny_ckpt, tmp_path):
     assert torch.allclose(layer.base_layer.dequantize(torch.float32), dequantized(residual, "int8"), atol=1e-6)
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["lora.init_lora_weights=pissa", "lora.dropout=0.1"], "which lora.dropout would drop"),
-    (["lora.init_lora_weights=olora", "model.quantize=source"], "model.quantize source keeps"),
-    (["lora.init_lora_weights=pisa"], "unknown init_lora_weights 'pisa'"),
-    (["lora.init_lora_weights=pissa", "lora.use_dora=true"], "with lora.use_dora is not supported"),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["lora.init_lora_weights=pissa", "lora.dropout=0.1"], "which lora.dropout would drop"),
+        (["lora.init_lora_weights=olora", "model.quantize=source"], "model.quantize source keeps"),
+        (["lora.init_lora_weights=pisa"], "unknown init_lora_weights 'pisa'"),
+        (["lora.init_lora_weights=pissa", "lora.use_dora=true"], "with lora.use_dora is not supported"),
+    ],
+)
 def test_init_recipe_errors_are_one_line(overrides, words):
     with pytest.raises(UserError, match=words):
         load_recipe(None, overrides)
@@ -107,8 +124,17 @@ def test_a_pissa_run_saves_an_adapter_that_peft_loads_on_the_original_base(tiny_
 
     from lora_llama.training.from_recipe import train_from_recipe
 
-    r = recipe(tiny_ckpt, chat_file(tmp_path / "d.jsonl"), tmp_path / "run", "lora.init_lora_weights=pissa",
-               "lora.dropout=0", "lora.r=4", "lora.alpha=8", "train.max_steps=3", "train.lr=1e-2")
+    r = recipe(
+        tiny_ckpt,
+        chat_file(tmp_path / "d.jsonl"),
+        tmp_path / "run",
+        "lora.init_lora_weights=pissa",
+        "lora.dropout=0",
+        "lora.r=4",
+        "lora.alpha=8",
+        "train.max_steps=3",
+        "train.lr=1e-2",
+    )
     train_from_recipe(r, log=lambda *_: None)
     ours = load_model(tiny_ckpt)
     load_adapter(ours, tmp_path / "run" / "adapter")  # the plain form: rank 8 on the original base

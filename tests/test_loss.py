@@ -1,4 +1,5 @@
 """The chunked target-only cross-entropy against PyTorch's full-logits cross-entropy."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,6 @@ def test_target_loss_with_masked_prompts_equals_transformers(tiny_ckpt):
     """Completion-only labels: the last block runs its MLP at the predicting positions only;
     loss and gradients of every weight (last block included) against transformers' full forward."""
     from helpers import hf_model
-
     from lora_llama import load_model
 
     g = torch.Generator().manual_seed(3)

@@ -1,4 +1,5 @@
 """`lora-llama merge` against peft's merge_and_unload, its memory bound, and its refusals."""
+
 import json
 
 import pytest
@@ -59,7 +60,10 @@ def test_merge_bf16(sharded, tmp_path):
     from safetensors import safe_open
 
     base, adapter = sharded
-    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "b"), "--dtype", "bf16"]) == 0
+    assert (
+        main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "b"), "--dtype", "bf16"])
+        == 0
+    )
     for f in (tmp_path / "b").glob("*.safetensors"):
         with safe_open(f, "pt") as sf:
             assert all(sf.get_tensor(k).dtype == torch.bfloat16 for k in sf.keys())
@@ -83,7 +87,9 @@ def test_tied_lm_head_adapter_leaves_embedding(tmp_path):
     load_adapter(native, adapter)
     with torch.no_grad():
         assert (load_model(tmp_path / "m")(x) - native(x)).abs().max() < 1e-4
-        assert torch.equal(load_model(tmp_path / "m").model.embed_tokens.weight, load_model(base).model.embed_tokens.weight)
+        assert torch.equal(
+            load_model(tmp_path / "m").model.embed_tokens.weight, load_model(base).model.embed_tokens.weight
+        )
 
 
 def test_refusals_leave_nothing(sharded, tmp_path, make_ckpt, capsys):
@@ -113,9 +119,13 @@ def test_refusals_leave_nothing(sharded, tmp_path, make_ckpt, capsys):
 def test_merge_peak_memory_is_about_one_shard(tmp_path):
     base, shards = sharded_checkpoint(tmp_path / "big", 8)
     adapter = make_adapter(base, tmp_path / "a")
-    grown = peak_growth("import torch, safetensors, tqdm.auto, lora_llama.outputs.merge as m, lora_llama.model.config",
-                        "m.merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)",
-                        base, adapter, tmp_path / "out")
+    grown = peak_growth(
+        "import torch, safetensors, tqdm.auto, lora_llama.outputs.merge as m, lora_llama.model.config",
+        "m.merge_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], progress=False)",
+        base,
+        adapter,
+        tmp_path / "out",
+    )
     largest = max(f.stat().st_size for f in shards)
     adapter_size = (adapter / "adapter_model.safetensors").stat().st_size
     print(f"merge grew {grown / 1e6:.1f} MB; largest shard {largest / 1e6:.1f} MB, adapter {adapter_size / 1e6:.1f} MB")

@@ -1,4 +1,5 @@
 """The native LLaMA against transformers' LlamaForCausalLM on the same random checkpoints."""
+
 import json
 
 import pytest
@@ -13,9 +14,16 @@ CONFIGS = {
     "gqa4": dict(num_attention_heads=8, num_key_value_heads=2),
     "mqa": dict(num_attention_heads=4, num_key_value_heads=1),
     "tied": dict(tie_word_embeddings=True),
-    "llama3_rope": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 64}),
+    "llama3_rope": dict(
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    ),
     "head_dim": dict(head_dim=32),
     "attention_bias": dict(attention_bias=True, mlp_bias=True),
 }
@@ -79,8 +87,13 @@ def test_greedy_cache_equals_no_cache_and_transformers(tiny_ckpt):
     prompt = ids(1, 9, seed=7)[0].tolist()
     with_cache = generate(model, prompt, max_new_tokens=24)
     without = generate(model, prompt, max_new_tokens=24, use_cache=False)
-    ref = hf_model(tiny_ckpt).generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ref = (
+        hf_model(tiny_ckpt)
+        .generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(prompt) :
+        ]
+        .tolist()
+    )
     assert with_cache == without == ref
 
 
@@ -165,8 +178,10 @@ def test_swiglu_function_matches_autograd():
     """The recomputing SwiGLU against autograd's silu(g)·u: values and both input gradients (gradcheck)."""
     from lora_llama.kernels.elementwise import swiglu
 
-    g, u = (torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s), requires_grad=True)
-            for s in (0, 1))
+    g, u = (
+        torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s), requires_grad=True)
+        for s in (0, 1)
+    )
     assert (swiglu(g, u) - torch.nn.functional.silu(g) * u).abs().max() < 1e-12
     assert torch.autograd.gradcheck(swiglu, (g, u))
 
@@ -175,5 +190,7 @@ def test_packed_rows_get_a_mask_only_where_attend_cannot_take_segments(tiny_ckpt
     model = load_model(tiny_ckpt)
     seg = torch.tensor([[0, 0, 1, 1, 1]])
     assert model.attention_mask(5, 0, torch.device("cpu"), seg) is None  # the CPU kernel runs each example alone
-    mask = model.attention_mask(5, 0, torch.device("meta"), seg.to("meta"))  # other devices (CUDA): one mask, all layers
+    mask = model.attention_mask(
+        5, 0, torch.device("meta"), seg.to("meta")
+    )  # other devices (CUDA): one mask, all layers
     assert mask.shape == (1, 1, 5, 5)

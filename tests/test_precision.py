@@ -1,5 +1,6 @@
 """bf16-mixed: every hand-written piece in bfloat16 against a float64 reference within bf16 tolerance, the fused and
 plain LoRA paths alike, training to the float32 run's loss, int8 bases, generate / eval, and what `auto` picks."""
+
 import functools
 import json
 import os
@@ -11,19 +12,17 @@ import torch.nn.functional as F
 
 import helpers
 from lora_llama import load_model
-from lora_llama.kernels import attention
-from lora_llama.kernels import blocked_attention
-from lora_llama.kernels import fused
+from lora_llama.cli import main
+from lora_llama.kernels import attention, blocked_attention, fused
 from lora_llama.kernels import cross_entropy as loss_module
 from lora_llama.kernels.attention import attend
-from lora_llama.cli import main
-from lora_llama.model.config import DECODER_TARGETS
-from lora_llama.lora.settings import lora_settings
-from lora_llama.recipe.schema import load_recipe
-from lora_llama.kernels.gemm import linear
-from lora_llama.kernels.elementwise import apply_rope, project, rms_norm, swiglu
-from lora_llama.lora.layer import LoRALinear, apply_lora, lora_modules
 from lora_llama.kernels.cross_entropy import linear_cross_entropy
+from lora_llama.kernels.elementwise import apply_rope, project, rms_norm, swiglu
+from lora_llama.kernels.gemm import linear
+from lora_llama.lora.layer import LoRALinear, apply_lora, lora_modules
+from lora_llama.lora.settings import lora_settings
+from lora_llama.model.config import DECODER_TARGETS
+from lora_llama.recipe.schema import load_recipe
 
 BF16 = 2e-2  # relative error allowed: bfloat16 keeps 8 bits (eps 7.8e-3); products accumulate in float32
 
@@ -56,8 +55,9 @@ def test_rms_norm_rope_swiglu_in_bf16(monkeypatch, compiled):
     monkeypatch.setattr(fused, "ENABLED", compiled)
     calls = []
     for name in ("rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward"):
-        monkeypatch.setattr(fused, name, functools.partial(lambda f, name, *a: calls.append(name) or f(*a),
-                                                           getattr(fused, name), name))
+        monkeypatch.setattr(
+            fused, name, functools.partial(lambda f, name, *a: calls.append(name) or f(*a), getattr(fused, name), name)
+        )
     x, x64 = pair(2, 7, 64)
     w, w64 = pair(64, seed=1, scale=0.1)
     w.data += 1
@@ -70,8 +70,9 @@ def test_rms_norm_rope_swiglu_in_bf16(monkeypatch, compiled):
     g, g64 = pair(3, 5, 32, seed=3)
     u, u64 = pair(3, 5, 32, seed=4)
     check(swiglu, (g, u), (g64, u64))
-    assert sorted(set(calls)) == (["rms_norm_backward", "rms_norm_forward", "swiglu_backward", "swiglu_forward"]
-                                  if compiled else [])
+    assert sorted(set(calls)) == (
+        ["rms_norm_backward", "rms_norm_forward", "swiglu_backward", "swiglu_forward"] if compiled else []
+    )
     assert fused._broken is None
 
 
@@ -96,7 +97,10 @@ from lora_llama.kernels import fused
 
 def cpu_ticks():  # user + system time of each thread of this process
     tasks = f"/proc/{os.getpid()}/task"
-    return {t: sum(map(int, open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[11:13])) for t in os.listdir(tasks)}
+    def cpu_ticks(t):  # utime + stime, the 14th and 15th fields of /proc/.../stat
+        return sum(map(int, open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[11:13]))
+
+    return {t: cpu_ticks(t) for t in os.listdir(tasks)}
 
 tiny = [torch.randn(8, 64).bfloat16() for _ in range(3)]
 big = [torch.randn(2048, 1536).bfloat16() for _ in range(3)]
@@ -112,8 +116,10 @@ print(json.dumps({"main": after[main_tid] - before[main_tid],
 """
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not sys.platform.startswith("linux"),
-                    reason="needs two cores and Linux's per-thread CPU times")
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2 or not sys.platform.startswith("linux"),
+    reason="needs two cores and Linux's per-thread CPU times",
+)
 @pytest.mark.slow
 def test_compiled_formulas_use_every_thread_whatever_size_compiled_them(tmp_path):
     """A compiled loop first seen on a tiny input still splits a large one over the threads (inductor would
@@ -137,8 +143,10 @@ def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed, bf16_sum
     monkeypatch.setattr(blocked_attention, "_BF16_SUMS", bf16_sums)
     setting = torch.backends.mkldnn.matmul.fp32_precision if blocked_attention._BF16_SUMS else None
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
-               for h, s in ((6, scale), (2, 1.0), (2, 1.0)))
+    q, k, v = (
+        torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
+        for h, s in ((6, scale), (2, 1.0), (2, 1.0))
+    )
     segments = torch.tensor([[0] * 30 + [1] * 40, [0] * 70]) if packed else None
     out = attend(q, k, v, causal=True, segments=segments)
     assert out.grad_fn.name() == "_CausalAttentionBackward" and out.dtype == torch.bfloat16
@@ -158,8 +166,10 @@ def test_flash_forward_in_bf16(monkeypatch, scale, packed):
     calls = []
     monkeypatch.setattr(attention, "FLASH_FORWARD", lambda *a: calls.append(a[0].shape) or op(*a))
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
-               for h, s in ((6, scale), (2, 1.0), (2, 1.0)))
+    q, k, v = (
+        torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
+        for h, s in ((6, scale), (2, 1.0), (2, 1.0))
+    )
     segments = torch.tensor([[0] * 30 + [1] * 40, [0] * 70]) if packed else None
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     check(lambda a, b, c: attend(a, b, c, causal=True, segments=segments), (q, k, v), (q64, k64, v64))
@@ -242,27 +252,61 @@ def test_fused_node_runs_under_bf16_mixed(tiny_ckpt):
 
 
 def recipe(ckpt, data, out, precision, *extra):
-    return load_recipe(None, [f"model.source={ckpt}", f"data.source={data}", f"output.dir={out}", "data.val_size=0",
-                              f"data.val_source={data}", "train.warmup_steps=0", "train.max_steps=50",
-                              "train.batch_size=8", "train.lr=2e-3", "lora.r=16", "lora.alpha=32", "train.schedule=constant", "train.eval_every=50",
-                              "train.save_every=1000", "lora.targets=[q,k,v,o,gate,up,down,lm_head]", f"train.precision={precision}",
-                              *extra])
+    return load_recipe(
+        None,
+        [
+            f"model.source={ckpt}",
+            f"data.source={data}",
+            f"output.dir={out}",
+            "data.val_size=0",
+            f"data.val_source={data}",
+            "train.warmup_steps=0",
+            "train.max_steps=50",
+            "train.batch_size=8",
+            "train.lr=2e-3",
+            "lora.r=16",
+            "lora.alpha=32",
+            "train.schedule=constant",
+            "train.eval_every=50",
+            "train.save_every=1000",
+            "lora.targets=[q,k,v,o,gate,up,down,lm_head]",
+            f"train.precision={precision}",
+            *extra,
+        ],
+    )
 
 
 def test_bf16_mixed_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
     from lora_llama.training.from_recipe import train_from_recipe
 
-    data = helpers.chat_file(tmp_path / "d.jsonl", [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not"),
-                                                     ("the quick", "brown fox"), ("how are you", "i am fine"),
-                                                     ("the lazy", "dog"), ("hello", "world"), ("that is", "the question")])
+    data = helpers.chat_file(
+        tmp_path / "d.jsonl",
+        [
+            ("hi", "hello"),
+            ("what is the capital", "paris"),
+            ("to be", "or not"),
+            ("the quick", "brown fox"),
+            ("how are you", "i am fine"),
+            ("the lazy", "dog"),
+            ("hello", "world"),
+            ("that is", "the question"),
+        ],
+    )
     lines = {}
     # 30 steps: about two thirds of the way down. Past ~35 steps these 8 examples' runs turn chaotic: at 50 steps
     # bf16-mixed / fp32 over seeds 0-3 spread 0.99-1.06 (either attention backward), at 30 steps 0.994-1.004
     steps = ("train.max_steps=30", "train.eval_every=30")
-    results = {p: train_from_recipe(recipe(tiny_ckpt, data, tmp_path / p, p, *steps),
-                                    log=lambda s, p=p: lines.setdefault(p, []).append(s))
-               for p in ("fp32", "bf16-mixed")}
-    start, fp32, bf16 = results["fp32"]["eval_loss_start"], results["fp32"]["eval_loss"], results["bf16-mixed"]["eval_loss"]
+    results = {
+        p: train_from_recipe(
+            recipe(tiny_ckpt, data, tmp_path / p, p, *steps), log=lambda s, p=p: lines.setdefault(p, []).append(s)
+        )
+        for p in ("fp32", "bf16-mixed")
+    }
+    start, fp32, bf16 = (
+        results["fp32"]["eval_loss_start"],
+        results["fp32"]["eval_loss"],
+        results["bf16-mixed"]["eval_loss"],
+    )
     print(f"eval loss: start {start:.4f}, fp32 {fp32:.4f}, bf16-mixed {bf16:.4f}")
     # the overfit test's model, data and adapter (lm_head too) at a learning rate whose curve is smooth, stopped
     # before the end (near zero, 1% of the loss is below the run-to-run noise of either precision)
@@ -287,10 +331,29 @@ def test_int8_base_and_generate_eval_under_bf16(tiny_ckpt, tmp_path, capsys):
     docs.write_text("hello world, how are you today?\nto be or not to be\n")
     losses = {}
     for dtype in ("fp32", "bf16"):
-        assert main(["eval", "--model", str(tiny_ckpt), "--adapter", str(adapter), "--data", str(docs), "--dtype", dtype]) == 0
+        assert (
+            main(["eval", "--model", str(tiny_ckpt), "--adapter", str(adapter), "--data", str(docs), "--dtype", dtype])
+            == 0
+        )
         losses[dtype] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
-        assert main(["generate", "--model", str(tiny_ckpt), "--adapter", str(adapter), "--prompt", "hello",
-                     "--max-new-tokens", "5", "--dtype", dtype]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--model",
+                    str(tiny_ckpt),
+                    "--adapter",
+                    str(adapter),
+                    "--prompt",
+                    "hello",
+                    "--max-new-tokens",
+                    "5",
+                    "--dtype",
+                    dtype,
+                ]
+            )
+            == 0
+        )
     assert abs(losses["bf16"] / losses["fp32"] - 1) < 0.01, losses
 
 
@@ -312,8 +375,12 @@ def test_quantize_auto_keeps_a_gguf_bases_blocks_only_for_float32_on_the_cpu():
     from lora_llama.runtime.precision import resolve_quantize
 
     assert resolve_quantize("auto", "fp32", "cpu", gguf=True, base_moves=False)[0] == "source"
-    for precision, device, gguf, base_moves in [("bf16-mixed", "cpu", True, False), ("fp32", "cuda:0", True, False),
-                                                ("fp32", "cpu", False, False), ("fp32", "cpu", True, True)]:
+    for precision, device, gguf, base_moves in [
+        ("bf16-mixed", "cpu", True, False),
+        ("fp32", "cuda:0", True, False),
+        ("fp32", "cpu", False, False),
+        ("fp32", "cpu", True, True),
+    ]:
         kind, why = resolve_quantize("auto", precision, device, gguf, base_moves)
         assert kind is None and why.startswith("auto: "), (precision, device, gguf, base_moves)
     for setting in (None, "int8", "nf4", "source"):

@@ -1,5 +1,6 @@
 """Preference tuning: DPO and ORPO against trl (same model, adapter, data and precision), the reference pass,
 preference data, and the trainer with train.objective dpo / orpo."""
+
 import json
 
 import pytest
@@ -7,20 +8,22 @@ import torch
 
 import helpers
 from lora_llama import load_model
+from lora_llama.cli import main
+from lora_llama.data.preference import collate_pairs, tokenize_pairs
 from lora_llama.loading.adapters import save_adapter
 from lora_llama.loading.models import load_tokenizer
-from lora_llama.cli import main
-from lora_llama.model.config import DECODER_TARGETS, HF_NAME
-from lora_llama.lora.settings import lora_settings
-from lora_llama.recipe.schema import load_recipe
 from lora_llama.lora.layer import adapters_disabled, apply_lora, lora_modules
+from lora_llama.lora.settings import lora_settings
+from lora_llama.model.config import DECODER_TARGETS, HF_NAME
+from lora_llama.recipe.schema import load_recipe
 from lora_llama.training.objectives import DPO, ORPO
-from lora_llama.data.preference import collate_pairs, tokenize_pairs
 
-ROWS = [("what is the capital of france?", "paris is.", "the lazy dog"),
-        ("hello world", "how are you today? i am fine.", "to be"),
-        ("the quick brown fox", "jumps over the lazy dog", "what is the question"),
-        ("to be or not to be", "that is the question", "hello")]
+ROWS = [
+    ("what is the capital of france?", "paris is.", "the lazy dog"),
+    ("hello world", "how are you today? i am fine.", "to be"),
+    ("the quick brown fox", "jumps over the lazy dog", "what is the question"),
+    ("to be or not to be", "that is the question", "hello"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +42,14 @@ def base(tmp_path_factory):
 def records(conversational: bool):
     if not conversational:
         return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in ROWS]
-    return [{"prompt": [{"role": "user", "content": p}], "chosen": [{"role": "assistant", "content": c}],
-             "rejected": [{"role": "assistant", "content": r}]} for p, c, r in ROWS]
+    return [
+        {
+            "prompt": [{"role": "user", "content": p}],
+            "chosen": [{"role": "assistant", "content": c}],
+            "rejected": [{"role": "assistant", "content": r}],
+        }
+        for p, c, r in ROWS
+    ]
 
 
 def ours_with_random_adapter(folder, tmp_path):
@@ -64,8 +73,11 @@ def load_into(peft_model, adapter_dir):
 
 
 def lora_grads_by_peft_name(peft_model):
-    return {n.replace("base_model.model.", "").replace(".default", ""): p.grad for n, p in peft_model.named_parameters()
-            if "lora_" in n}
+    return {
+        n.replace("base_model.model.", "").replace(".default", ""): p.grad
+        for n, p in peft_model.named_parameters()
+        if "lora_" in n
+    }
 
 
 def assert_same_grads(model, peft_model):
@@ -86,11 +98,25 @@ def test_dpo_first_step_equals_trl(base, tmp_path):
     assert len(pairs) == 4 and not skipped
     model = ours_with_random_adapter(base, tmp_path)
 
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, loss_type=["sigmoid"], per_device_train_batch_size=4,
-                     report_to=[], use_cpu=True, bf16=False, max_length=None, dataloader_drop_last=False)
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=0.1,
+        loss_type=["sigmoid"],
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        max_length=None,
+        dataloader_drop_last=False,
+    )
     config = LoraConfig(r=4, lora_alpha=8, target_modules=[HF_NAME[t] for t in DECODER_TARGETS], lora_dropout=0.0)
-    trainer = DPOTrainer(model=helpers.hf_model(base), args=args, train_dataset=Dataset.from_list(records(True)),
-                         processing_class=tok, peft_config=config)
+    trainer = DPOTrainer(
+        model=helpers.hf_model(base),
+        args=args,
+        train_dataset=Dataset.from_list(records(True)),
+        processing_class=tok,
+        peft_config=config,
+    )
     load_into(trainer.model, tmp_path / "adapter")
     # the same token ids: prompt through the chat template with the generation prompt, then the answer
     for pair, row in zip(pairs, trainer.train_dataset):
@@ -112,8 +138,14 @@ def test_dpo_first_step_equals_trl(base, tmp_path):
     loss.backward()
     assert abs(float(loss) - float(their_loss)) < 1e-5
     assert abs(float(loss) - 0.6931) > 1e-3  # the adapter moved the policy off the reference
-    for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-              "logps/rejected"):
+    for k in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert abs(stats[k] / n_pairs - theirs[k]) < 1e-5 * max(1.0, abs(theirs[k])), k
     assert_same_grads(model, trainer.model)
 
@@ -127,11 +159,23 @@ def test_orpo_first_step_equals_trl(base, tmp_path):
 
     tok = load_tokenizer(str(base))
     model = ours_with_random_adapter(base, tmp_path)
-    args = ORPOConfig(output_dir=str(tmp_path / "trl"), beta=0.25, per_device_train_batch_size=4, report_to=[],
-                      use_cpu=True, bf16=False, max_length=128)
+    args = ORPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=0.25,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        max_length=128,
+    )
     config = LoraConfig(r=4, lora_alpha=8, target_modules=[HF_NAME[t] for t in DECODER_TARGETS], lora_dropout=0.0)
-    trainer = ORPOTrainer(model=helpers.hf_model(base), args=args, train_dataset=Dataset.from_list(records(True)),
-                          processing_class=tok, peft_config=config)
+    trainer = ORPOTrainer(
+        model=helpers.hf_model(base),
+        args=args,
+        train_dataset=Dataset.from_list(records(True)),
+        processing_class=tok,
+        peft_config=config,
+    )
     load_into(trainer.model, tmp_path / "adapter")
     trainer.model.train()
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
@@ -141,12 +185,21 @@ def test_orpo_first_step_equals_trl(base, tmp_path):
     # the same rows as one of our batches: chosen then rejected, prompt_len = the masked prompt
     rows = []
     for side in ("chosen", "rejected"):
-        for ids, mask, labels in zip(batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch[f"{side}_labels"]):
+        for ids, mask, labels in zip(
+            batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"], batch[f"{side}_labels"]
+        ):
             n = int(mask.sum())
-            rows.append({"input_ids": ids[:n].tolist(), "labels": ids[:n].tolist(),
-                         "prompt_len": int((labels[:n] == -100).sum())})
+            rows.append(
+                {
+                    "input_ids": ids[:n].tolist(),
+                    "labels": ids[:n].tolist(),
+                    "prompt_len": int((labels[:n] == -100).sum()),
+                }
+            )
     half = len(rows) // 2
-    ours_batch = collate_pairs([{"chosen": c, "rejected": r} for c, r in zip(rows[:half], rows[half:])], tok.pad_token_id)
+    ours_batch = collate_pairs(
+        [{"chosen": c, "rejected": r} for c, r in zip(rows[:half], rows[half:])], tok.pad_token_id
+    )
     objective = ORPO(beta=0.25)
     counts = objective.counts(ours_batch)
     terms, stats = objective.terms(model, ours_batch)
@@ -198,6 +251,7 @@ def test_reference_pass_keeps_no_graph_and_no_gradient_buffers(base, tmp_path):
         return t
 
     from lora_llama.training.objectives import answer_logps
+
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         with torch.no_grad(), adapters_disabled(model):
             ref = answer_logps(model, batch)[0]
@@ -209,17 +263,24 @@ def test_reference_pass_keeps_no_graph_and_no_gradient_buffers(base, tmp_path):
 
 def test_preference_data_bad_and_skipped_records(base, tmp_path):
     from datasets import Dataset
+
     from lora_llama.errors import UserError
 
     tok = load_tokenizer(str(base))
     ok = {"prompt": "hello", "chosen": "world", "rejected": "dog"}
-    pairs, skipped = tokenize_pairs(Dataset.from_list([ok, {**ok, "chosen": "  "}, {**ok, "prompt": "hello " * 80}]), tok, 32)
+    pairs, skipped = tokenize_pairs(
+        Dataset.from_list([ok, {**ok, "chosen": "  "}, {**ok, "prompt": "hello " * 80}]), tok, 32
+    )
     assert len(pairs) == 1 and sum(skipped.values()) == 2
     assert any("empty" in why for why in skipped) and any("max_seq_len" in why for why in skipped)
     with pytest.raises(UserError, match="'rejected'"):
         tokenize_pairs(Dataset.from_list([{"prompt": "a", "chosen": "b"}]), tok, 32)
-    pairs, _ = tokenize_pairs(Dataset.from_list([{"q": "hello", "good": "world", "bad": "dog"}]), tok, 32,
-                              fields={"prompt": "q", "chosen": "good", "rejected": "bad"})
+    pairs, _ = tokenize_pairs(
+        Dataset.from_list([{"q": "hello", "good": "world", "bad": "dog"}]),
+        tok,
+        32,
+        fields={"prompt": "q", "chosen": "good", "rejected": "bad"},
+    )
     assert len(pairs) == 1
 
 
@@ -232,14 +293,28 @@ def preference_file(path, rows):
 def test_trainer_raises_reward_accuracy_and_margin(objective, base, tmp_path):
     data = preference_file(tmp_path / "pairs.jsonl", ROWS * 2)
     out = tmp_path / "run"
-    r = load_recipe(None, [f"model.source={base}", f"data.source={data}", "data.format=preference",
-                           f"train.objective={objective}", f"output.dir={out}", "data.val_size=0.25",
-                           "train.max_steps=30", "train.warmup_steps=0", "train.lr=5e-3", "train.batch_size=2",
-                           "train.eval_every=30", "train.save_every=100", "lora.targets=[q,k,v,o,gate,up,down]"])
+    r = load_recipe(
+        None,
+        [
+            f"model.source={base}",
+            f"data.source={data}",
+            "data.format=preference",
+            f"train.objective={objective}",
+            f"output.dir={out}",
+            "data.val_size=0.25",
+            "train.max_steps=30",
+            "train.warmup_steps=0",
+            "train.lr=5e-3",
+            "train.batch_size=2",
+            "train.eval_every=30",
+            "train.save_every=100",
+            "lora.targets=[q,k,v,o,gate,up,down]",
+        ],
+    )
     from lora_llama.training.from_recipe import train_from_recipe
 
     result = train_from_recipe(r, log=lambda *_: None)
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in rows if "loss" in m]
     evals = [m for m in rows if "eval_loss" in m]
     assert len(steps) == 30 and {"rewards/margins", "rewards/accuracies"} <= set(steps[0])
@@ -251,14 +326,19 @@ def test_trainer_raises_reward_accuracy_and_margin(objective, base, tmp_path):
     from lora_llama.outputs.hub import model_card
 
     card = model_card(out / "adapter", out, "me/pref")
-    assert f"| objective | {objective.upper()} (beta " in card and "reward accuracy" in card and f"- {objective}" in card
+    assert (
+        f"| objective | {objective.upper()} (beta " in card and "reward accuracy" in card and f"- {objective}" in card
+    )
 
 
-@pytest.mark.parametrize("override, message", [
-    (["train.objective=dpo"], "needs data.format preference"),
-    (["train.objective=dpo", "data.format=preference", "data.packing=true"], "packing is not supported"),
-    (["data.format=preference"], "needs train.objective dpo or orpo"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["train.objective=dpo"], "needs data.format preference"),
+        (["train.objective=dpo", "data.format=preference", "data.packing=true"], "packing is not supported"),
+        (["data.format=preference"], "needs train.objective dpo or orpo"),
+    ],
+)
 def test_bad_preference_recipes_exit_2(override, message, base, tmp_path, capsys):
     data = preference_file(tmp_path / "pairs.jsonl", ROWS)
     out = tmp_path / "run"
@@ -272,6 +352,7 @@ def test_bad_preference_recipes_exit_2(override, message, base, tmp_path, capsys
 
 def test_dpo_on_an_int8_base_uses_the_int8_base_as_reference(base, tmp_path):
     from datasets import Dataset
+
     from lora_llama.training.objectives import answer_logps
 
     tok = load_tokenizer(str(base))

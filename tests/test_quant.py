@@ -8,11 +8,17 @@ import torch
 
 from helpers import ROOT, hf_model, peak_growth, sharded_checkpoint
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, merge_lora, save_adapter
-from lora_llama.lora.layer import lora_modules
 from lora_llama.kernels.cross_entropy import target_loss
+from lora_llama.lora.layer import lora_modules
+from lora_llama.quant.formats import (
+    NF4_CODE,
+    dequantize_int8,
+    dequantize_nf4,
+    quantize_absmax,
+    quantize_int8,
+    quantize_nf4,
+)
 from lora_llama.quant.linear import QuantizedLinear, base_weight_bytes, dequantized
-from lora_llama.quant.formats import (NF4_CODE, dequantize_int8, dequantize_nf4, quantize_absmax, quantize_int8,
-                                      quantize_nf4)
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -116,21 +122,34 @@ def test_base_bytes(tiny_ckpt, kind, ratio):
 def test_quantized_run_trains_and_resumes_bit_for_bit(tiny_ckpt, tmp_path, kind):
     from safetensors.torch import load_file
     from test_train import chat_file, metrics, recipe
+
     from lora_llama.training.from_recipe import train_from_recipe
 
     data = chat_file(tmp_path / "d.jsonl")
-    settings = (f"model.quantize={kind}", "train.max_steps=12", "train.batch_size=8", "train.lr=1e-2",
-                "lora.targets=[q,k,v,o,gate,up,down]", "train.schedule=constant", "train.eval_every=1000",
-                "train.save_every=6")
+    settings = (
+        f"model.quantize={kind}",
+        "train.max_steps=12",
+        "train.batch_size=8",
+        "train.lr=1e-2",
+        "lora.targets=[q,k,v,o,gate,up,down]",
+        "train.schedule=constant",
+        "train.eval_every=1000",
+        "train.save_every=6",
+    )
     said = []
-    train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "full", *settings), log=lambda *a: said.append(" ".join(map(str, a))))
+    train_from_recipe(
+        recipe(tiny_ckpt, data, tmp_path / "full", *settings), log=lambda *a: said.append(" ".join(map(str, a)))
+    )
     losses = [m["loss"] for m in metrics(tmp_path / "full") if "loss" in m]
     assert losses[-1] < 0.9 * losses[0]
     # the steps keep freed memory for the next step (runtime/allocator.py), a quantized base's too
-    assert any(line.startswith("allocator: glibc keeps freed memory") for line in said) or \
-        any(line.startswith("allocator: left to the environment") for line in said), said
-    train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "cut", *settings[:1], "train.max_steps=6", *settings[2:]),
-                      log=lambda *_: None)
+    assert any(line.startswith("allocator: glibc keeps freed memory") for line in said) or any(
+        line.startswith("allocator: left to the environment") for line in said
+    ), said
+    train_from_recipe(
+        recipe(tiny_ckpt, data, tmp_path / "cut", *settings[:1], "train.max_steps=6", *settings[2:]),
+        log=lambda *_: None,
+    )
     train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "cut", *settings), resume=True, log=lambda *_: None)
     full, cut = (load_file(tmp_path / r / "adapter" / "adapter_model.safetensors") for r in ("full", "cut"))
     assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
@@ -216,11 +235,19 @@ def test_generate_with_the_kv_cache_on_nf4(tiny_ckpt):
 
 def test_unknown_quantize_is_one_line(tiny_ckpt, capsys, tmp_path):
     from test_train import chat_file
+
     from lora_llama.cli import main
 
-    code = main(["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={tiny_ckpt}",
-                 f"data.source={chat_file(tmp_path / 'd.jsonl')}", f"output.dir={tmp_path / 'run'}",
-                 "model.quantize=int4"])
+    code = main(
+        [
+            "train",
+            str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+            f"model.source={tiny_ckpt}",
+            f"data.source={chat_file(tmp_path / 'd.jsonl')}",
+            f"output.dir={tmp_path / 'run'}",
+            "model.quantize=int4",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "model.quantize" in err and not (tmp_path / "run").exists()
 
@@ -231,9 +258,12 @@ def test_loading_peak_memory_below_fp32_size(tmp_path, kind):
     fp32_size = sum(f.stat().st_size for f in shards)
     # the setup builds the model once on the meta device: the ~800 modules its first construction imports are not
     # the load's memory
-    setup = ("import torch, safetensors\nfrom lora_llama import load_model\nfrom lora_llama.loading.models import resolve_source"
-             "\nfrom lora_llama.model.config import ModelArgs\nfrom lora_llama.files import read_config\nfrom lora_llama.model.llama import Llama"
-             "\nwith torch.device('meta'):\n    Llama(ModelArgs.from_hf_config(read_config(resolve_source(sys.argv[1]))))")
+    setup = (
+        "import torch, safetensors\nfrom lora_llama import load_model\n"
+        "from lora_llama.loading.models import resolve_source\nfrom lora_llama.model.config import ModelArgs\n"
+        "from lora_llama.files import read_config\nfrom lora_llama.model.llama import Llama"
+        "\nwith torch.device('meta'):\n    Llama(ModelArgs.from_hf_config(read_config(resolve_source(sys.argv[1]))))"
+    )
     grown = peak_growth(setup, f"model = load_model(sys.argv[1], quantize='{kind}')", base)
     print(f"{kind} load grew {grown / 1e6:.1f} MB, float32 checkpoint {fp32_size / 1e6:.1f} MB")
     assert grown < 0.75 * fp32_size, (grown, fp32_size)  # the quantized linears, the float embeddings, one shard
@@ -280,8 +310,15 @@ def test_source_keeps_the_gguf_blocks_and_gives_the_dequantized_models_logits(sm
 
 
 # a GGUF file of every block format source keeps: the default recipe's Q4_1, llama.cpp's Q4_K_M mix, and the rest
-MIXED_BLOCKS = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_K", "attn_output": "Q5_0", "ffn_gate": "Q5_1",
-                "ffn_up": "Q4_1", "ffn_down": "Q4_0"}
+MIXED_BLOCKS = {
+    "attn_q": "Q4_K",
+    "attn_k": "Q6_K",
+    "attn_v": "Q5_K",
+    "attn_output": "Q5_0",
+    "ffn_gate": "Q5_1",
+    "ffn_up": "Q4_1",
+    "ffn_down": "Q4_0",
+}
 
 
 @pytest.fixture(scope="module")
@@ -313,19 +350,35 @@ def test_quantize_auto_trains_the_files_blocks_in_fp32_as_the_same_model(mixed_g
     import json
 
     import yaml
+    from test_train import chat_file
 
     from lora_llama.cli import main
-    from test_train import chat_file
 
     data, losses, logs = chat_file(tmp_path / "d.jsonl"), {}, {}
     for setting in ("auto", "null"):
         out = tmp_path / setting
-        assert main(["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={mixed_gguf}",
-                     f"data.source={data}", f"output.dir={out}", f"model.quantize={setting}", "train.precision=fp32",
-                     "model.device=cpu", "train.max_steps=1", "train.batch_size=2", "data.val_size=0.25"]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+                    f"model.source={mixed_gguf}",
+                    f"data.source={data}",
+                    f"output.dir={out}",
+                    f"model.quantize={setting}",
+                    "train.precision=fp32",
+                    "model.device=cpu",
+                    "train.max_steps=1",
+                    "train.batch_size=2",
+                    "data.val_size=0.25",
+                ]
+            )
+            == 0
+        )
         logs[setting] = capsys.readouterr().out
-        losses[setting] = next(r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-                               if r["step"] == 0)
+        losses[setting] = next(
+            r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] == 0
+        )
         kept = yaml.safe_load((out / "recipe.yaml").read_text())["model"]["quantize"]
         assert kept == ("source" if setting == "auto" else None), kept
     assert "model.quantize source (auto: float32 on the CPU" in logs["auto"]
@@ -360,7 +413,7 @@ def test_nf4_double_quant_against_bitsandbytes():
     _, absmax = quantize_nf4(w)
     codes, absmax2, offset = quantize_absmax(absmax)
     assert torch.equal(absmax2, state.state2.absmax) and torch.equal(offset, state.offset)
-    scaled = torch.cat([(absmax.reshape(-1) - offset)[i:i + 256] / absmax2[i // 256] for i in range(0, 2400, 256)])
+    scaled = torch.cat([(absmax.reshape(-1) - offset)[i : i + 256] / absmax2[i // 256] for i in range(0, 2400, 256)])
     nearest = (scaled[:, None] - dynamic_map()).abs().min(dim=1).values
     assert torch.allclose((scaled - dynamic_map()[codes.reshape(-1).long()]).abs(), nearest, atol=1e-7)
     assert rel(dequantized(w, "nf4", double_quant=True), bnb.dequantize_4bit(packed, state)) < 1e-3
@@ -374,8 +427,8 @@ def test_transient_weights_are_the_dequantized_weights_in_one_reused_buffer(monk
     """A product's weight is written a few rows at a time into one buffer per thread and dtype: every format's
     weight and transpose equal dequantize()'s, bit for bit, and the next layer's weight reuses the same memory."""
     from helpers import quantized_layers
-    from lora_llama.quant import linear as quant
     from lora_llama.kernels import workspace
+    from lora_llama.quant import linear as quant
 
     monkeypatch.setattr(workspace, "CHUNK_WEIGHTS", 3 * 512)  # 3 rows a chunk: 64 rows take 22 chunks, the last short
     monkeypatch.setattr(workspace, "WHOLE_WEIGHTS", 0)
@@ -405,8 +458,10 @@ def test_compiled_dequantization_equals_the_eager_kernels():
     layers = quantized_layers()
     for name, layer in layers.items():
         for dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(quant._dequantize_compiled(*layer.dequantize_args(dtype)), layer.dequantize(dtype)), \
-                (name, dtype)
+            assert torch.equal(quant._dequantize_compiled(*layer.dequantize_args(dtype)), layer.dequantize(dtype)), (
+                name,
+                dtype,
+            )
     assert fused._broken is None and counters["stats"]["unique_graphs"] >= 2 * len(layers)  # none left eager
 
 

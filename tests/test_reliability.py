@@ -1,5 +1,6 @@
 """Faults users meet: preemption (SIGTERM), kills mid-write, full disks, two runs on one folder,
 broken or hostile files, memory over long runs, and any recipe input."""
+
 import errno
 import importlib
 import json
@@ -19,11 +20,26 @@ from helpers import ROOT, chat_file
 from lora_llama.cli import main
 
 RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")
-QA = [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not to be"), ("the quick", "brown fox"),
-      ("how are you", "i am fine"), ("the lazy", "dog")]
+QA = [
+    ("hi", "hello"),
+    ("what is the capital", "paris"),
+    ("to be", "or not to be"),
+    ("the quick", "brown fox"),
+    ("how are you", "i am fine"),
+    ("the lazy", "dog"),
+]
 # dropout makes the RNG state part of what a resume must restore
-COMMON = ["train.max_steps=24", "train.batch_size=2", "train.grad_accum=2", "lora.dropout=0.1", "train.save_every=4",
-          "train.eval_every=1000", "train.lr=3e-3", "train.warmup_steps=3", "data.val_size=0"]
+COMMON = [
+    "train.max_steps=24",
+    "train.batch_size=2",
+    "train.grad_accum=2",
+    "lora.dropout=0.1",
+    "train.save_every=4",
+    "train.eval_every=1000",
+    "train.lr=3e-3",
+    "train.warmup_steps=3",
+    "data.val_size=0",
+]
 
 
 @pytest.fixture
@@ -38,15 +54,21 @@ def train_args(ckpt, data, out, *extra):
 def run_cli(args, patch="", wait=True):
     """`lora-llama` in a fresh process; `patch` is Python run first (to slow steps down or inject a fault)."""
     code = f"import sys, os, time, signal\n{patch}\nfrom lora_llama.cli import main\nsys.exit(main({args!r}))"
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return proc.communicate(timeout=300) + (proc.returncode,) if wait else proc
 
 
 def one_error_line(err: str) -> bool:
     """stderr holds one error line and no traceback (the progress bar's lines aside)."""
     bar = re.compile(r"^[^|]*:\s+\d+%\|")  # tqdm's "train:  50%|..." lines
-    lines = [l for l in err.replace("\r", "\n").splitlines() if l.strip() and not bar.match(l)]
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not bar.match(line)]
     return len(lines) == 1 and lines[0].startswith("lora-llama ") and "Traceback" not in err
 
 
@@ -82,7 +104,10 @@ def test_sigterm_checkpoints_and_the_rerun_matches_bit_for_bit(tiny_ckpt, data, 
     assert not (tmp_path / "cut" / "adapter").exists()
     *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "cut"))
     assert code == 0 and same(adapter(tmp_path / "full"), adapter(tmp_path / "cut"))
-    losses = lambda out: [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    def losses(out):
+        return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
     assert losses(tmp_path / "full") == losses(tmp_path / "cut")  # metrics.jsonl continues without repeats
 
 
@@ -111,7 +136,7 @@ t.save_state = save_then_die
     events = EventAccumulator(str(tmp_path / "cut" / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == list(range(1, 25))
-    logged = [json.loads(l)["step"] for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, 25))
 
 
@@ -120,8 +145,9 @@ def enospc(*args, **kwargs):
 
 
 @pytest.mark.parametrize("writer", ["checkpoint", "final adapter"])
-def test_a_full_disk_while_training_is_one_line_and_keeps_the_last_checkpoint(tiny_ckpt, data, tmp_path, monkeypatch,
-                                                                               capsys, writer):
+def test_a_full_disk_while_training_is_one_line_and_keeps_the_last_checkpoint(
+    tiny_ckpt, data, tmp_path, monkeypatch, capsys, writer
+):
     import safetensors.torch
 
     real = safetensors.torch.save_file
@@ -130,8 +156,9 @@ def test_a_full_disk_while_training_is_one_line_and_keeps_the_last_checkpoint(ti
     def failing(tensors, path, *a, **k):
         calls.append(str(path))
         in_checkpoint = "checkpoints" in str(path)
-        if (writer == "checkpoint" and in_checkpoint and "step-8" in str(path)) or \
-                (writer == "final adapter" and not in_checkpoint):
+        if (writer == "checkpoint" and in_checkpoint and "step-8" in str(path)) or (
+            writer == "final adapter" and not in_checkpoint
+        ):
             enospc(tensors, path)
         return real(tensors, path, *a, **k)
 
@@ -150,10 +177,22 @@ def test_a_failed_merge_write_leaves_nothing(tiny_ckpt, data, tmp_path, monkeypa
     import lora_llama.outputs.merge
 
     assert main(train_args(tiny_ckpt, data, tmp_path / "run", "train.max_steps=2")) == 0
-    monkeypatch.setattr(lora_llama.outputs.merge, "write_safetensors_streaming",
-                        lambda path, *a, **k: (_ for _ in ()).throw(OSError(errno.EFBIG, "File too large", str(path))))
-    code = main(["merge", "--base", str(tiny_ckpt), "--adapter", str(tmp_path / "run" / "adapter"), "--out",
-                 str(tmp_path / "merged")])
+    monkeypatch.setattr(
+        lora_llama.outputs.merge,
+        "write_safetensors_streaming",
+        lambda path, *a, **k: (_ for _ in ()).throw(OSError(errno.EFBIG, "File too large", str(path))),
+    )
+    code = main(
+        [
+            "merge",
+            "--base",
+            str(tiny_ckpt),
+            "--adapter",
+            str(tmp_path / "run" / "adapter"),
+            "--out",
+            str(tmp_path / "merged"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "File too large" in err and one_error_line(err)
     assert [p.name for p in tmp_path.iterdir() if "merged" in p.name] == []
@@ -162,13 +201,17 @@ def test_a_failed_merge_write_leaves_nothing(tiny_ckpt, data, tmp_path, monkeypa
 @pytest.mark.slow
 def test_a_failed_cache_write_leaves_nothing(smollm2, tmp_path, monkeypatch, capsys):
     import safetensors.torch
+
     # transformers' modeling_utils binds save_file when first imported: imported before the patch, it keeps the real
     # one (else this test, run first, would break every later checkpoint save of the pytest run)
     importlib.import_module("transformers.modeling_utils")
 
     monkeypatch.setenv("LORA_LLAMA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(safetensors.torch, "save_file",
-                        lambda t, path, **k: (_ for _ in ()).throw(OSError(errno.EACCES, "Permission denied", str(path))))
+    monkeypatch.setattr(
+        safetensors.torch,
+        "save_file",
+        lambda t, path, **k: (_ for _ in ()).throw(OSError(errno.EACCES, "Permission denied", str(path))),
+    )
     assert main(["generate", "--prompt", "hi", "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert "Permission denied" in err and one_error_line(err)
@@ -196,8 +239,12 @@ def test_resume_loads_no_pickle(tiny_ckpt, data, tmp_path, monkeypatch):
     out = tmp_path / "run"
     assert main(train_args(tiny_ckpt, data, out, "train.max_steps=4")) == 0
     shutil.rmtree(out / "adapter")  # as if stopped after the last checkpoint
-    assert sorted(p.name for p in (out / "checkpoints" / "step-4").iterdir()) == \
-        ["adapter", "state.json", "state.safetensors", "trainer_state.json"]
+    assert sorted(p.name for p in (out / "checkpoints" / "step-4").iterdir()) == [
+        "adapter",
+        "state.json",
+        "state.safetensors",
+        "trainer_state.json",
+    ]
 
     def forbidden(*a, **k):
         raise AssertionError("a pickle was loaded")
@@ -241,7 +288,7 @@ def test_broken_or_hostile_adapters_are_refused_before_allocating(tiny_ckpt, tmp
     tensors = load_file(good / "adapter_model.safetensors")
     nan = {**tensors, next(iter(tensors)): torch.full_like(next(iter(tensors.values())), float("nan"))}
     cases = {
-        "huge rank": ({**cfg, "r": 10 ** 9}, tensors, "says r=1000000000, its tensors have rank 4"),
+        "huge rank": ({**cfg, "r": 10**9}, tensors, "says r=1000000000, its tensors have rank 4"),
         "nan": (cfg, nan, "NaN, inf"),
         "extra modules": ({**cfg, "modules_to_save": ["lm_head"]}, tensors, "modules_to_save"),
         "truncated": (cfg, None, "adapter_model.safetensors"),
@@ -255,7 +302,9 @@ def test_broken_or_hostile_adapters_are_refused_before_allocating(tiny_ckpt, tmp
             (folder / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes()[:50])
         else:
             save_file(t, folder / "adapter_model.safetensors")
-        code = main(["generate", "--model", str(tiny_ckpt), "--adapter", str(folder), "--prompt", "hi", "--max-new-tokens", "1"])
+        code = main(
+            ["generate", "--model", str(tiny_ckpt), "--adapter", str(folder), "--prompt", "hi", "--max-new-tokens", "1"]
+        )
         err = capsys.readouterr().err
         assert code == 2 and message in err and one_error_line(err), (name, err)
 
@@ -286,8 +335,12 @@ def log(self, record):
         print("RSS", RSS[50], RSS[-1], flush=True)
 t.Trainer.log = log
 """
-    out, err, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "run", "train.max_steps=300", "train.save_every=100",
-                                        "lora.dropout=0.0"), patch=record)
+    out, err, code = run_cli(
+        train_args(
+            tiny_ckpt, data, tmp_path / "run", "train.max_steps=300", "train.save_every=100", "lora.dropout=0.0"
+        ),
+        patch=record,
+    )
     assert code == 0, err[-2000:]
     warm, end = map(int, out.split("RSS ")[1].split()[:2])
     print(f"RSS after step 50: {warm} kB, after step 300: {end} kB ({100 * (end / warm - 1):+.2f}%)")
@@ -300,19 +353,52 @@ def test_any_recipe_input_gives_exit_0_or_one_line_exit_2(tmp_path, monkeypatch,
 
     import lora_llama.training.from_recipe
 
-    monkeypatch.setattr(lora_llama.training.from_recipe, "train_from_recipe", lambda *a, **k: {"steps": 0})  # validation is the subject
-    keys = st.sampled_from(["lora.r", "lora.alpha", "lora.targets", "lora.layers", "train.lr", "train.max_steps",
-                            "train.epochs", "train.betas", "data.max_seq_len", "data.format", "data.fields",
-                            "model.dtype", "model.quantize", "output.dir", "lora", "train", "x.y", "lora.r.z", ""])
-    values = st.one_of(st.integers(-5, 10 ** 6).map(str), st.floats(allow_nan=True).map(str),
-                       st.sampled_from(["null", "[q, v]", "[1, 2]", "{a: 1}", "true", "bf16", "'", "[", "{", ":", "- x"]),
-                       st.text(max_size=12))
+    monkeypatch.setattr(
+        lora_llama.training.from_recipe, "train_from_recipe", lambda *a, **k: {"steps": 0}
+    )  # validation is the subject
+    keys = st.sampled_from(
+        [
+            "lora.r",
+            "lora.alpha",
+            "lora.targets",
+            "lora.layers",
+            "train.lr",
+            "train.max_steps",
+            "train.epochs",
+            "train.betas",
+            "data.max_seq_len",
+            "data.format",
+            "data.fields",
+            "model.dtype",
+            "model.quantize",
+            "output.dir",
+            "lora",
+            "train",
+            "x.y",
+            "lora.r.z",
+            "",
+        ]
+    )
+    values = st.one_of(
+        st.integers(-5, 10**6).map(str),
+        st.floats(allow_nan=True).map(str),
+        st.sampled_from(["null", "[q, v]", "[1, 2]", "{a: 1}", "true", "bf16", "'", "[", "{", ":", "- x"]),
+        st.text(max_size=12),
+    )
     overrides = st.lists(st.one_of(st.builds(lambda k, v: f"{k}={v}", keys, values), st.text(max_size=12)), max_size=4)
-    recipe_text = st.one_of(st.just("lora: {r: 4}\n"), st.text(max_size=40),
-                            st.builds(lambda k, v: f"{k.split('.')[0]}:\n  {k.split('.')[-1]}: {v}\n", keys, values))
+    recipe_text = st.one_of(
+        st.just("lora: {r: 4}\n"),
+        st.text(max_size=40),
+        st.builds(lambda k, v: f"{k.split('.')[0]}:\n  {k.split('.')[-1]}: {v}\n", keys, values),
+    )
 
-    @settings(max_examples=int(os.environ.get("RECIPE_EXAMPLES", 150)), deadline=None, derandomize="RECIPE_EXAMPLES" not in os.environ,
-              suppress_health_check=list(HealthCheck), database=None)
+    @settings(
+        max_examples=int(os.environ.get("RECIPE_EXAMPLES", 150)),
+        deadline=None,
+        derandomize="RECIPE_EXAMPLES" not in os.environ,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
     @given(recipe_text, overrides)
     def check(text, items):
         path = tmp_path / "r.yaml"

@@ -1,4 +1,5 @@
 """The trainer: overfitting, exact gradient accumulation, resume, NaN stop, bad recipes, the default recipe."""
+
 import json
 
 import pytest
@@ -12,8 +13,16 @@ from lora_llama.recipe.schema import load_recipe
 from lora_llama.training.from_recipe import train_from_recipe
 from lora_llama.training.trainer import Trainer
 
-QA = [("hi", "hello"), ("what is the capital", "paris"), ("to be", "or not to be"), ("the quick", "brown fox"),
-      ("how are you", "i am fine"), ("the lazy", "dog"), ("hello", "world"), ("that is", "the question")]
+QA = [
+    ("hi", "hello"),
+    ("what is the capital", "paris"),
+    ("to be", "or not to be"),
+    ("the quick", "brown fox"),
+    ("how are you", "i am fine"),
+    ("the lazy", "dog"),
+    ("hello", "world"),
+    ("that is", "the question"),
+]
 
 
 def chat_file(path, pairs=QA):
@@ -21,19 +30,40 @@ def chat_file(path, pairs=QA):
 
 
 def recipe(tiny_ckpt, data, out, *overrides):
-    return load_recipe(None, [f"model.source={tiny_ckpt}", f"data.source={data}", f"output.dir={out}",
-                              "data.val_size=0", "train.warmup_steps=0",
-                              "train.precision=fp32", "model.device=cpu", *overrides])  # exactness tests: CPU float32
+    return load_recipe(
+        None,
+        [
+            f"model.source={tiny_ckpt}",
+            f"data.source={data}",
+            f"output.dir={out}",
+            "data.val_size=0",
+            "train.warmup_steps=0",
+            "train.precision=fp32",
+            "model.device=cpu",
+            *overrides,
+        ],
+    )  # exactness tests: CPU float32
 
 
 def metrics(out):
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_overfits_eight_examples(tiny_ckpt, tmp_path):
-    r = recipe(tiny_ckpt, chat_file(tmp_path / "d.jsonl"), tmp_path / "run", "train.max_steps=100",
-               "train.batch_size=8", "train.lr=1e-2", "train.schedule=constant", "lora.r=16", "lora.alpha=32",
-               "lora.targets=[q,k,v,o,gate,up,down,lm_head]", "train.save_every=1000", "train.eval_every=1000")
+    r = recipe(
+        tiny_ckpt,
+        chat_file(tmp_path / "d.jsonl"),
+        tmp_path / "run",
+        "train.max_steps=100",
+        "train.batch_size=8",
+        "train.lr=1e-2",
+        "train.schedule=constant",
+        "lora.r=16",
+        "lora.alpha=32",
+        "lora.targets=[q,k,v,o,gate,up,down,lm_head]",
+        "train.save_every=1000",
+        "train.eval_every=1000",
+    )
     train_from_recipe(r, log=lambda *_: None)
     losses = [m["loss"] for m in metrics(tmp_path / "run") if "loss" in m]
     assert len(losses) == 100
@@ -45,7 +75,9 @@ def grads_of_first_step(tiny_ckpt, data, out, batch, accum):
     from lora_llama import apply_lora, load_tokenizer
     from lora_llama.data.sft import build_examples
 
-    r = recipe(tiny_ckpt, data, out, f"train.batch_size={batch}", f"train.grad_accum={accum}", "train.max_grad_norm=null")
+    r = recipe(
+        tiny_ckpt, data, out, f"train.batch_size={batch}", f"train.grad_accum={accum}", "train.max_grad_norm=null"
+    )
     tok = load_tokenizer(tiny_ckpt)
     train, val = build_examples(r.data, tok, 0)
     model = load_model(tiny_ckpt)
@@ -58,15 +90,24 @@ def grads_of_first_step(tiny_ckpt, data, out, batch, accum):
     out.mkdir()
     trainer = Trainer(r, model, tok, train, val, out)
     seen = {}
-    trainer.optimizer.step = lambda: seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    trainer.optimizer.step = lambda: seen.update(
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    )
     loss, _, _ = trainer.train_step()
     return loss, seen
 
 
 def test_gradient_accumulation_equals_one_big_batch(tiny_ckpt, tmp_path):
     # four examples of clearly different lengths
-    data = chat_file(tmp_path / "d.jsonl", [("hi", "hello"), ("what is the capital of france", "paris is"),
-                                             ("to be", "or not to be, that is the question"), ("the", "fox")])
+    data = chat_file(
+        tmp_path / "d.jsonl",
+        [
+            ("hi", "hello"),
+            ("what is the capital of france", "paris is"),
+            ("to be", "or not to be, that is the question"),
+            ("the", "fox"),
+        ],
+    )
     loss_a, big = grads_of_first_step(tiny_ckpt, data, tmp_path / "a", batch=4, accum=1)
     loss_b, small = grads_of_first_step(tiny_ckpt, data, tmp_path / "b", batch=1, accum=4)
     assert abs(loss_a - loss_b) < 1e-5
@@ -77,8 +118,16 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_ckpt, tmp_path):
 
 def test_interrupt_and_resume_continue_exactly(tiny_ckpt, tmp_path, monkeypatch):
     data = chat_file(tmp_path / "d.jsonl")
-    common = ["train.max_steps=20", "train.batch_size=2", "train.grad_accum=2", "lora.dropout=0.1",
-              "train.save_every=4", "train.eval_every=1000", "train.lr=3e-3", "train.warmup_steps=3"]
+    common = [
+        "train.max_steps=20",
+        "train.batch_size=2",
+        "train.grad_accum=2",
+        "lora.dropout=0.1",
+        "train.save_every=4",
+        "train.eval_every=1000",
+        "train.lr=3e-3",
+        "train.warmup_steps=3",
+    ]
     train_from_recipe(recipe(tiny_ckpt, data, tmp_path / "full", *common), log=lambda *_: None)
 
     original = Trainer.train_step
@@ -121,9 +170,19 @@ def test_nan_loss_stops_with_exit_2_and_keeps_last_checkpoint(tiny_ckpt, tmp_pat
 
     monkeypatch.setattr(objectives, "target_loss", poisoned)
     out = tmp_path / "run"
-    code = main(["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={tiny_ckpt}",
-                 f"data.source={data}", f"output.dir={out}", "data.val_size=0", "train.max_steps=10",
-                 "train.save_every=5", "train.batch_size=2"])
+    code = main(
+        [
+            "train",
+            str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+            f"model.source={tiny_ckpt}",
+            f"data.source={data}",
+            f"output.dir={out}",
+            "data.val_size=0",
+            "train.max_steps=10",
+            "train.save_every=5",
+            "train.batch_size=2",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "non-finite loss" in err and "step 7" in err
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-5"]
@@ -152,8 +211,15 @@ def test_bad_recipes_one_line_exit_2_nothing_written(case, tiny_ckpt, tmp_path, 
     override, message = BAD_RECIPES[case]
     data = chat_file(tmp_path / "d.jsonl")
     out = tmp_path / "run"
-    args = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={tiny_ckpt}",
-            f"data.source={data}", f"output.dir={out}", "train.max_steps=1", override]
+    args = [
+        "train",
+        str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+        f"model.source={tiny_ckpt}",
+        f"data.source={data}",
+        f"output.dir={out}",
+        "train.max_steps=1",
+        override,
+    ]
     assert main(args) == 2, case
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, (case, err)
@@ -165,16 +231,30 @@ def test_empty_dataset_and_missing_recipe(tmp_path, tiny_ckpt, capsys):
     empty.write_text("")
     assert main(["train", str(tmp_path / "nope.yaml")]) == 2
     assert "recipe file not found" in capsys.readouterr().err
-    code = main(["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={tiny_ckpt}",
-                 f"data.source={empty}", f"output.dir={tmp_path / 'run'}"])
+    code = main(
+        [
+            "train",
+            str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+            f"model.source={tiny_ckpt}",
+            f"data.source={empty}",
+            f"output.dir={tmp_path / 'run'}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 def test_finished_run_is_not_overwritten_without_force(tiny_ckpt, tmp_path, capsys):
     data = chat_file(tmp_path / "d.jsonl")
-    args = ["train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"), f"model.source={tiny_ckpt}",
-            f"data.source={data}", f"output.dir={tmp_path / 'run'}", "train.max_steps=2", "data.val_size=0"]
+    args = [
+        "train",
+        str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+        f"model.source={tiny_ckpt}",
+        f"data.source={data}",
+        f"output.dir={tmp_path / 'run'}",
+        "train.max_steps=2",
+        "data.val_size=0",
+    ]
     assert main(args) == 0
     before = (tmp_path / "run" / "adapter" / "adapter_model.safetensors").read_bytes()
     assert main(args) == 2 and "--force" in capsys.readouterr().err
@@ -188,9 +268,21 @@ def test_default_recipe_runs_three_steps(smollm2, tmp_path):
     import sys
 
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
-                        "train.max_steps=3", "train.batch_size=2", "data.max_examples=40", f"output.dir={out}"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "cli.py"),
+            "train",
+            str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+            "train.max_steps=3",
+            "train.batch_size=2",
+            "data.max_examples=40",
+            f"output.dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["steps"] == 3 and result["eval_loss"] > 0
@@ -208,8 +300,12 @@ def test_default_recipe_runs_three_steps(smollm2, tmp_path):
 
 def test_shipped_recipes_validate():
     names = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
-    assert {"smollm2-chat-cpu.yaml", "smollm2-shakespeare-cpu.yaml", "llama2-7b-alpaca-int8.yaml",
-            "llama3-8b-chat-int8.yaml"} <= set(names)
+    assert {
+        "smollm2-chat-cpu.yaml",
+        "smollm2-shakespeare-cpu.yaml",
+        "llama2-7b-alpaca-int8.yaml",
+        "llama3-8b-chat-int8.yaml",
+    } <= set(names)
     for name in names:
         r = load_recipe(str(ROOT / "recipes" / name))
         assert r.lora.r > 0 and r.output.dir.startswith("runs/")

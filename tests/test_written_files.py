@@ -1,4 +1,5 @@
 """What we write opens unchanged in the ecosystem's tools: merged config, tokenizer files, adapter config."""
+
 import json
 import re
 from pathlib import Path
@@ -96,15 +97,26 @@ def test_adapter_on_a_local_base_loads_with_auto_peft(tiny_ckpt, tmp_path):
         assert torch.allclose(auto(x).logits, ref(x).logits, atol=1e-6)
 
 
-@pytest.mark.parametrize("base, shown", [("/home/me/models/llama-local", "llama-local"),
-                                         ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B")])
+@pytest.mark.parametrize(
+    "base, shown",
+    [("/home/me/models/llama-local", "llama-local"), ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B")],
+)
 def test_model_card_names_no_local_path(tmp_path, base, shown):
     import yaml
 
     from lora_llama.outputs.hub import model_card
 
-    (tmp_path / "adapter_config.json").write_text(json.dumps(
-        {"base_model_name_or_path": base, "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj"]}))
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "base_model_name_or_path": base,
+                "r": 4,
+                "lora_alpha": 8,
+                "lora_dropout": 0.0,
+                "target_modules": ["q_proj"],
+            }
+        )
+    )
     card = model_card(tmp_path, None, "alice/x")
     meta = yaml.safe_load(card.split("---")[1])
     assert "/home/me" not in card and shown in card

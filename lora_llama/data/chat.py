@@ -1,21 +1,28 @@
 """Tokenizer helpers shared by SFT data, preference pairs, generation and training: the chat
 template's rendering, BOS once, the tokenizer's special tokens, and the rule that every answer
 ends on a trained stop token."""
+
 from __future__ import annotations
 
 from lora_llama.errors import UserError
 from lora_llama.files import read_json
 
 # ChatML, for chat data on base models whose tokenizer has no template of its own
-CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
-                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 _ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """The conversation as text through the tokenizer's chat template (ChatML when it has none)."""
-    return tokenizer.apply_chat_template(messages, chat_template=tokenizer.chat_template or CHATML_TEMPLATE,
-                                         tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages,
+        chat_template=tokenizer.chat_template or CHATML_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+    )
 
 
 def encode_rendered(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -49,7 +56,9 @@ def end_of_turn_id(tokenizer) -> int | None:
         return tokenizer.eos_token_id
     user = [{"role": "user", "content": "Hi"}]
     before = render_chat(tokenizer, user, add_generation_prompt=True)
-    ids, offsets = encode_rendered(tokenizer, render_chat(tokenizer, [*user, {"role": "assistant", "content": "Hello"}]))
+    ids, offsets = encode_rendered(
+        tokenizer, render_chat(tokenizer, [*user, {"role": "assistant", "content": "Hello"}])
+    )
     answer = [t for t, (start, _) in zip(ids, offsets) if start >= len(before)]
     special = special_token_ids(tokenizer)
     return next((t for t in reversed(answer) if t in special), tokenizer.eos_token_id)

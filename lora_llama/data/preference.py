@@ -5,14 +5,15 @@ through the tokenizer's chat template, with `prompt_len`, the number of tokens b
 tokens the prompt alone and prompt + answer share, as trl counts them). Answer tokens are the targets;
 prompt tokens are too with `train_on_prompt` (ORPO's NLL term then covers them; DPO never does).
 """
+
 from __future__ import annotations
 
 from collections import Counter
 
+from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat
 from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, load_splits, rename_fields, tokenize_splits
 from lora_llama.errors import UserError
 from lora_llama.kernels.cross_entropy import IGNORE_INDEX
-from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 EMPTY_PAIR = {"chosen": {**EMPTY_EXAMPLE, "prompt_len": 0}, "rejected": {**EMPTY_EXAMPLE, "prompt_len": 0}}
@@ -24,8 +25,9 @@ def _messages(value, role: str, field: str, index: int) -> list[dict]:
         return [{"role": role, "content": value}]
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         return normalise_messages(value)
-    raise UserError(f"preference record {index}: {field!r} must be a string or a list of chat messages, "
-                    f"not {type(value).__name__}")
+    raise UserError(
+        f"preference record {index}: {field!r} must be a string or a list of chat messages, not {type(value).__name__}"
+    )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -55,8 +57,9 @@ def tokenize_pair(tokenize: Tokenize, record: dict, index: int) -> dict | str:
     return pair
 
 
-def tokenize_pairs(records, tokenizer, max_seq_len: int, train_on_prompt: bool = False,
-                   fields: dict | None = None) -> tuple[list[dict], Counter]:
+def tokenize_pairs(
+    records, tokenizer, max_seq_len: int, train_on_prompt: bool = False, fields: dict | None = None
+) -> tuple[list[dict], Counter]:
     """Every record -> a pair, and the count of records skipped per reason."""
     tokenize = Tokenize(tokenizer, "chat", max_seq_len, train_on_prompt)
     pairs, skipped = [], Counter()
@@ -64,8 +67,10 @@ def tokenize_pairs(records, tokenizer, max_seq_len: int, train_on_prompt: bool =
         rec = rename_fields(rec, fields or {})
         missing = [k for k in PAIR_FIELDS if k not in rec]
         if missing:
-            raise UserError(f"preference record {i} has no {missing[0]!r} field (needs {', '.join(PAIR_FIELDS)}; "
-                            "set data.fields to map columns)")
+            raise UserError(
+                f"preference record {i} has no {missing[0]!r} field (needs {', '.join(PAIR_FIELDS)}; "
+                "set data.fields to map columns)"
+            )
         pair = tokenize_pair(tokenize, rec, i)
         if isinstance(pair, str):
             skipped[pair] += 1
@@ -77,10 +82,12 @@ def tokenize_pairs(records, tokenizer, max_seq_len: int, train_on_prompt: bool =
 def build_pairs(data, tokenizer, seed: int, log=print) -> tuple[list[dict], list[dict]]:
     """(train, val) pairs for a recipe's `data` section; skipped records are counted in one warning."""
     train_records, val_records = load_splits(data, seed)
-    kw = dict(tokenizer=tokenizer, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt,
-              fields=data.fields)
-    return tokenize_splits(train_records, val_records, lambda records: tokenize_pairs(records, **kw), data.source,
-                           "preference pair", log)
+    kw = dict(
+        tokenizer=tokenizer, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt, fields=data.fields
+    )
+    return tokenize_splits(
+        train_records, val_records, lambda records: tokenize_pairs(records, **kw), data.source, "preference pair", log
+    )
 
 
 def collate_pairs(pairs: list[dict], pad_id: int) -> dict:

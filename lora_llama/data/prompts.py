@@ -2,20 +2,22 @@
 
 Each record has a `prompt`: a string, rendered as one user turn with the chat template when the tokenizer has
 one (else tokenized as it is), or a list of chat messages; `data.system_prompt` goes first in each prompt
-that has no system turn. Its other columns reach the reward functions unchanged. `data.source: reasoning-gym:<task>` generates records from a reasoning-gym task instead, seeded by
+that has no system turn. Its other columns reach the reward functions unchanged. `data.source: reasoning-gym:<task>`
+generates records from a reasoning-gym task instead, seeded by
 train.seed, `data.max_examples` of them (default 1000), with `data.task_args` as the task's settings: the
 question is the prompt, and `answer` and `entry` (the task's whole record) are the columns.
 
 A prompt example is {"prompt_ids": [...], "prompt": the record's prompt, "columns": {...}, "index": i}; the
 index (its place in the split) seeds its completions' sampling.
 """
+
 from __future__ import annotations
 
 from collections import Counter
 
+from lora_llama.data.chat import encode_rendered, normalise_messages, render_chat
 from lora_llama.data.sft import load_splits, rename_fields, split, tokenize_splits
 from lora_llama.errors import UserError
-from lora_llama.data.chat import encode_rendered, normalise_messages, render_chat
 
 REASONING_GYM = "reasoning-gym:"
 DEFAULT_TASK_SIZE = 1000
@@ -25,8 +27,9 @@ def reasoning_gym_records(task: str, size: int, seed: int, task_args: dict) -> l
     try:
         import reasoning_gym
     except ImportError:
-        raise UserError("data.source reasoning-gym:... needs the reasoning-gym package "
-                        "(pip install 'lora-llama[rl]')") from None
+        raise UserError(
+            "data.source reasoning-gym:... needs the reasoning-gym package (pip install 'lora-llama[rl]')"
+        ) from None
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_args)
     except Exception as e:
@@ -42,16 +45,18 @@ def prompt_ids(tokenizer, prompt, index: int, system_prompt: str | None = None) 
     if isinstance(prompt, str):
         return tokenizer((system_prompt + "\n\n" if system_prompt else "") + prompt)["input_ids"]
     if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
-        raise UserError(f"prompt record {index}: 'prompt' must be a string or a list of chat messages, "
-                        f"not {type(prompt).__name__}")
+        raise UserError(
+            f"prompt record {index}: 'prompt' must be a string or a list of chat messages, not {type(prompt).__name__}"
+        )
     messages = normalise_messages(prompt)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     return encode_rendered(tokenizer, render_chat(tokenizer, messages, add_generation_prompt=True))[0]
 
 
-def prompt_examples(records, tokenizer, max_prompt_len: int, fields: dict | None = None,
-                    system_prompt: str | None = None) -> tuple[list[dict], Counter]:
+def prompt_examples(
+    records, tokenizer, max_prompt_len: int, fields: dict | None = None, system_prompt: str | None = None
+) -> tuple[list[dict], Counter]:
     """Every record -> a prompt example, and the count of records skipped (prompts too long or empty)."""
     examples, skipped = [], Counter()
     for i, record in enumerate(records):
@@ -71,15 +76,19 @@ def build_prompts(data, tokenizer, seed: int, max_new_tokens: int, log=print) ->
     """(train, val) prompt examples for a recipe's `data` section. A prompt keeps data.max_seq_len -
     max_new_tokens tokens at most, so that prompt and completion fit one row."""
     if data.source.startswith(REASONING_GYM):
-        records = reasoning_gym_records(data.source.removeprefix(REASONING_GYM), data.max_examples or DEFAULT_TASK_SIZE,
-                                        seed, data.task_args)
+        records = reasoning_gym_records(
+            data.source.removeprefix(REASONING_GYM), data.max_examples or DEFAULT_TASK_SIZE, seed, data.task_args
+        )
         train_records, val_records = split(records, data.val_size, seed)
     else:
         train_records, val_records = load_splits(data, seed)
     room = data.max_seq_len - max_new_tokens
     if room < 1:
-        raise UserError(f"data.max_seq_len ({data.max_seq_len}) leaves no room for a prompt before "
-                        f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens")
+        raise UserError(
+            f"data.max_seq_len ({data.max_seq_len}) leaves no room for a prompt before "
+            f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens"
+        )
     kw = dict(tokenizer=tokenizer, max_prompt_len=room, fields=data.fields, system_prompt=data.system_prompt)
-    return tokenize_splits(train_records, val_records, lambda records: prompt_examples(records, **kw), data.source,
-                           "prompt", log)
+    return tokenize_splits(
+        train_records, val_records, lambda records: prompt_examples(records, **kw), data.source, "prompt", log
+    )

@@ -5,20 +5,23 @@ loss is taken). Position t of the model predicts labels[t + 1]. Packed rows also
 carry `position_ids` (restarting per example) and `segment_ids` (one id per
 example), which the model turns into a block-diagonal causal mask.
 """
+
 from __future__ import annotations
 
 import random
 from collections import Counter
 from pathlib import Path
 
+from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
 from lora_llama.errors import UserError
 from lora_llama.kernels.cross_entropy import IGNORE_INDEX
 from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_data_dir
-from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
 
 # Stanford Alpaca's prompt, used for alpaca data when the tokenizer has no chat template
-ALPACA_TEMPLATE = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
-                   "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
+ALPACA_TEMPLATE = (
+    "Below is an instruction that describes a task{with_input}. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
+)
 # an example without targets: what a rank runs when a batch leaves it nothing (ranks must run the same steps)
 EMPTY_EXAMPLE = {"input_ids": [0, 0], "labels": [IGNORE_INDEX, IGNORE_INDEX]}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -51,8 +54,9 @@ def _chatterbot_pairs() -> list[dict]:
     order = list(range(len(qa)))
     random.Random(0).shuffle(order)
     other = {order[i - 1]: order[i] for i in range(len(order))}
-    return [{"prompt": q, "chosen": a, "rejected": qa[other[i]][1]} for i, (q, a) in enumerate(qa)
-            if qa[other[i]][1] != a]
+    return [
+        {"prompt": q, "chosen": a, "rejected": qa[other[i]][1]} for i, (q, a) in enumerate(qa) if qa[other[i]][1] != a
+    ]
 
 
 def _shakespeare_records() -> list[dict]:
@@ -83,13 +87,17 @@ def load_records(source: str):
         if path.is_dir():
             return datasets.load_dataset(str(path), split="train")
         if not is_hub_id(source):
-            raise UserError(f"data source not found: {source!r} (no such file or folder, and not a registered name: "
-                            f"{', '.join(REGISTERED_DATA)})")
+            raise UserError(
+                f"data source not found: {source!r} (no such file or folder, and not a registered name: "
+                f"{', '.join(REGISTERED_DATA)})"
+            )
         return datasets.load_dataset(source, split="train")
     except UserError:
         raise
     except Exception as e:  # datasets raises many types for unreadable or unreachable data
-        raise UserError(f"cannot load data from {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise UserError(
+            f"cannot load data from {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
 
 
 def read_documents(path: str) -> list[str]:
@@ -123,8 +131,9 @@ def rename_fields(record: dict, fields: dict[str, str]) -> dict:
 class Tokenize:
     """Turns one raw record into a list of examples (`text` may give several windows)."""
 
-    def __init__(self, tokenizer, fmt: str, max_seq_len: int, train_on_prompt: bool = False,
-                 prompt_template: str | None = None):
+    def __init__(
+        self, tokenizer, fmt: str, max_seq_len: int, train_on_prompt: bool = False, prompt_template: str | None = None
+    ):
         self.tok, self.fmt, self.max_len = tokenizer, fmt, max_seq_len
         self.train_on_prompt, self.prompt_template = train_on_prompt, prompt_template
         self.eos = tokenizer.eos_token_id
@@ -139,7 +148,7 @@ class Tokenize:
 
     def text(self, text: str) -> list[dict]:
         ids = self.tok(text)["input_ids"] + [self.eos]  # tokenizer defaults add BOS where the model wants it
-        windows = [ids[i:i + self.max_len] for i in range(0, len(ids), self.max_len)]
+        windows = [ids[i : i + self.max_len] for i in range(0, len(ids), self.max_len)]
         return [{"input_ids": w, "labels": list(w)} for w in windows if len(w) > 1]
 
     def chat(self, messages: list[dict]) -> dict:
@@ -154,10 +163,12 @@ class Tokenize:
             if m["role"] != "assistant":
                 continue
             before = render_chat(self.tok, messages[:i], add_generation_prompt=True)
-            through = render_chat(self.tok, messages[:i + 1])
+            through = render_chat(self.tok, messages[: i + 1])
             if not (text.startswith(before) and text.startswith(through)):
-                raise UserError("the chat template renders a conversation differently from its first turns, "
-                                "so the assistant turns cannot be located; set data.format or use another template")
+                raise UserError(
+                    "the chat template renders a conversation differently from its first turns, "
+                    "so the assistant turns cannot be located; set data.format or use another template"
+                )
             spans.append((len(before), len(through)))
         ids, offsets = encode_rendered(self.tok, text)
         in_target = [any(s <= a < e for s, e in spans) for a, _ in offsets]
@@ -176,7 +187,9 @@ class Tokenize:
         else:
             prompt = ALPACA_TEMPLATE.format(
                 with_input=", paired with an input that provides further context" if inp else "",
-                instruction=instruction, input_block=f"### Input:\n{inp}\n\n" if inp else "")
+                instruction=instruction,
+                input_block=f"### Input:\n{inp}\n\n" if inp else "",
+            )
         p = self.tok(prompt)["input_ids"]
         c = self.tok(output, add_special_tokens=False)["input_ids"] + [self.eos]
         labels = (p if self.train_on_prompt else [IGNORE_INDEX] * len(p)) + c
@@ -186,8 +199,15 @@ class Tokenize:
         return {"input_ids": ids[: self.max_len], "labels": labels[: self.max_len]}
 
 
-def tokenize_records(records, tokenizer, fmt: str, max_seq_len: int, train_on_prompt=False,
-                     prompt_template=None, fields: dict | None = None) -> list[dict]:
+def tokenize_records(
+    records,
+    tokenizer,
+    fmt: str,
+    max_seq_len: int,
+    train_on_prompt=False,
+    prompt_template=None,
+    fields: dict | None = None,
+) -> list[dict]:
     """Every record -> examples; examples left with no target are dropped."""
     fields = fields or {}
     if fmt == "auto":
@@ -203,12 +223,14 @@ def tokenize_records(records, tokenizer, fmt: str, max_seq_len: int, train_on_pr
             rec["messages"] = rec["conversations"]
         missing = [k for k in need if k not in rec]
         if missing:
-            raise UserError(f"record {i} has no {missing[0]!r} field needed by format {fmt!r} (set data.fields to map columns)")
+            raise UserError(
+                f"record {i} has no {missing[0]!r} field needed by format {fmt!r} (set data.fields to map columns)"
+            )
         empty = [k for k in need if rec[k] is None]
         if empty:
             raise UserError(f"a record's {empty[0]!r} is null, and format {fmt!r} needs it ({_shown(rec)})")
         try:
-            examples += [e for e in tokenize(rec) if any(l != IGNORE_INDEX for l in e["labels"][1:])]
+            examples += [e for e in tokenize(rec) if any(label != IGNORE_INDEX for label in e["labels"][1:])]
         except UserError as e:
             raise UserError(f"{e} ({_shown(rec)})") from None
     return examples
@@ -238,7 +260,10 @@ def collate(examples: list[dict], pad_id: int):
     import torch
 
     T = max(len(e["input_ids"]) for e in examples)
-    pad = lambda key, value: torch.tensor([e[key] + [value] * (T - len(e[key])) for e in examples])
+
+    def pad(key, value):
+        return torch.tensor([e[key] + [value] * (T - len(e[key])) for e in examples])
+
     batch = {"input_ids": pad("input_ids", pad_id), "labels": pad("labels", IGNORE_INDEX)}
     if "segment_ids" in examples[0]:
         batch["position_ids"] = pad("position_ids", 0)
@@ -291,8 +316,14 @@ def _shown(record: dict) -> str:
 def build_examples(data, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:
     """(train, val) examples for a recipe's `data` section; packing applies to train only."""
     train_records, val_records = load_splits(data, seed)
-    kw = dict(tokenizer=tokenizer, fmt=data.format, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt,
-              prompt_template=data.prompt_template, fields=data.fields)
+    kw = dict(
+        tokenizer=tokenizer,
+        fmt=data.format,
+        max_seq_len=data.max_seq_len,
+        train_on_prompt=data.train_on_prompt,
+        prompt_template=data.prompt_template,
+        fields=data.fields,
+    )
     train = tokenize_records(train_records, **kw)
     val = tokenize_records(val_records, **kw) if len(val_records) else []
     if not train:

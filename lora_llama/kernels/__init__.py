@@ -1,1 +1,3 @@
-"""Tensor-level forward and backward pieces: products, attention, elementwise ops, cross-entropy, buffers. They know tensors, not models."""
+"""Tensor-level forward and backward pieces: products, attention, elementwise ops, cross-entropy, buffers.
+
+They know tensors, not models."""

@@ -8,6 +8,7 @@ and an autograd Function; in bf16 on a CPU with AMX its forward is aten's flash 
 float16, sliding windows, the KV cache and inference of unpacked rows keep SDPA and its kernels (packed rows there
 with a mask).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,16 +22,28 @@ _FLOATS = (torch.float32, torch.float64, torch.bfloat16)
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False,
-           segments: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    causal: bool = False,
+    segments: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax(q·kᵀ/√d + mask)·v for q (B, H, T, d) and k, v (B, H_kv, S, d), H a multiple of H_kv.
 
     causal: the plain causal mask (mask must be None). segments (B, T) with causal: packed rows, each
     position sees the earlier positions of its own segment. A float CPU training step, and packed rows
     on the CPU, run `_CausalAttention`; anything else SDPA (packed rows with a mask built here).
     """
-    if (causal and mask is None and q.device.type == "cpu" and q.dtype in _FLOATS and q.dtype == k.dtype == v.dtype
-            and q.shape[2] == k.shape[2]):
+    if (
+        causal
+        and mask is None
+        and q.device.type == "cpu"
+        and q.dtype in _FLOATS
+        and q.dtype == k.dtype == v.dtype
+        and q.shape[2] == k.shape[2]
+    ):
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if segments is not None or training:
             return _CausalAttention.apply(q, k, v, segments)
@@ -56,7 +69,7 @@ def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     float32."""
     B, H, _, d = q.shape
     kv_heads = k.shape[1]
-    scores = torch.matmul(q.view(B, kv_heads, H // kv_heads, d), k.transpose(-1, -2)).float() * d ** -0.5
+    scores = torch.matmul(q.view(B, kv_heads, H // kv_heads, d), k.transpose(-1, -2)).float() * d**-0.5
     scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, -1), float("-inf"))  # (B, H_kv, group, S)
     return torch.matmul(scores.softmax(-1).to(v.dtype), v).view(B, H, 1, d)
 
@@ -117,8 +130,9 @@ def _pieces(segments: torch.Tensor | None, B: int, T: int) -> list[tuple[slice, 
 
 # custom ops: opaque to torch.compile (no loop to unroll) and one op that selective checkpointing can keep
 @torch.library.custom_op("lora_llama::causal_attention", mutates_args=())
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     segments: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, base-2 log-sum-exp) of causal attention, each packed example (segments) on its own."""
     pieces = _pieces(segments, q.shape[0], q.shape[2])
     if len(pieces) == 1:
@@ -135,9 +149,15 @@ def _(q, k, v, segments):
 
 
 @torch.library.custom_op("lora_llama::causal_attention_backward", mutates_args=())
-def causal_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                              grad_out: torch.Tensor, segments: torch.Tensor | None
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def causal_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    segments: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pieces = _pieces(segments, q.shape[0], q.shape[2])
     if len(pieces) == 1:
         return backward(q, k, v, out, lse, grad_out)

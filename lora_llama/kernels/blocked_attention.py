@@ -14,6 +14,7 @@ float32 sums (backward's with lse and delta subtracted before their output is ro
 batch their products over groups (backward 4x512 15.5 vs 22.2 ms per group; forward 6.0 vs 9.5 ms, with the
 additive masks).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,9 @@ import torch
 
 from lora_llama.kernels.gemm import linear
 
-BLOCK = 128  # query positions per block, KEYS keys per tile: the fastest here at 4x512 and 1x4096 (of 64-256 x 512-2048)
+BLOCK = (
+    128  # query positions per block, KEYS keys per tile: the fastest here at 4x512 and 1x4096 (of 64-256 x 512-2048)
+)
 KEYS = 2048
 GROUP_TILE = 4 << 20  # bf16: elements of one tile's scores over the groups it batches (8 MB in bf16, 16 in float32)
 LOG2E = 1.4426950408889634  # scores in base 2: exp2(x·log2(e)) = exp(x)
@@ -57,7 +60,8 @@ class _Layout:
         """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...), in dtype (one copy, the cast included)."""
         out = t.new_empty((self.B, self.H, self.T, *t.shape[2:]), dtype=dtype)
         out.view(self.B, self.Hkv, self.rep, self.T, *t.shape[2:]).copy_(
-            t.view(self.B, self.Hkv, self.T, self.rep, *t.shape[2:]).transpose(2, 3))
+            t.view(self.B, self.Hkv, self.T, self.rep, *t.shape[2:]).transpose(2, 3)
+        )
         return out
 
     def augmented(self, t: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,11 +70,12 @@ class _Layout:
         followed by two ones. A product of the two then subtracts extra in its float32 sums."""
         if extra is None:
             out = t.new_ones((self.n, self.T, self.d + 2), dtype=torch.bfloat16)
-            out[..., :self.d] = t.reshape(self.n, self.T, self.d)
+            out[..., : self.d] = t.reshape(self.n, self.T, self.d)
             return out
         out = t.new_empty((self.n, self.T * self.rep, self.d + 2), dtype=torch.bfloat16)
-        out[..., :self.d].view(self.B, self.Hkv, self.T, self.rep, self.d).copy_(
-            t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3))
+        out[..., : self.d].view(self.B, self.Hkv, self.T, self.rep, self.d).copy_(
+            t.unflatten(1, (self.Hkv, self.rep)).transpose(2, 3)
+        )
         hi = out[..., self.d].copy_(extra)
         out[..., self.d + 1] = extra - hi.float()
         return out
@@ -91,7 +96,7 @@ class _Layout:
         by k1-k0 keys, or keys by rows (keys_first). Only keys s..k1 (the diagonal's) can lie after a query."""
         c0 = max(s, k0)
         if k1 > c0:  # (leading dims: groups)
-            part = scores[..., c0 - k0:, :] if keys_first else scores[..., c0 - k0:]
+            part = scores[..., c0 - k0 :, :] if keys_first else scores[..., c0 - k0 :]
             part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
         return scores
 
@@ -163,7 +168,11 @@ def forward(q, k, v):
                     r = (m - m_new).mul_(scale).exp2_()
                     m.copy_(m_new)
                 # (p - m)·scale in one pass: p·scale + (-m·scale)
-                p = torch.add(m.mul(-scale)[..., None], p, alpha=scale, out=p).exp2_() if batched else p.sub_(m[..., None]).exp2_()
+                p = (
+                    torch.add(m.mul(-scale)[..., None], p, alpha=scale, out=p).exp2_()
+                    if batched
+                    else p.sub_(m[..., None]).exp2_()
+                )
                 pv = torch.bmm(p.to(vv.dtype), vg) if batched else _nn(p[0].to(vv.dtype), vg[0])[None]
                 if k0 == 0:
                     acc.copy_(pv)
@@ -179,7 +188,8 @@ def forward(q, k, v):
 # torch >= 2.9: oneDNN may run float32 products as bf16 products (float32 sums and output), exact when the
 # inputs hold bf16 values; a process-wide setting, so `_bf16_sums` sets it only around such products
 _BF16_SUMS = hasattr(getattr(torch.backends, "mkldnn", None), "matmul") and hasattr(
-    torch.backends.mkldnn.matmul, "fp32_precision")
+    torch.backends.mkldnn.matmul, "fp32_precision"
+)
 
 
 @contextlib.contextmanager
@@ -218,8 +228,11 @@ def backward(q, k, v, out, lse, grad_out):
             dk[i, k0:k1] += _nn(dst, q_blk)
             dq[i, rows] += _tn(dst, k_t)
     # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs/log2(e)
-    return (L.heads(dq.mul_(scale), q.dtype), dk.mul_(1 / LOG2E).view(k.shape).to(k.dtype),
-            dv.view(v.shape).to(v.dtype))
+    return (
+        L.heads(dq.mul_(scale), q.dtype),
+        dk.mul_(1 / LOG2E).view(k.shape).to(k.dtype),
+        dv.view(v.shape).to(v.dtype),
+    )
 
 
 def _backward_bf16(q, k, v, out, lse, grad_out):
@@ -258,5 +271,8 @@ def _backward_bf16(q, k, v, out, lse, grad_out):
             else:
                 dqt[grp, :, rows] += part
     # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q
-    return (L.heads(dqt.mul_(scale).transpose(1, 2), q.dtype), dk.mul_(scale).view(k.shape).to(k.dtype),
-            dv.view(v.shape).to(v.dtype))
+    return (
+        L.heads(dqt.mul_(scale).transpose(1, 2), q.dtype),
+        dk.mul_(scale).view(k.shape).to(k.dtype),
+        dv.view(v.shape).to(v.dtype),
+    )

@@ -1,4 +1,5 @@
 """What this CPU can do natively, read at run time (never decided by the CPU's name)."""
+
 from __future__ import annotations
 
 import re

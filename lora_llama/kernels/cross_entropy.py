@@ -6,6 +6,7 @@ lm_head the gradient of each chunk is computed right away in the forward pass,
 so neither the logits nor their gradient are kept for backward (the idea of
 Liger's fused linear cross-entropy).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,11 +51,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # float32 chunks in one pass keep their gradient in the buffer; others write it over the logits' rows
         in_buffer = work >= rows and h.dtype == torch.float32
         for i in range(0, h.shape[0], rows):
-            hc, tc = h[i:i + rows], targets[i:i + rows]
+            hc, tc = h[i : i + rows], targets[i : i + rows]
             logits = linear(hc, weight)  # (rows, V)
             for j in range(0, len(tc), work):
-                part, tj = logits[j:j + work], tc[j:j + work]
-                logp = logp_buf[:len(tj)].copy_(part)
+                part, tj = logits[j : j + work], tc[j : j + work]
+                logp = logp_buf[: len(tj)].copy_(part)
                 torch.log_softmax(logp, -1, out=logp)  # in place
                 total -= logp.gather(1, tj[:, None]).sum()
                 if need_h or need_w:
@@ -64,7 +65,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         part.copy_(logp)
             dlogits = logp if in_buffer else logits
             if need_h:
-                grad_h[i:i + rows] = linear(dlogits, weight.T)
+                grad_h[i : i + rows] = linear(dlogits, weight.T)
             if need_w:
                 grad_w += (dlogits.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)
@@ -73,9 +74,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return ((grad_h * grad_out.to(grad_h.dtype)).to(ctx.h_dtype) if grad_h is not None else None,
-                (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None,
-                None, None)
+        return (
+            (grad_h * grad_out.to(grad_h.dtype)).to(ctx.h_dtype) if grad_h is not None else None,
+            (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None,
+            None,
+            None,
+        )
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -88,13 +92,13 @@ class _LinearLogProbs(torch.autograd.Function):
         out = torch.empty(n, dtype=torch.float32, device=h.device)
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
         for i in range(0, n, rows):
-            t = targets[i:i + rows]
-            logp = torch.log_softmax(linear(h[i:i + rows].float(), w).div_(temperature), -1)
-            out[i:i + rows] = logp.gather(1, t[:, None]).squeeze(1)
+            t = targets[i : i + rows]
+            logp = torch.log_softmax(linear(h[i : i + rows].float(), w).div_(temperature), -1)
+            out[i : i + rows] = logp.gather(1, t[:, None]).squeeze(1)
             if grad_h is not None:  # d logp[t] / d logits = (one-hot(t) - softmax) / temperature
                 d = logp.exp_().neg_()
                 d[torch.arange(len(t), device=t.device), t] += 1
-                grad_h[i:i + rows] = linear(d, w.T).div_(temperature)
+                grad_h[i : i + rows] = linear(d, w.T).div_(temperature)
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = h.dtype
         return out
@@ -136,8 +140,10 @@ def linear_cross_entropy(h: torch.Tensor, lm_head: nn.Module, targets: torch.Ten
     # an adapted lm_head: recompute each chunk's logits in backward instead of storing them
     total = h.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], rows):
-        chunk = (lm_head, h[i:i + rows], targets[i:i + rows])
-        total = total + (checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled() else _ce_chunk(*chunk))
+        chunk = (lm_head, h[i : i + rows], targets[i : i + rows])
+        total = total + (
+            checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled() else _ce_chunk(*chunk)
+        )
     return total
 
 
@@ -185,8 +191,9 @@ def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None, t
         return (linear_cross_entropy(h, model.lm_head, targets), n) if n else (h.sum() * 0.0, 0)
 
 
-def token_logps(model, input_ids, labels, temperature: float = 1.0, position_ids=None,
-                segment_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps(
+    model, input_ids, labels, temperature: float = 1.0, position_ids=None, segment_ids=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of every target token (N,), the (B, T-1) mask of where they are): what preference
     objectives sum per row, and GRPO takes per token (from logits / temperature, the distribution sampled).
     The logits are built a chunk of targets at a time and recomputed in backward: B x T x V never exists."""
@@ -199,7 +206,8 @@ def token_logps(model, input_ids, labels, temperature: float = 1.0, position_ids
         if isinstance(lm_head, nn.Linear) and lm_head.bias is None and not lm_head.weight.requires_grad:
             return _LinearLogProbs.apply(h, lm_head.weight, targets, rows, temperature) + chunks[0], keep
         for i in range(0, h.shape[0], rows):  # an adapted lm_head: each chunk's logits recomputed in backward
-            chunk = (lm_head, h[i:i + rows], targets[i:i + rows], "none", temperature)
-            chunks.append(-(checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled()
-                            else _ce_chunk(*chunk)))
+            chunk = (lm_head, h[i : i + rows], targets[i : i + rows], "none", temperature)
+            chunks.append(
+                -(checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled() else _ce_chunk(*chunk))
+            )
     return (torch.cat(chunks[1:]) if len(chunks) > 1 else h.new_zeros(0, dtype=torch.float32)) + chunks[0], keep

@@ -5,6 +5,7 @@ same formula; the formulas are in the docstrings, and tests check each against a
 (gradcheck in float64). model.py and lora.py call these and read as architecture and maths. Training in bf16 on
 the CPU, RMSNorm and SwiGLU take fused.py's compiled versions of the same formulas.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,7 +60,9 @@ class _RMSNorm(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = (_at_least_float32(grad) * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
-        gw = _float_mul(grad, _at_least_float32(weight))  # a float32 weight: a bf16 one would take a slow mixed-dtype path
+        gw = _float_mul(
+            grad, _at_least_float32(weight)
+        )  # a float32 weight: a bf16 one would take a slow mixed-dtype path
         c = torch.linalg.vecdot(gw, x_hat).unsqueeze(-1) / x.shape[-1]  # mean(gw · x̂) per row
         grad_x = gw.sub_(x_hat.mul_(c)).mul_(rstd) if ctx.needs_input_grad[0] else None
         return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None
@@ -192,14 +195,16 @@ class _SharedInputLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scales, *params):
-        layers = [params[i:i + 4] for i in range(0, len(params), 4)]
+        layers = [params[i : i + 4] for i in range(0, len(params), 4)]
         lora_a = torch.cat([p[2] for p in layers]) if len(layers) > 1 else layers[0][2]  # (Σr, in)
         # bf16-mixed: A and B are float32 master weights, used in x's dtype (x and W0 share it)
         a = linear(x, lora_a.to(x.dtype))  # (N, Σr)
         ends = list(itertools.accumulate(p[3].shape[1] for p in layers))
         ctx.cols = [slice(e - p[3].shape[1], e) for e, p in zip(ends, layers)]  # layer i's columns of a
-        ys = [linear(x, _weight(w0, x.dtype), bias).addmm_(a[:, cols], lora_b.to(x.dtype).t(), alpha=scale)  # (N, out_i)
-              for (w0, bias, _, lora_b), cols, scale in zip(layers, ctx.cols, scales)]
+        ys = [
+            linear(x, _weight(w0, x.dtype), bias).addmm_(a[:, cols], lora_b.to(x.dtype).t(), alpha=scale)  # (N, out_i)
+            for (w0, bias, _, lora_b), cols, scale in zip(layers, ctx.cols, scales)
+        ]
         ctx.layers = {i: p for i, p in enumerate(params) if p is not None and not isinstance(p, torch.Tensor)}
         ctx.save_for_backward(x, a, lora_a, *[None if i in ctx.layers else p for i, p in enumerate(params)])
         ctx.scales = scales

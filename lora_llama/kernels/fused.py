@@ -1,8 +1,8 @@
 """bfloat16 elementwise math of a CPU training step as compiled loops (torch.compile's inductor), eager as fallback.
 
 PyTorch's eager kernels take a bf16 formula one operation at a time, each a pass over memory that converts to float32
-and back: no faster per element than float32 on the CPU, so they cap what bf16 gains over a float32 step. Inductor writes
-one C++ loop per formula with the conversions in registers. On an AMD EPYC with AVX512_BF16 (2 threads; forward
+and back: no faster per element than float32 on the CPU, so they cap what bf16 gains over a float32 step. Inductor
+writes one C++ loop per formula with the conversions in registers. On an AMD EPYC with AVX512_BF16 (2 threads; forward
 plus backward): RMSNorm (4, 512, 576) 1.53 -> 0.28 ms, SwiGLU (2048, 1536) 3.4 -> 2.3 ms; the bf16 training step 6.8%
 faster (paired), the float32 one unchanged, so float32 and other devices keep the eager kernels and compile nothing.
 
@@ -11,6 +11,7 @@ them on disk for later runs), with dynamic shapes (a new row count is no new com
 compiler, an unsupported build), a warning says so once and the eager kernels run from then on. `compiled` also
 serves quant.py, whose dequantization compiles on CUDA.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,6 +43,7 @@ def made_once(make):
     @functools.wraps(make)
     def get(*args):
         return make(*args) if torch.compiler.is_compiling() else cached(*args)
+
     return get
 
 
@@ -68,9 +70,11 @@ def compiled(fn, slower: str, graphs: int | None = None, **compile_args):
                 # dynamo's wrapper reads "backend='inductor' raised:" and then the cause
                 lines = [line for line in str(e).splitlines() if line.strip() and not line.endswith("raised:")]
                 _broken = lines[0][:200] if lines else type(e).__name__
-                warnings.warn(f"torch.compile unavailable ({_broken}); using PyTorch's eager kernels ({slower})",
-                              stacklevel=2)
+                warnings.warn(
+                    f"torch.compile unavailable ({_broken}); using PyTorch's eager kernels ({slower})", stacklevel=2
+                )
         return fn(*args, **kwargs)
+
     return run if isinstance(fn, torch.nn.Module) else functools.wraps(fn)(run)
 
 
@@ -78,8 +82,9 @@ def compiled(fn, slower: str, graphs: int | None = None, **compile_args):
 # first input was small (a test's tiny model: seen here running SwiGLU's backward on one thread of two in later
 # full-size steps, from inductor's disk cache); with this the loop always has a parallel region and OpenMP splits
 # it at run time
-_compiled = functools.partial(compiled, slower="bf16 training on the CPU runs slower", dynamic=True,
-                              options={"cpp.dynamic_threads": True})
+_compiled = functools.partial(
+    compiled, slower="bf16 training on the CPU runs slower", dynamic=True, options={"cpp.dynamic_threads": True}
+)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -96,8 +101,9 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     return y.view(x.shape), rstd.view(*x.shape[:-1], 1)
 
 
-def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor,
-                      weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor, weight_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dx = (gw - x̂·mean(gw·x̂))·rstd with x̂ = x·rstd, gw = grad·weight (kernels._RMSNorm), and, if asked,
     the weight's gradient Σ grad·x̂ over the rows."""
     dx, grad_w = _rms_norm_backward(_rows(x), weight, _rows(rstd), _rows(grad), weight_grad)
@@ -123,8 +129,9 @@ def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
 
 
 @_compiled
-def _rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor,
-                       weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad: torch.Tensor, weight_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     x_hat = x.float() * rstd
     gradf = grad.float()
     gw = gradf * weight.float()

@@ -13,6 +13,7 @@ dtypes, an x whose rows are not contiguous in memory, in = 0, builds without one
 `run_linear` is the module-level entry for plain nn.Linear layers (frozen ones in training,
 any under no_grad).
 """
+
 from __future__ import annotations
 
 import torch
@@ -70,10 +71,17 @@ def copies_transposed(dtype: torch.dtype, device: torch.device) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·weightᵀ + bias, x (..., in), weight (out, in), which may be a transposed view (W.t() for gy·W)."""
     # oneDNN slows down ~100x on a weight whose rows are strided (a view of a wider tensor): those go to F.linear
-    if (_ONEDNN is not None and x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in ONEDNN_DTYPES
-            and x.dim() >= 2 and x.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)
-            and (weight.is_contiguous() or weight.t().is_contiguous())
-            and x.shape[-1] > 0):  # oneDNN has no primitive for an empty sum (in = 0)
+    if (
+        _ONEDNN is not None
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and x.dtype in ONEDNN_DTYPES
+        and x.dim() >= 2
+        and x.stride(-1) == 1
+        and (bias is None or bias.dtype == x.dtype)
+        and (weight.is_contiguous() or weight.t().is_contiguous())
+        and x.shape[-1] > 0
+    ):  # oneDNN has no primitive for an empty sum (in = 0)
         if torch.compiler.is_compiling():
             return _onednn_linear(x, weight, bias)
         return _ONEDNN(x, weight, bias, "none", [], "")  # eager: the custom op's dispatch costs 10-40 µs a call
@@ -104,8 +112,12 @@ def run_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     Layers with hooks, under autocast, inside a compiled region (inductor writes their backward) or of other
     types (LoRA, quantized) are called as modules.
     """
-    if (type(layer) is nn.Linear and not (layer._forward_hooks or layer._forward_pre_hooks)
-            and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling()):
+    if (
+        type(layer) is nn.Linear
+        and not (layer._forward_hooks or layer._forward_pre_hooks)
+        and not torch.is_autocast_enabled(x.device.type)
+        and not torch.compiler.is_compiling()
+    ):
         if not torch.is_grad_enabled():
             return linear(x, layer.weight, layer.bias)
         if not layer.weight.requires_grad and (layer.bias is None or not layer.bias.requires_grad):

@@ -8,6 +8,7 @@ and faults in every page of it each time. One buffer that grows to the largest w
 chunks whose temporaries take a few megabytes (from pieces of the heap that every chunk reuses), does neither;
 weights of up to about a million weights are dequantized whole.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,1 +1,2 @@
-"""Models from their sources (HF folders, GGUF, Hub ids, registered names), PEFT adapter files, fsdp's sharded loading."""
+"""Models from their sources (HF folders, GGUF, Hub ids, registered names), PEFT adapter files, fsdp's sharded
+loading."""

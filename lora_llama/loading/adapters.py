@@ -3,6 +3,7 @@
 Tensor keys are PEFT's (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), so
 `peft.PeftModel.from_pretrained` loads what `save_adapter` writes and the other way round.
 """
+
 from __future__ import annotations
 
 import os
@@ -10,20 +11,26 @@ from pathlib import Path
 
 import torch
 
-from lora_llama.model.config import DECODER_TARGETS, HF_NAME
-from lora_llama.lora.settings import lora_settings
 from lora_llama.errors import UserError
 from lora_llama.files import atomic_dir, read_json, write_json
-from lora_llama.lora.layer import adapter_settings, apply_lora, lora_modules, lora_state_dict
 from lora_llama.lora.init import plain_adapter
+from lora_llama.lora.layer import adapter_settings, apply_lora, lora_modules, lora_state_dict
+from lora_llama.lora.settings import lora_settings
+from lora_llama.model.config import DECODER_TARGETS, HF_NAME
 from lora_llama.registry import base_model_id
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def save_adapter(model, out: str | os.PathLike, base_model: str | None = None, force: bool = False,
-                 tensors: dict | None = None, plain: bool = True) -> Path:
+def save_adapter(
+    model,
+    out: str | os.PathLike,
+    base_model: str | None = None,
+    force: bool = False,
+    tensors: dict | None = None,
+    plain: bool = True,
+) -> Path:
     """Write the model's adapter in PEFT format (adapter_config.json + adapter_model.safetensors), atomically.
     tensors: the adapter's tensors under native names when the model's own are shards (gathered by the caller).
     plain: a PiSSA / OLoRA adapter is written as the plain rank-2r LoRA adapter of the original base (peft and
@@ -35,18 +42,31 @@ def save_adapter(model, out: str | os.PathLike, base_model: str | None = None, f
         raise UserError("the model has no LoRA adapter to save")
     tensors = tensors or lora_state_dict(model)
     r, alpha, init = settings.r, settings.alpha, settings.init_lora_weights
-    initial = {f"{path}.lora_{x}.weight": getattr(m, f"lora_{x}0") for path, m in lora_modules(model).items()
-               if hasattr(m, "lora_A0") for x in "AB"}
+    initial = {
+        f"{path}.lora_{x}.weight": getattr(m, f"lora_{x}0")
+        for path, m in lora_modules(model).items()
+        if hasattr(m, "lora_A0")
+        for x in "AB"
+    }
     if plain and initial:
         tensors, alpha, r = plain_adapter(tensors, initial, alpha, r, settings.rslora)
         init = True
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
-        "lora_dropout": settings.dropout, "target_modules": sorted(HF_NAME[t] for t in settings.targets),
-        "layers_to_transform": settings.layers, "use_rslora": settings.rslora, "bias": "none",
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": settings.dropout,
+        "target_modules": sorted(HF_NAME[t] for t in settings.targets),
+        "layers_to_transform": settings.layers,
+        "use_rslora": settings.rslora,
+        "bias": "none",
         "base_model_name_or_path": base_model or (model.source and base_model_id(model.source)),
         "use_dora": settings.use_dora,
-        "fan_in_fan_out": False, "init_lora_weights": init, "inference_mode": True, "modules_to_save": None,
+        "fan_in_fan_out": False,
+        "init_lora_weights": init,
+        "inference_mode": True,
+        "modules_to_save": None,
     }
     tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     with atomic_dir(out, force=force) as tmp:
@@ -85,10 +105,16 @@ def read_adapter_config(folder: str | os.PathLike):
     r = cfg.get("r", 8)
     if not isinstance(r, int) or r <= 0:
         raise UserError(f"{folder}: r must be a positive integer, got {r!r}")
-    return lora_settings(r=r, alpha=cfg.get("lora_alpha", 8), dropout=cfg.get("lora_dropout", 0.0),
-                         targets=[by_hf[t] for t in targets], rslora=bool(cfg.get("use_rslora", False)),
-                         use_dora=bool(cfg.get("use_dora", False)), init_lora_weights=cfg.get("init_lora_weights", True),
-                         layers=[layers] if isinstance(layers, int) else layers), cfg
+    return lora_settings(
+        r=r,
+        alpha=cfg.get("lora_alpha", 8),
+        dropout=cfg.get("lora_dropout", 0.0),
+        targets=[by_hf[t] for t in targets],
+        rslora=bool(cfg.get("use_rslora", False)),
+        use_dora=bool(cfg.get("use_dora", False)),
+        init_lora_weights=cfg.get("init_lora_weights", True),
+        layers=[layers] if isinstance(layers, int) else layers,
+    ), cfg
 
 
 def read_adapter_tensors(folder: str | os.PathLike) -> dict:
@@ -120,8 +146,10 @@ def load_adapter_weights(model, folder: str | os.PathLike) -> None:
         if key not in own:
             raise UserError(f"adapter tensor {PEFT_PREFIX + key!r} has no place in the base model")
         if tensor.shape != own[key].shape:
-            raise UserError(f"adapter tensor {PEFT_PREFIX + key!r} has shape {tuple(tensor.shape)}, "
-                            f"the base model needs {tuple(own[key].shape)}")
+            raise UserError(
+                f"adapter tensor {PEFT_PREFIX + key!r} has shape {tuple(tensor.shape)}, "
+                f"the base model needs {tuple(own[key].shape)}"
+            )
     missing = sorted(set(own) - set(loaded))
     if missing:
         raise UserError(f"{path} lacks {len(missing)} tensors, first {PEFT_PREFIX + missing[0]!r}")
@@ -135,7 +163,9 @@ def load_adapter(model, folder: str | os.PathLike) -> dict:
     settings, _ = read_adapter_config(folder)
     ranks = {t.shape[0] for k, t in read_adapter_tensors(folder).items() if ".lora_A." in k}
     if ranks - {settings.r}:  # checked before apply_lora allocates r x in for every layer
-        raise UserError(f"{Path(folder) / ADAPTER_CONFIG} says r={settings.r}, its tensors have rank {sorted(ranks)[0]}")
+        raise UserError(
+            f"{Path(folder) / ADAPTER_CONFIG} says r={settings.r}, its tensors have rank {sorted(ranks)[0]}"
+        )
     summary = apply_lora(model, settings)
     load_adapter_weights(model, folder)
     return summary
@@ -151,6 +181,8 @@ def adapter_deltas(folder: str | os.PathLike) -> tuple[dict, float, dict]:
     want = {"A", "B", "m"} if settings.use_dora else {"A", "B"}
     incomplete = [k for k, v in pairs.items() if set(v) != want]
     if incomplete:
-        raise UserError(f"{Path(folder) / ADAPTER_WEIGHTS}: {incomplete[0]} lacks one of "
-                        f"{', '.join(sorted(want - set(pairs[incomplete[0]]))) or 'its tensors'}")
+        raise UserError(
+            f"{Path(folder) / ADAPTER_WEIGHTS}: {incomplete[0]} lacks one of "
+            f"{', '.join(sorted(want - set(pairs[incomplete[0]]))) or 'its tensors'}"
+        )
     return {k: (v["A"], v["B"], v.get("m")) for k, v in pairs.items()}, settings.scale, cfg

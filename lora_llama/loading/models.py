@@ -4,23 +4,33 @@ Hub ids and registered names; `load_model` and `load_tokenizer`.
 Every source is resolved to a local HF folder first. A GGUF file is dequantised
 once into a cached HF folder, so loading, merging and tokenizers share one path.
 """
+
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
 
-from lora_llama.model.config import DECODER_TARGETS, TARGET_MODULES, ModelArgs, family_of, portable_hf_config
 from lora_llama.errors import UserError
-from lora_llama.files import (atomic_dir, iter_shards, make_tokenizer_config_portable, permute_rows, read_config,
-                    release_freed_memory, write_json, write_text_atomic)
+from lora_llama.files import (
+    atomic_dir,
+    iter_shards,
+    make_tokenizer_config_portable,
+    permute_rows,
+    read_config,
+    release_freed_memory,
+    write_json,
+    write_text_atomic,
+)
+from lora_llama.model.config import DECODER_TARGETS, TARGET_MODULES, ModelArgs, family_of, portable_hf_config
 from lora_llama.model.llama import Llama
-from lora_llama.runtime.precision import resolve_device
 from lora_llama.quant.gguf_blocks import GGUF_FORMATS, row_bytes
 from lora_llama.quant.linear import REQUANTIZED, QuantizedLinear, quantize_loaded_linears
 from lora_llama.registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
+from lora_llama.runtime.precision import resolve_device
 
 CACHE_FORMAT = 2  # of the folders gguf_to_folder writes (2: portable config.json and tokenizer_config.json)
+
 
 def resolve_source(source: str | os.PathLike) -> Path:
     """Return a local HF folder (config.json + safetensors + tokenizer) for any accepted source."""
@@ -53,11 +63,15 @@ def download_from_hub(repo_id: str) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+        return Path(
+            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        )
     except RepositoryNotFoundError:
         raise UserError(f"Hub model {repo_id!r} not found (or it is gated and no token was given)") from None
     except LocalEntryNotFoundError:
-        raise UserError(f"cannot download {repo_id!r}: the Hub is unreachable and it is not in the local cache") from None
+        raise UserError(
+            f"cannot download {repo_id!r}: the Hub is unreachable and it is not in the local cache"
+        ) from None
     except HfHubHTTPError as e:
         raise UserError(f"cannot download {repo_id!r}: {str(e).splitlines()[0]}") from None
 
@@ -116,7 +130,9 @@ def gguf_to_folder(gguf: Path) -> Path:
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=hf_model)["tensors"]
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # a truncated or damaged file fails in many ways inside gguf / transformers
-        raise UserError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise UserError(
+            f"cannot read GGUF file {gguf}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     with atomic_dir(folder, force=True) as tmp:
         cfg = config.to_dict()
         cfg.pop("quantization_config", None)
@@ -145,8 +161,9 @@ def load_tokenizer(source: str | os.PathLike):
     return tok
 
 
-def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = None, device="cpu",
-               nf4_double_quant: bool = False):
+def load_model(
+    source: str | os.PathLike, dtype=None, quantize: str | None = None, device="cpu", nf4_double_quant: bool = False
+):
     """Build the native `Llama` from any accepted source (device "auto": CUDA when present).
 
     The model is built on the `meta` device and each shard's tensors are assigned
@@ -173,7 +190,10 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | None = Non
             if key not in expected:
                 raise UserError(f"{file.name}: unexpected tensor {key!r} for a {args.model_type} model")
             if shard[key].shape != expected[key]:
-                raise UserError(f"{file.name}: {key} has shape {tuple(shard[key].shape)}, config.json implies {tuple(expected[key])}")
+                raise UserError(
+                    f"{file.name}: {key} has shape {tuple(shard[key].shape)}, "
+                    f"config.json implies {tuple(expected[key])}"
+                )
             # a linear to be quantized is quantized from the checkpoint's own precision, not from dtype's rounding
             keep = quantize in REQUANTIZED and key.endswith("_proj.weight") and key.startswith("model.layers.")
             shard[key] = shard[key].to(device=device, dtype=None if keep else dtype)
@@ -203,8 +223,6 @@ def gguf_linear_blocks(source, args: ModelArgs, copy: bool = True) -> dict:
     llama.cpp stores llama's q and k rows in its interleaved RoPE order: they are put back in HF's order.
     copy=False: (kind, the file's memory-mapped rows, heads to reorder or None), for `block_rows` to read later."""
     import gguf as gg
-    import numpy as np
-    import torch
 
     gguf = gguf_file(source)
     if gguf is None:
@@ -220,14 +238,17 @@ def gguf_linear_blocks(source, args: ModelArgs, copy: bool = True) -> dict:
             t = tensors.get(names.get_name(f"{path}.weight", try_suffixes=(".weight",)) or "")
             if t is None or t.tensor_type.name.lower() not in GGUF_FORMATS:
                 continue
-            heads = (args.n_heads if target == "q" else args.n_kv_heads) \
-                if arch == gg.MODEL_ARCH.LLAMA and target in ("q", "k") else None
+            heads = (
+                (args.n_heads if target == "q" else args.n_kv_heads)
+                if arch == gg.MODEL_ARCH.LLAMA and target in ("q", "k")
+                else None
+            )
             entry = (t.tensor_type.name.lower(), t.data, heads)  # (out, blocks x bytes) of the mapped file
             found[path] = (entry[0], block_rows(entry)) if copy else entry
     return found
 
 
-def block_rows(entry, lo: int = 0, hi: int | None = None) -> "torch.Tensor":
+def block_rows(entry, lo: int = 0, hi: int | None = None):
     """A copy of rows lo..hi of a GGUF tensor's rows of blocks (the quantized bytes only), in HF's row order."""
     import numpy as np
     import torch
@@ -248,12 +269,23 @@ def install_blocks(model, blocks: dict, device) -> None:
         parent = model.get_submodule(parent_path)
         lin = getattr(parent, name)
         if rows.shape != (lin.out_features, row_bytes(kind, lin.in_features)):
-            raise UserError(f"GGUF tensor for {path} has {tuple(rows.shape)} bytes of {kind} blocks, "
-                            f"which does not fit a {lin.out_features} x {lin.in_features} weight")
+            raise UserError(
+                f"GGUF tensor for {path} has {tuple(rows.shape)} bytes of {kind} blocks, "
+                f"which does not fit a {lin.out_features} x {lin.in_features} weight"
+            )
         bias = lin.bias.detach() if lin.bias is not None else None
-        setattr(parent, name, QuantizedLinear(lin.in_features, lin.out_features, kind, rows.to(device),
-                                              rows.new_empty(0, dtype=torch.float32, device=device), bias))
+        setattr(
+            parent,
+            name,
+            QuantizedLinear(
+                lin.in_features,
+                lin.out_features,
+                kind,
+                rows.to(device),
+                rows.new_empty(0, dtype=torch.float32, device=device),
+                bias,
+            ),
+        )
 
 
 # ---------------------------------------------------------------------------- PEFT adapters
-

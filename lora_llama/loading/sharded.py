@@ -8,6 +8,7 @@ output row (int8: a scale per row; nf4: in/64 blocks per row; GGUF: a row of blo
 row quantized on its own is the row quantized with the whole tensor. nf4's double quantization is the one
 exception: its second-level scales span rows, so such a layer reads its whole weight (one tensor at a time).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,21 +16,22 @@ import math
 import torch
 import torch.nn as nn
 
-from lora_llama.loading.adapters import load_adapter_weights
-from lora_llama.loading.models import block_rows, gguf_linear_blocks, resolve_source
-from lora_llama.model.config import ModelArgs
-from lora_llama.runtime.distributed import shard_model
 from lora_llama.errors import UserError
 from lora_llama.files import CheckpointRows, read_config
+from lora_llama.loading.adapters import load_adapter_weights
+from lora_llama.loading.models import block_rows, gguf_linear_blocks, resolve_source
 from lora_llama.lora.layer import apply_lora
+from lora_llama.model.config import ModelArgs
 from lora_llama.model.llama import Llama
+from lora_llama.quant.formats import NF4_BLOCK, quantize_absmax, quantize_int8, quantize_nf4
 from lora_llama.quant.gguf_blocks import GGUF_FORMATS, row_bytes
 from lora_llama.quant.linear import DECODER_LINEARS, QuantizedLinear
-from lora_llama.quant.formats import NF4_BLOCK, quantize_absmax, quantize_int8, quantize_nf4
+from lora_llama.runtime.distributed import shard_model
 
 
-def sharded_adapted_model(source, lora, dtype, quantize: str | None, double_quant: bool, device, ranks,
-                          adapter_dir=None):
+def sharded_adapted_model(
+    source, lora, dtype, quantize: str | None, double_quant: bool, device, ranks, adapter_dir=None
+):
     """(model, apply_lora's summary): the base sharded over the ranks from the start, its adapters on every rank
     as one process makes them (the same random draws), then cut into shards too."""
     folder = resolve_source(source)
@@ -66,7 +68,10 @@ def placeholders(model, quantize: str | None, double_quant: bool, blocks: dict) 
 
 def _meta_layer(lin: nn.Linear, kind: str, double_quant: bool) -> QuantizedLinear:
     out, inp = lin.out_features, lin.in_features
-    meta = lambda *shape, dtype: torch.empty(shape, dtype=dtype, device="meta")
+
+    def meta(*shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
     if kind == "int8":
         codes, scales = meta(out, inp, dtype=torch.int8), meta(out, dtype=torch.float32)
     elif kind == "nf4":
@@ -124,8 +129,10 @@ def _quantized(module: QuantizedLinear, path: str, rows: CheckpointRows, blocks:
     cloned, so the whole one is freed."""
     key = f"{path.removesuffix('.base_layer')}.weight"
     if module.kind in GGUF_FORMATS:
-        return {"codes": block_rows(blocks[key.removesuffix(".weight")], lo, hi),
-                "scales": torch.empty(0, dtype=torch.float32)}
+        return {
+            "codes": block_rows(blocks[key.removesuffix(".weight")], lo, hi),
+            "scales": torch.empty(0, dtype=torch.float32),
+        }
     _check_shape(rows, key, (module.out_features, module.in_features))
     if module.kind == "int8":
         return dict(zip(("codes", "scales"), quantize_int8(rows.rows(key, lo, hi))))
@@ -145,6 +152,12 @@ def _as_shard(local: torch.Tensor, meta_param) -> nn.Parameter:
     """A parameter holding this rank's rows of the whole tensor `meta_param` describes."""
     from torch.distributed.tensor import DTensor
 
-    shard = DTensor.from_local(local.contiguous(), meta_param.device_mesh, meta_param.placements, run_check=False,
-                               shape=meta_param.shape, stride=meta_param.stride())
+    shard = DTensor.from_local(
+        local.contiguous(),
+        meta_param.device_mesh,
+        meta_param.placements,
+        run_check=False,
+        shape=meta_param.shape,
+        stride=meta_param.stride(),
+    )
     return nn.Parameter(shard, requires_grad=False)

@@ -12,6 +12,7 @@ PiSSA and OLoRA train on the residual base, so their adapter only fits it. `plai
 plain LoRA adapter of rank 2r on the *original* base, as peft's `path_initial_model_for_weight_conversion` does:
 W_res + s·B·A = W0 + s·[B, -B0]·[A; A0], with alpha doubled (x sqrt(2) with rsLoRA) so that the scale stays.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,12 @@ PRINCIPAL = re.compile(r"pissa(_niter_(\d+))?|olora")
 
 
 def check_init(value) -> None:
-    if value is True or value is False or value == "gaussian" or (isinstance(value, str) and PRINCIPAL.fullmatch(value)):
+    if (
+        value is True
+        or value is False
+        or value == "gaussian"
+        or (isinstance(value, str) and PRINCIPAL.fullmatch(value))
+    ):
         return
     raise ValueError(f"unknown init_lora_weights {value!r} (use true, false, gaussian, pissa, pissa_niter_N, olora)")
 

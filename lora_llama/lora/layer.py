@@ -20,6 +20,7 @@ share its input (q, k, v; gate, up).
 Module and parameter names follow PEFT (`q_proj.base_layer`, `q_proj.lora_A`,
 `q_proj.lora_B`), so adapter keys are PEFT's with the `base_model.model.` prefix.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,18 +29,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lora_llama.model.config import TARGET_MODULES
-from lora_llama.lora.settings import LoraSettings, lora_scale
 from lora_llama.errors import UserError
 from lora_llama.files import read_tensors
-from lora_llama.kernels.gemm import run_linear
 from lora_llama.kernels.elementwise import low_rank_linears
+from lora_llama.kernels.gemm import run_linear
 from lora_llama.lora.init import init_adapter, moves_w0, principal_init
+from lora_llama.lora.settings import LoraSettings, lora_scale
+from lora_llama.model.config import TARGET_MODULES
 from lora_llama.quant.linear import QuantizedLinear
 
 
-def fold(w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-         inplace: bool = False, magnitude: torch.Tensor | None = None) -> torch.Tensor:
+def fold(
+    w0: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    inplace: bool = False,
+    magnitude: torch.Tensor | None = None,
+) -> torch.Tensor:
     """W0 + scale·B·A in float32, the one place a merge computes it (negative scale: unmerge); with a DoRA
     magnitude, each row then scaled to it: m · (W0 + scale·B·A) / ‖W0 + scale·B·A‖.
 
@@ -55,8 +62,9 @@ def fold(w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: fl
     return w
 
 
-def row_norms(w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-              w0_squared: torch.Tensor) -> torch.Tensor:
+def row_norms(
+    w0: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, w0_squared: torch.Tensor
+) -> torch.Tensor:
     """‖W0 + scale·B·A‖ per row (float32) without the (out, in) sum: ‖W0_i‖² (given) + 2·scale·B_i·(W0·Aᵀ)_i
     + scale²·B_i·(A·Aᵀ)·B_iᵀ. W0·Aᵀ is one (out, in) x (in, r) product in W0's dtype."""
     a, b = lora_a.float(), lora_b.float()
@@ -94,8 +102,16 @@ class _MagnitudeScale(torch.autograd.Function):
 class LoRALinear(nn.Module):
     """x ↦ W0·x + scale·B·A·dropout(x), with W0 frozen and only A, B trained."""
 
-    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, rslora: bool = False,
-                 use_dora: bool = False, init=True):
+    def __init__(
+        self,
+        base: nn.Module,
+        r: int,
+        alpha: float,
+        dropout: float = 0.0,
+        rslora: bool = False,
+        use_dora: bool = False,
+        init=True,
+    ):
         super().__init__()
         self.base_layer = base
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -127,8 +143,10 @@ class LoRALinear(nn.Module):
         the plain form of the saved adapter."""
         base = self.base_layer
         if type(base) is not nn.Linear or not base.weight.is_floating_point():
-            raise UserError(f"init_lora_weights {how} needs the base's float weights (a quantized base is quantized "
-                            "after the residual is computed: lora-llama train does that)")
+            raise UserError(
+                f"init_lora_weights {how} needs the base's float weights (a quantized base is quantized "
+                "after the residual is computed: lora-llama train does that)"
+            )
         a, b, residual = principal_init(base.weight, self.r, self.scale, how)
         self.lora_A.weight.copy_(a)
         self.lora_B.weight.copy_(b)
@@ -142,11 +160,15 @@ class LoRALinear(nn.Module):
         for the products)."""
         base = self.base_layer
         plain = type(base) is nn.Linear and not base.weight.requires_grad and x.dtype == base.weight.dtype
-        return ((plain or type(base) is QuantizedLinear) and type(self.lora_dropout) is nn.Identity
-                and (base.bias is None or (not base.bias.requires_grad and base.bias.dtype == x.dtype))
-                and x.is_floating_point() and self.lora_A.weight.dtype == self.lora_B.weight.dtype
-                and self.lora_A.weight.dtype in (x.dtype, torch.float32)
-                and not torch.is_autocast_enabled(x.device.type))
+        return (
+            (plain or type(base) is QuantizedLinear)
+            and type(self.lora_dropout) is nn.Identity
+            and (base.bias is None or (not base.bias.requires_grad and base.bias.dtype == x.dtype))
+            and x.is_floating_point()
+            and self.lora_A.weight.dtype == self.lora_B.weight.dtype
+            and self.lora_A.weight.dtype in (x.dtype, torch.float32)
+            and not torch.is_autocast_enabled(x.device.type)
+        )
 
     def low_rank_node(self, x: torch.Tensor) -> tuple | None:
         """(W0, b, A, B, scale) for kernels' fused node, or None when this layer must run on its own."""
@@ -189,8 +211,9 @@ class LoRALinear(nn.Module):
         dropped = self.lora_dropout(x)
         low_rank = self.lora_B(self.lora_A(dropped.to(self.lora_A.weight.dtype))).float() * self.scale
         with torch.no_grad():
-            norms = row_norms(dense_weight(base, y.dtype), self.lora_A.weight, self.lora_B.weight, self.scale,
-                              self.w0_squared)
+            norms = row_norms(
+                dense_weight(base, y.dtype), self.lora_A.weight, self.lora_B.weight, self.scale, self.w0_squared
+            )
         if dropped is x:  # y = W0·x + b: the output is b + c·(W0·x + scale·B·A·x)
             w0x = y if base.bias is None else y - base.bias
             scaled = _MagnitudeScale.apply(w0x, low_rank, self.lora_magnitude_vector, norms).to(y.dtype)
@@ -201,8 +224,10 @@ class LoRALinear(nn.Module):
     def _float_base_weight(self) -> torch.Tensor:
         w = self.base_layer.weight
         if not isinstance(self.base_layer, nn.Linear) or not w.is_floating_point():
-            raise UserError("cannot merge into quantised base weights (lossy); use `lora-llama merge` or merge_lora, "
-                            "which fold ΔW into the original full-precision weights")
+            raise UserError(
+                "cannot merge into quantised base weights (lossy); use `lora-llama merge` or merge_lora, "
+                "which fold ΔW into the original full-precision weights"
+            )
         return w
 
     @torch.no_grad()
@@ -256,8 +281,19 @@ def apply_lora(model, settings: LoraSettings) -> dict:
     for path in target_paths(model, settings):
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, child, LoRALinear(getattr(parent, child), settings.r, settings.alpha, settings.dropout,
-                                          settings.rslora, settings.use_dora, settings.init_lora_weights))
+        setattr(
+            parent,
+            child,
+            LoRALinear(
+                getattr(parent, child),
+                settings.r,
+                settings.alpha,
+                settings.dropout,
+                settings.rslora,
+                settings.use_dora,
+                settings.init_lora_weights,
+            ),
+        )
     return parameter_summary(model)
 
 
@@ -275,8 +311,16 @@ def adapter_settings(model) -> LoraSettings | None:
             layers.add(int(parts[2]))
     m = next(iter(modules.values()))
     every_layer = layers in (set(), set(range(model.args.n_layers)))
-    return LoraSettings(r=m.r, alpha=m.alpha, dropout=m.dropout, rslora=m.rslora, use_dora=m.use_dora, init_lora_weights=m.init,
-                        targets=[t for t in TARGET_MODULES if t in targets], layers=None if every_layer else sorted(layers))
+    return LoraSettings(
+        r=m.r,
+        alpha=m.alpha,
+        dropout=m.dropout,
+        rslora=m.rslora,
+        use_dora=m.use_dora,
+        init_lora_weights=m.init,
+        targets=[t for t in TARGET_MODULES if t in targets],
+        layers=None if every_layer else sorted(layers),
+    )
 
 
 @contextlib.contextmanager
@@ -300,15 +344,19 @@ def parameter_summary(model) -> dict:
     counts a 4-bit weight, so a quantized base reports the model's size."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters()) + sum(
-        m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantizedLinear))
+        m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantizedLinear)
+    )
     return {"trainable": trainable, "total": total, "percent": round(100 * trainable / total, 4)}
 
 
 def lora_state_dict(model) -> dict[str, torch.Tensor]:
     """Native names of the adapter tensors, e.g. `model.layers.0.self_attn.q_proj.lora_A.weight` (and DoRA's
     `...q_proj.lora_magnitude_vector`)."""
-    return {k: v for k, v in model.state_dict().items()
-            if ".lora_A." in k or ".lora_B." in k or k.endswith(".lora_magnitude_vector")}
+    return {
+        k: v
+        for k, v in model.state_dict().items()
+        if ".lora_A." in k or ".lora_B." in k or k.endswith(".lora_magnitude_vector")
+    }
 
 
 def merge_lora(model) -> None:
@@ -326,12 +374,20 @@ def merge_lora(model) -> None:
     for path, m in modules.items():
         if path in quantized:
             base = m.base_layer
-            merged = nn.Linear(m.in_features, m.out_features, bias=base.bias is not None,
-                               device=m.lora_A.weight.device, dtype=dtype)
+            merged = nn.Linear(
+                m.in_features, m.out_features, bias=base.bias is not None, device=m.lora_A.weight.device, dtype=dtype
+            )
             with torch.no_grad():
                 w0 = originals[f"{path}.weight"].to(merged.weight.device)
-                merged.weight.copy_(fold(w0, m.lora_A.weight, m.lora_B.weight, m.scale,
-                                         magnitude=m.lora_magnitude_vector if m.use_dora else None))
+                merged.weight.copy_(
+                    fold(
+                        w0,
+                        m.lora_A.weight,
+                        m.lora_B.weight,
+                        m.scale,
+                        magnitude=m.lora_magnitude_vector if m.use_dora else None,
+                    )
+                )
                 if base.bias is not None:
                     merged.bias.copy_(base.bias)
             merged.requires_grad_(False)

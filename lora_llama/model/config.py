@@ -4,6 +4,7 @@ vocabularies every other module shares (dtypes, LoRA targets, quantize kinds, pr
 What a family sets that the native model does not implement is refused here, never ignored.
 The recipe schema users write lives in recipe.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,6 +17,7 @@ from lora_llama.errors import UserError
 @dataclass(frozen=True)
 class Family:
     """Where a model_type differs from Llama (read off transformers' modeling_<type>.py)."""
+
     architecture: str  # the transformers class: written as `architectures` in the configs we write
     qkv_bias: bool | None = None  # bias on q, k, v: fixed by the family, or None for config's attention_bias
     o_bias: bool | None = None  # bias on o: the same
@@ -33,13 +35,25 @@ FAMILIES = {
 _LOAD_TIME_KEYS = ("_name_or_path", "_model_name_or_path", "_commit_hash", "_attn_implementation_autoset")
 _DEFAULT_LABELS = {"0": "LABEL_0", "1": "LABEL_1"}
 # dtype spellings users write -> torch attribute names (the canonical spellings are the values)
-DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-               "fp16": "float16", "float16": "float16"}
+DTYPE_NAMES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 DType = Literal[tuple(sorted(set(DTYPE_NAMES.values())))]
 # LoRA target name -> module path inside a decoder block (lm_head lives at the top of the model)
 TARGET_MODULES = {
-    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj", "lm_head": "lm_head",
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+    "lm_head": "lm_head",
 }
 HF_NAME = {t: path.rsplit(".", 1)[-1] for t, path in TARGET_MODULES.items()}  # q -> q_proj: PEFT's target_modules
 DECODER_TARGETS = tuple(t for t in TARGET_MODULES if t != "lm_head")  # the seven linears of a block ("all-linear")
@@ -88,7 +102,9 @@ class ModelArgs:
         self.n_kv_heads = self.n_kv_heads or self.n_heads
         self.head_dim = self.head_dim or self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
-            raise UserError(f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
+            raise UserError(
+                f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}"
+            )
         if self.rope_scaling:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ("default", "llama3"):
@@ -147,7 +163,9 @@ def portable_hf_config(cfg: dict) -> dict:
     """config.json as we write it, for any tool to read: `architectures` names the family's class; no
     local path, no load-time key, no default label maps; `rope_theta` (and a non-default `rope_scaling`)
     also at the top level, where transformers < 5 and llama.cpp's converter read them."""
-    out = {k: v for k, v in cfg.items() if k not in _LOAD_TIME_KEYS and not (v is None and k in ("dtype", "torch_dtype"))}
+    out = {
+        k: v for k, v in cfg.items() if k not in _LOAD_TIME_KEYS and not (v is None and k in ("dtype", "torch_dtype"))
+    }
     out["architectures"] = [family_of(cfg).architecture]
     if {str(k): v for k, v in (out.get("id2label") or {}).items()} == _DEFAULT_LABELS:
         out.pop("id2label"), out.pop("label2id", None)

@@ -9,6 +9,7 @@ they live: training updates the adapter in place between calls, and the graph se
 kept per (batch, length) and per state of the model's modules (their identity, an adapter switched off or
 merged): a change of any captures anew.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,9 @@ class StaticDecoder:
     def __init__(self, model, batch: int, length: int):
         p = model.model.embed_tokens.weight
         self.model = model
-        self.cache = model.new_cache(batch, length, torch.ones(batch, length, dtype=torch.bool, device=p.device),
-                                     static=True)
+        self.cache = model.new_cache(
+            batch, length, torch.ones(batch, length, dtype=torch.bool, device=p.device), static=True
+        )
         self.token = torch.zeros(batch, dtype=torch.long, device=p.device)  # the step's input, (B,)
         self.position = torch.zeros(batch, dtype=torch.long, device=p.device)  # its RoPE position, (B,)
         self.graphed = p.is_cuda
@@ -77,8 +79,11 @@ class StaticDecoder:
 def decoder_for(model, batch: int, length: int) -> StaticDecoder:
     """The model's decoder for this batch and (bucketed) length, made or captured anew when its modules changed."""
     length = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
-    key = (batch, length, tuple((id(m), getattr(m, "disabled", None), getattr(m, "merged", None))
-                                for m in model.modules()))
+    key = (
+        batch,
+        length,
+        tuple((id(m), getattr(m, "disabled", None), getattr(m, "merged", None)) for m in model.modules()),
+    )
     kept = model.__dict__.setdefault("_static_decoders", {})
     if key not in kept:
         while len(kept) >= KEPT:

@@ -1,4 +1,5 @@
 """Sampling with the KV cache: greedy, temperature, top-k, top-p; stops at EOS."""
+
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -6,8 +7,9 @@ from typing import Callable, Iterable
 import torch
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
+) -> torch.Tensor:
     """Pick the next token id from logits (B, vocab); temperature 0 means greedy."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -30,10 +32,18 @@ def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 @torch.inference_mode()
-def generate(model, prompt_ids: Iterable[int], max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             eos_ids: Iterable[int] = (), use_cache: bool = True,
-             on_token: Callable[[int], None] | None = None) -> list[int]:
+def generate(
+    model,
+    prompt_ids: Iterable[int],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_ids: Iterable[int] = (),
+    use_cache: bool = True,
+    on_token: Callable[[int], None] | None = None,
+) -> list[int]:
     """Continue one prompt; returns the new token ids (EOS included when it ends the text)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")

@@ -9,6 +9,7 @@ Module names follow Hugging Face's `LlamaForCausalLM` exactly
 without renaming and LoRA adapters map 1:1 onto PEFT keys. q/k weights stay in
 HF's rotate-half RoPE layout (no permutation).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,17 +20,23 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lora_llama.kernels.attention import attend, takes_segments
-from lora_llama.model.config import ModelArgs, rope_inv_freq
+from lora_llama.kernels.elementwise import apply_rope, project, recompute_when_saved, rms_norm, silu_mul, swiglu
 from lora_llama.kernels.fused import compiled
 from lora_llama.kernels.gemm import run_linear
-from lora_llama.kernels.elementwise import apply_rope, project, recompute_when_saved, rms_norm, silu_mul, swiglu
-
+from lora_llama.model.config import ModelArgs, rope_inv_freq
 
 # attention's forward kernels (ours on the CPU, SDPA's flash / efficient / cuDNN): quadratic in the length to
 # recompute, linear to keep, so selective checkpointing keeps their outputs and recomputes the rest of the block
-_ATTENTION_KERNELS = {torch.ops.lora_llama.causal_attention.default} | {getattr(torch.ops.aten, name).default for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name)}
+_ATTENTION_KERNELS = {torch.ops.lora_llama.causal_attention.default} | {
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+}
 
 
 def _keep_attention(ctx, op, *args, **kwargs):
@@ -83,8 +90,8 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         end = self.pos + k.shape[2]
-        self.k[layer][:, :, self.pos:end] = k
-        self.v[layer][:, :, self.pos:end] = v
+        self.k[layer][:, :, self.pos : end] = k
+        self.v[layer][:, :, self.pos : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def advance(self, n: int) -> None:
@@ -126,7 +133,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)  # Qwen2: q, k, v biased, o not
+        self.q_proj = nn.Linear(
+            args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias
+        )  # Qwen2: q, k, v biased, o not
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
@@ -262,12 +271,23 @@ class Llama(nn.Module):
             rows = keep if i == last else None
             with offloaded(self.offload_activations and self.training, x.device):
                 if self.gradient_checkpointing and self.training:
-                    selective = {"context_fn": _selective_contexts} if self.gradient_checkpointing == "selective" else {}
-                    x = checkpoint(layer, x, cos, sin, mask, keep=rows, segments=segments, use_reentrant=False,
-                                   **selective)
+                    selective = (
+                        {"context_fn": _selective_contexts} if self.gradient_checkpointing == "selective" else {}
+                    )
+                    x = checkpoint(
+                        layer, x, cos, sin, mask, keep=rows, segments=segments, use_reentrant=False, **selective
+                    )
                 else:
-                    x = layer(x, cos, sin, mask, cache, lean=self.training and torch.is_grad_enabled(), keep=rows,
-                              segments=segments)
+                    x = layer(
+                        x,
+                        cos,
+                        sin,
+                        mask,
+                        cache,
+                        lean=self.training and torch.is_grad_enabled(),
+                        keep=rows,
+                        segments=segments,
+                    )
         if cache is not None:
             cache.advance(T)
         return self.model.norm(x)
@@ -291,27 +311,35 @@ class Llama(nn.Module):
         if not windowed and (start == 0 or T == 1) and plain and key_mask is None:
             return None
         if not windowed and T == 1 and key_mask is not None:  # one new token sees every key but its row's padding
-            return key_mask[:, None, None, :start + 1]
+            return key_mask[:, None, None, : start + 1]
         q_pos = torch.arange(start, start + T, device=device)[:, None]
         k_pos = torch.arange(start + T, device=device)[None]
         mask = k_pos <= q_pos  # (T, start + T)
         if windowed:
             mask &= k_pos > q_pos - window
         if key_mask is not None:  # a padding query sees itself alone: no row without a key (its output is unused)
-            return ((mask & key_mask[:, None, :start + T]) | (k_pos == q_pos))[:, None]  # (B, 1, T, start + T)
+            return ((mask & key_mask[:, None, : start + T]) | (k_pos == q_pos))[:, None]  # (B, 1, T, start + T)
         if segment_ids is not None:
             return (mask & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]  # (B, 1, T, T)
         return mask[None, None]
 
-    def forward(self, input_ids, position_ids=None, segment_ids=None, cache: KVCache | None = None,
-                keep=None, hidden_only: bool = False):
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        segment_ids=None,
+        cache: KVCache | None = None,
+        keep=None,
+        hidden_only: bool = False,
+    ):
         """Logits (B, T, vocab); with hidden_only, `hidden`'s states for a target-only loss (through
         forward, so that hooks on the whole model, as FSDP's, see the call)."""
         h = self.hidden(input_ids, position_ids, segment_ids, cache, keep)
         return h if hidden_only else run_linear(self.lm_head, h)
 
-    def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None,
-                  static: bool = False) -> KVCache:
+    def new_cache(
+        self, batch: int, max_len: int, key_mask: torch.Tensor | None = None, static: bool = False
+    ) -> KVCache:
         """static: a StaticKVCache (key_mask required) for decoding steps of one shape."""
         p = self.model.embed_tokens.weight
         return (StaticKVCache if static else KVCache)(self.args, batch, max_len, p.device, p.dtype, key_mask)

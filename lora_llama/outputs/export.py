@@ -6,6 +6,7 @@ read, folded, converted and written before the next is read. Names, layouts and 
 `convert_hf_to_gguf.py`: q and k rows of llama-architecture files are permuted from the HF rotate-half order
 to llama.cpp's interleaved pairs; norms and biases stay float32. The tokenizer: gguf_vocab.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,11 +18,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lora_llama.data.chat import stop_token_ids
+from lora_llama.errors import UserError
+from lora_llama.files import (
+    atomic_file,
+    open_safetensors,
+    permute_rows,
+    read_config,
+    refuse_existing,
+    write_text_atomic,
+)
 from lora_llama.loading.models import gguf_file, load_tokenizer, resolve_source
 from lora_llama.model.config import ModelArgs, rope_inv_freq
-from lora_llama.errors import UserError
-from lora_llama.files import atomic_file, open_safetensors, permute_rows, read_config, refuse_existing, write_text_atomic
-from lora_llama.data.chat import stop_token_ids
 from lora_llama.outputs.gguf_vocab import build_tokenizer, copy_tokenizer
 from lora_llama.outputs.merge import Merger
 from lora_llama.registry import local_model_name
@@ -134,8 +142,11 @@ def write_hparams(writer, args: ModelArgs, name: str, out_type: str) -> None:
     writer.add_value_length(args.head_dim)
     writer.add_vocab_size(args.vocab_size)
     writer.add_rope_dimension_count(args.head_dim)
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[out_type]
+    file_type = {
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }[out_type]
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -157,9 +168,17 @@ def _atomic_gguf(writer, out: Path, write_tensors) -> int:
     return out.stat().st_size
 
 
-def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | None = None, out_type: str = "f16",
-                force: bool = False, onto: str = "original", quantize: str | None = None, progress: bool = True,
-                double_quant: bool = False) -> dict:
+def export_gguf(
+    base: str,
+    out: str | os.PathLike,
+    adapter: str | os.PathLike | None = None,
+    out_type: str = "f16",
+    force: bool = False,
+    onto: str = "original",
+    quantize: str | None = None,
+    progress: bool = True,
+    double_quant: bool = False,
+) -> dict:
     """Write base (+ adapter, merged) as one GGUF file, and an Ollama Modelfile beside it."""
     from tqdm.auto import tqdm
 
@@ -184,8 +203,13 @@ def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | 
 
     freqs = rope_factors(args)
     if freqs is not None:
-        writer.add_tensor_info("rope_freqs.weight", tuple(freqs.shape), np.float32, freqs.numel() * 4,
-                               raw_dtype=gguf.GGMLQuantizationType.F32)
+        writer.add_tensor_info(
+            "rope_freqs.weight",
+            tuple(freqs.shape),
+            np.float32,
+            freqs.numel() * 4,
+            raw_dtype=gguf.GGMLQuantizationType.F32,
+        )
     count = 0
     for f in merger.files:  # tensor infos from the headers, in the order the tensors will be written
         with open_safetensors(f) as sf:
@@ -206,8 +230,13 @@ def export_gguf(base: str, out: str | os.PathLike, adapter: str | os.PathLike | 
 
     size = _atomic_gguf(writer, out, write_tensors)
     write_modelfile(modelfile, out, merger.folder, args)
-    return {"out": str(out), "bytes": size, "tensors": count, "modelfile": str(modelfile),
-            "seconds": time.perf_counter() - start}
+    return {
+        "out": str(out),
+        "bytes": size,
+        "tensors": count,
+        "modelfile": str(modelfile),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def write_modelfile(path: Path, gguf_path: Path, folder: Path, args: ModelArgs) -> None:
@@ -215,14 +244,20 @@ def write_modelfile(path: Path, gguf_path: Path, folder: Path, args: ModelArgs) 
     GGUF's tokenizer.chat_template)."""
     tok = load_tokenizer(folder)
     lines = [f"FROM ./{gguf_path.name}"]
-    quoted = lambda t: t.replace("\\", "\\\\").replace('"', '\\"')  # Modelfile strings are double-quoted
-    lines += [f'PARAMETER stop "{quoted(tok.convert_ids_to_tokens(i))}"'
-              for i in stop_token_ids(tok, args.eos_token_id, folder)]
+
+    def quoted(t):
+        return t.replace("\\", "\\\\").replace('"', '\\"')  # Modelfile strings are double-quoted
+
+    lines += [
+        f'PARAMETER stop "{quoted(tok.convert_ids_to_tokens(i))}"'
+        for i in stop_token_ids(tok, args.eos_token_id, folder)
+    ]
     write_text_atomic(path, "\n".join(lines) + "\n")
 
 
-def export_lora_gguf(adapter: str | os.PathLike, out: str | os.PathLike, base: str | None = None,
-                     force: bool = False) -> dict:
+def export_lora_gguf(
+    adapter: str | os.PathLike, out: str | os.PathLike, base: str | None = None, force: bool = False
+) -> dict:
     """The adapter alone as a llama.cpp LoRA GGUF (`llama-cli -m model.gguf --lora FILE`): lora_a (r, in) and
     lora_b (out, r) per adapted weight under the model's GGUF names, lora_b's rows permuted like the weight's,
     and adapter.lora.alpha = scale · r (llama.cpp scales by alpha / r)."""
@@ -236,16 +271,20 @@ def export_lora_gguf(adapter: str | os.PathLike, out: str | os.PathLike, base: s
         raise UserError(f"adapter folder not found: {adapter}")
     deltas, scale, cfg = adapter_deltas(adapter)
     if cfg.get("use_dora"):
-        raise UserError("a DoRA adapter has no llama.cpp LoRA form (its magnitudes rescale whole rows); "
-                        "export the merged model instead")
+        raise UserError(
+            "a DoRA adapter has no llama.cpp LoRA form (its magnitudes rescale whole rows); "
+            "export the merged model instead"
+        )
     base = base or (cfg.get("base_model_name_or_path") and local_model_name(cfg["base_model_name_or_path"]))
     if not base:
         raise UserError(f"{adapter}: adapter_config.json names no base model; pass --base")
     args = ModelArgs.from_hf_config(read_config(resolve_source(base)))
     names = TensorNames(args)
     if "lm_head.weight" in deltas and args.tie_word_embeddings:
-        raise UserError("an adapter on a tied lm_head has no llama.cpp LoRA form (the base has no output tensor); "
-                        "export the merged model instead")
+        raise UserError(
+            "an adapter on a tied lm_head has no llama.cpp LoRA form (the base has no output tensor); "
+            "export the merged model instead"
+        )
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[names.arch])
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")

@@ -2,19 +2,24 @@
 is byte-level BPE with a pre-tokenizer llama.cpp knows, recognised by structure (GPT-2, SmolLM, Llama 3, Qwen2);
 anything else is refused, never guessed.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
-from lora_llama.loading.models import load_tokenizer
 from lora_llama.errors import UserError
 from lora_llama.files import read_json
+from lora_llama.loading.models import load_tokenizer
 
 # the original regexes of Llama 3's and Qwen2's tokenizer.json (llama.cpp's llama-vocab.cpp quotes them)
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def copy_tokenizer(writer, source: Path) -> None:
@@ -32,10 +37,20 @@ def copy_tokenizer(writer, source: Path) -> None:
 def pre_tokenizer_name(tokenizer_json: dict) -> str | None:
     """llama.cpp's name for a byte-level BPE pre-tokenizer, recognised by its structure; None when unknown."""
     pre, norm = tokenizer_json.get("pre_tokenizer") or {}, tokenizer_json.get("normalizer")
-    byte_level = lambda p, regex: (p.get("type") == "ByteLevel" and p.get("use_regex", True) == regex
-                                   and not p.get("add_prefix_space", False))
-    split = lambda p, regex: (p.get("type") == "Split" and (p.get("pattern") or {}).get("Regex") == regex
-                              and p.get("behavior") == "Isolated" and not p.get("invert", False))
+
+    def byte_level(p, regex):
+        return (
+            p.get("type") == "ByteLevel" and p.get("use_regex", True) == regex and not p.get("add_prefix_space", False)
+        )
+
+    def split(p, regex):
+        return (
+            p.get("type") == "Split"
+            and (p.get("pattern") or {}).get("Regex") == regex
+            and p.get("behavior") == "Isolated"
+            and not p.get("invert", False)
+        )
+
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if norm is None and len(steps) == 1 and byte_level(steps[0], True):
         return "gpt-2"
@@ -60,14 +75,19 @@ def build_tokenizer(writer, folder: Path, vocab_size: int) -> None:
     spec = read_json(folder / "tokenizer.json")
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise UserError(f"{folder}: a {model.get('type')} tokenizer" + (" with byte fallback (sentencepiece style)"
-                        if model.get("byte_fallback") else "") + " is not exported; only byte-level BPE tokenizers are. "
-                        "Convert the merged folder with llama.cpp's convert_hf_to_gguf.py")
+        raise UserError(
+            f"{folder}: a {model.get('type')} tokenizer"
+            + (" with byte fallback (sentencepiece style)" if model.get("byte_fallback") else "")
+            + " is not exported; only byte-level BPE tokenizers are. "
+            "Convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
+        )
     pre = pre_tokenizer_name(spec)
     if pre is None:
-        raise UserError(f"{folder}: its pre-tokenizer is not one llama.cpp is known to reproduce "
-                        "(GPT-2, SmolLM, Llama 3, Qwen2); refusing to guess. Convert the merged folder with "
-                        "llama.cpp's convert_hf_to_gguf.py")
+        raise UserError(
+            f"{folder}: its pre-tokenizer is not one llama.cpp is known to reproduce "
+            "(GPT-2, SmolLM, Llama 3, Qwen2); refusing to guess. Convert the merged folder with "
+            "llama.cpp's convert_hf_to_gguf.py"
+        )
     tok = load_tokenizer(folder)
     by_id = {i: t for t, i in tok.get_vocab().items()}
     added = {i: t for i, t in tok.added_tokens_decoder.items()}
@@ -91,6 +111,8 @@ def build_tokenizer(writer, folder: Path, vocab_size: int) -> None:
     special.chat_template = special.chat_template or tok.chat_template
     # what the tokenizer does, not what its config may leave unsaid: llama.cpp's default adds a BOS to most vocabularies
     probe = tok("a")["input_ids"]
-    special.add_special_token = {"bos": tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id],
-                                 "eos": tok.eos_token_id is not None and probe[-1:] == [tok.eos_token_id]}
+    special.add_special_token = {
+        "bos": tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id],
+        "eos": tok.eos_token_id is not None and probe[-1:] == [tok.eos_token_id],
+    }
     special.add_to_gguf(writer)

@@ -4,6 +4,7 @@ Nothing of the Hub protocol is written here: `HfApi.create_repo` and
 `HfApi.upload_folder` do it, and follow `HF_ENDPOINT` as huggingface_hub does.
 The token is passed to the client only; it never reaches output, logs or the card.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from lora_llama.loading.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lora_llama.errors import UserError
+from lora_llama.loading.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_model
 from lora_llama.training.run_folder import ADAPTER, LOSS_PLOT, RECIPE, last_eval, read_run_recipe
 
@@ -45,8 +46,11 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
     hub_base = known.hub_id if known else base if is_hub_id(base) else None
     shown = hub_base or Path(base).name
     data_source = (recipe.get("data") or {}).get("source")
-    meta = {"library_name": "peft", "pipeline_tag": "text-generation",
-            "tags": ["lora", "lora-llama", "peft", "text-generation"]}
+    meta = {
+        "library_name": "peft",
+        "pipeline_tag": "text-generation",
+        "tags": ["lora", "lora-llama", "peft", "text-generation"],
+    }
     if hub_base:
         meta = {"base_model": hub_base, **meta}
     if known:
@@ -54,13 +58,24 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
     if data_source and is_hub_id(data_source):
         meta["datasets"] = [data_source]
     ev = last_eval(run)
-    lines = [f"# {repo_id.split('/')[-1]}", "",
-             "A LoRA adapter for " + (f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else
-                                       f"a local base model (`{shown}`)") + ", trained with "
-             "[lora-llama](https://github.com/lora-llama/lora-llama).", "", "## Settings", "",
-             "| setting | value |", "| --- | --- |",
-             f"| rank r | {cfg['r']} |", f"| alpha | {cfg['lora_alpha']} |", f"| dropout | {cfg['lora_dropout']} |",
-             f"| target modules | {', '.join(cfg['target_modules'])} |", f"| rsLoRA | {cfg.get('use_rslora', False)} |"]
+    lines = [
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        "A LoRA adapter for "
+        + (f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"a local base model (`{shown}`)")
+        + ", trained with "
+        "[lora-llama](https://github.com/lora-llama/lora-llama).",
+        "",
+        "## Settings",
+        "",
+        "| setting | value |",
+        "| --- | --- |",
+        f"| rank r | {cfg['r']} |",
+        f"| alpha | {cfg['lora_alpha']} |",
+        f"| dropout | {cfg['lora_dropout']} |",
+        f"| target modules | {', '.join(cfg['target_modules'])} |",
+        f"| rsLoRA | {cfg.get('use_rslora', False)} |",
+    ]
     if data_source:
         known_data = REGISTERED_DATA.get(data_source)
         shown_data = data_source if is_hub_id(data_source) else Path(data_source).name
@@ -69,7 +84,9 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
     objective = train.get("objective", "sft")
     if objective != "sft":
         settings = train.get(objective) or {}
-        lines.append(f"| objective | {objective.upper()} (" + ", ".join(f"{k} {v}" for k, v in settings.items()) + ") |")
+        lines.append(
+            f"| objective | {objective.upper()} (" + ", ".join(f"{k} {v}" for k, v in settings.items()) + ") |"
+        )
         meta["tags"].append(objective)
     else:
         lines.append("| objective | supervised fine-tuning (loss on the answers) |")
@@ -77,22 +94,47 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         if train.get(key) is not None:
             lines.append(f"| {key} | {train[key]} |")
     if ev and "eval_perplexity" in ev:
-        lines += ["", "## Results", "", f"Final eval loss **{ev['eval_loss']:.4f}**, perplexity "
-                  f"**{ev['eval_perplexity']:.2f}** (step {ev['step']})."]
+        lines += [
+            "",
+            "## Results",
+            "",
+            f"Final eval loss **{ev['eval_loss']:.4f}**, perplexity "
+            f"**{ev['eval_perplexity']:.2f}** (step {ev['step']}).",
+        ]
     elif ev:
-        lines += ["", "## Results", "", f"Final eval loss **{ev['eval_loss']:.4f}**, reward accuracy "
-                  f"**{ev.get('eval_rewards/accuracies', float('nan')):.3f}**, reward margin "
-                  f"**{ev.get('eval_rewards/margins', float('nan')):.4f}** on held-out pairs (step {ev['step']})."]
+        lines += [
+            "",
+            "## Results",
+            "",
+            f"Final eval loss **{ev['eval_loss']:.4f}**, reward accuracy "
+            f"**{ev.get('eval_rewards/accuracies', float('nan')):.3f}**, reward margin "
+            f"**{ev.get('eval_rewards/margins', float('nan')):.4f}** on held-out pairs (step {ev['step']}).",
+        ]
     if run and (run / LOSS_PLOT).is_file():
         lines += ["", f"![training curve]({LOSS_PLOT})"]
-    lines += ["", "## Use", "", "With peft and transformers:", "", "```python",
-              "from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-              f'base = AutoModelForCausalLM.from_pretrained("{shown}")',
-              f'model = PeftModel.from_pretrained(base, "{repo_id}")',
-              f'tokenizer = AutoTokenizer.from_pretrained("{shown}")', "```", "",
-              "With lora-llama:", "", "```bash",
-              f"hf download {repo_id} --local-dir adapter",
-              f'lora-llama generate --model {shown} --adapter adapter --chat --prompt "Hello!"', "```", ""]
+    lines += [
+        "",
+        "## Use",
+        "",
+        "With peft and transformers:",
+        "",
+        "```python",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'base = AutoModelForCausalLM.from_pretrained("{shown}")',
+        f'model = PeftModel.from_pretrained(base, "{repo_id}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{shown}")',
+        "```",
+        "",
+        "With lora-llama:",
+        "",
+        "```bash",
+        f"hf download {repo_id} --local-dir adapter",
+        f'lora-llama generate --model {shown} --adapter adapter --chat --prompt "Hello!"',
+        "```",
+        "",
+    ]
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(lines)
 
 
@@ -115,9 +157,16 @@ def resolve_token(token: str | None) -> str:
     return token
 
 
-def push(path: str | os.PathLike, repo_id: str, token: str | None = None, private: bool = False,
-         revision: str | None = None, commit_message: str | None = None, dry_run: bool = False,
-         log=print) -> str | None:
+def push(
+    path: str | os.PathLike,
+    repo_id: str,
+    token: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    dry_run: bool = False,
+    log=print,
+) -> str | None:
     """Upload an adapter (or a run's final adapter) with its model card; returns the commit URL."""
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise UserError(f"--repo-id must look like USER/NAME, got {repo_id!r}")
@@ -136,13 +185,18 @@ def push(path: str | os.PathLike, repo_id: str, token: str | None = None, privat
             api.create_repo(repo_id, private=private, exist_ok=True)
             if revision:
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
-            info = api.upload_folder(folder_path=tmp, repo_id=repo_id, revision=revision,
-                                     commit_message=commit_message or "Upload LoRA adapter with lora-llama")
+            info = api.upload_folder(
+                folder_path=tmp,
+                repo_id=repo_id,
+                revision=revision,
+                commit_message=commit_message or "Upload LoRA adapter with lora-llama",
+            )
         except HfHubHTTPError as e:
             status = e.response.status_code if e.response is not None else None
             if status in (401, 403):
-                raise UserError(f"the Hub refused {repo_id} (HTTP {status}): the token lacks write access "
-                                "to it, or it is not valid") from None
+                raise UserError(
+                    f"the Hub refused {repo_id} (HTTP {status}): the token lacks write access to it, or it is not valid"
+                ) from None
             raise UserError(f"the Hub answered HTTP {status} for {repo_id}") from None
         except (OSError, ConnectionError) as e:
             raise UserError(f"cannot reach the Hub at {api.endpoint}: {type(e).__name__}") from None

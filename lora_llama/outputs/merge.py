@@ -7,6 +7,7 @@ onto="dequantized", to dequant(quant(W0)): what an adapter trained on an int8 /
 nf4 base saw. The result is a standard HF folder that `AutoModelForCausalLM`
 and `load_model` open.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,14 +18,25 @@ from pathlib import Path
 
 import torch
 
+from lora_llama.errors import UserError
+from lora_llama.files import (
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    atomic_dir,
+    copy_tokenizer_files,
+    open_safetensors,
+    read_config,
+    refuse_existing,
+    release_freed_memory,
+    shard_files,
+    tensor_shapes,
+    write_json,
+    write_safetensors_streaming,
+)
 from lora_llama.loading.adapters import adapter_deltas
 from lora_llama.loading.models import resolve_source
-from lora_llama.model.config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
-from lora_llama.errors import UserError
-from lora_llama.files import (INDEX_FILE, SAFETENSORS_DTYPES, atomic_dir, copy_tokenizer_files, open_safetensors, read_config,
-                    refuse_existing, release_freed_memory, shard_files, tensor_shapes, write_json,
-                    write_safetensors_streaming)
 from lora_llama.lora.layer import fold
+from lora_llama.model.config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
 from lora_llama.quant.linear import DECODER_LINEARS, dequantized
 from lora_llama.registry import base_model_id
 
@@ -37,8 +49,10 @@ def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
             raise UserError(f"the adapter targets {name.removesuffix('.weight')}, which the base model does not have")
         out_f, in_f = shapes[source]
         if A.shape[1] != in_f or B.shape[0] != out_f or A.shape[0] != B.shape[1]:
-            raise UserError(f"adapter for {name} has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}, "
-                            f"which do not fit the base weight {(out_f, in_f)}")
+            raise UserError(
+                f"adapter for {name} has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}, "
+                f"which do not fit the base weight {(out_f, in_f)}"
+            )
 
 
 ONTO = ("original", "dequantized")
@@ -51,13 +65,21 @@ class Merger:
     dequant(quant(W0)) of every decoder linear, the weights an adapter trained on a `quantize` base saw.
     Without an adapter, the base's own tensors come out unchanged."""
 
-    def __init__(self, base: str, adapter: str | os.PathLike | None = None, onto: str = "original",
-                 quantize: str | None = None, double_quant: bool = False):
+    def __init__(
+        self,
+        base: str,
+        adapter: str | os.PathLike | None = None,
+        onto: str = "original",
+        quantize: str | None = None,
+        double_quant: bool = False,
+    ):
         if onto not in ONTO:
             raise UserError(f"unknown --onto {onto!r} (use {' or '.join(ONTO)})")
         if onto == "dequantized" and quantize not in QUANTIZE_KINDS:
-            raise UserError("--onto dequantized needs the quantisation the adapter was trained on: "
-                            f"--quantize {' or '.join(QUANTIZE_KINDS)} (or a run folder's recipe.yaml next to the adapter)")
+            raise UserError(
+                "--onto dequantized needs the quantisation the adapter was trained on: "
+                f"--quantize {' or '.join(QUANTIZE_KINDS)} (or a run folder's recipe.yaml next to the adapter)"
+            )
         self.deltas, self.scale = {}, 0.0
         if adapter is not None:
             adapter = Path(adapter)
@@ -70,7 +92,11 @@ class Merger:
         tied = bool(self.config.get("tie_word_embeddings", False))
         check_adapter_fits(self.deltas, tensor_shapes(self.files), tied)
         named = adapter_cfg.get("base_model_name_or_path") if adapter is not None else None
-        if named and str(named) not in (str(base), base_model_id(base)) and Path(str(named)).name != Path(str(base)).name:
+        if (
+            named
+            and str(named) not in (str(base), base_model_id(base))
+            and Path(str(named)).name != Path(str(base)).name
+        ):
             warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
         # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
         self.untie = tied and "lm_head.weight" in self.deltas
@@ -91,8 +117,9 @@ class Merger:
         entries = []
         for out_key, src in self.plan(sf):
             piece = sf.get_slice(src)
-            entries.append((out_key, out_dtype or getattr(torch, SAFETENSORS_DTYPES[piece.get_dtype()]),
-                            tuple(piece.get_shape())))
+            entries.append(
+                (out_key, out_dtype or getattr(torch, SAFETENSORS_DTYPES[piece.get_dtype()]), tuple(piece.get_shape()))
+            )
         return entries
 
     def tensors(self, sf, out_dtype=None):
@@ -109,9 +136,17 @@ class Merger:
             yield out_key, w.to(target_dtype).contiguous()
 
 
-def merge_checkpoint(base: str, adapter: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
-                     force: bool = False, progress: bool = True, onto: str = "original", quantize: str | None = None,
-                     double_quant: bool = False) -> dict:
+def merge_checkpoint(
+    base: str,
+    adapter: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+    onto: str = "original",
+    quantize: str | None = None,
+    double_quant: bool = False,
+) -> dict:
     """Write base + adapter as one HF checkpoint in `out`; returns {"out", "bytes", "seconds", "shards"}."""
     from tqdm.auto import tqdm
 

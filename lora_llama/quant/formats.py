@@ -1,11 +1,12 @@
 """int8 and nf4 weights as bitsandbytes lays them out: quantized from float weights, and dequantized.
 
-    int8  one scale per output row: scale = absmax(row) / 127, q = round(w / scale) in [-127, 127]
-    nf4   QLoRA's NormalFloat-4 codebook (bitsandbytes' 16 values), blocks of 64 consecutive weights in
-          row-major order with one float32 absmax each; two codes a byte, the first in the high nibble.
-          With double quantization the absmax values, less their mean, are stored in 8 bits (bitsandbytes'
-          dynamic map) in blocks of 256 with one float32 absmax each, as QLoRA does
+int8  one scale per output row: scale = absmax(row) / 127, q = round(w / scale) in [-127, 127]
+nf4   QLoRA's NormalFloat-4 codebook (bitsandbytes' 16 values), blocks of 64 consecutive weights in
+      row-major order with one float32 absmax each; two codes a byte, the first in the high nibble.
+      With double quantization the absmax values, less their mean, are stored in 8 bits (bitsandbytes'
+      dynamic map) in blocks of 256 with one float32 absmax each, as QLoRA does
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,11 +16,24 @@ from lora_llama.kernels import fused
 INT8_MAX = 127
 NF4_BLOCK = 64
 # bitsandbytes' NF4 codebook (quantiles of N(0, 1), QLoRA), sorted
-NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-            0.7229568362236023, 1.0)
-
+NF4_CODE = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +85,7 @@ def dynamic_map() -> torch.Tensor:
     exponent, each with its share of linear fractions, plus 0 and 1, sorted."""
     data = []
     for i in range(7):
-        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        bounds = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
         means = (bounds[:-1] + bounds[1:]) / 2.0
         data += ((10 ** (-6 + i)) * means).tolist() + (-(10 ** (-6 + i)) * means).tolist()
     return torch.tensor(sorted(data + [0, 1.0]), dtype=torch.float32)
@@ -94,7 +108,7 @@ def quantize_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def dequantize_absmax(codes: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     values = _dynamic_map_on(codes.device)[codes.reshape(-1).long()]
     values = torch.nn.functional.pad(values, (0, -values.numel() % DOUBLE_QUANT_BLOCK)).view(-1, DOUBLE_QUANT_BLOCK)
-    return (values * absmax2[:, None]).view(-1)[:codes.numel()].add_(offset).view(codes.shape)
+    return (values * absmax2[:, None]).view(-1)[: codes.numel()].add_(offset).view(codes.shape)
 
 
 @fused.made_once

@@ -14,6 +14,7 @@ Each weight row is a run of blocks; a block holds `weights` weights in `bytes` b
 In the 32-weight formats weight j sits in the low nibble of byte j and weight j + 16 in its high nibble; in the
 K formats each 32 bytes of nibbles hold two sub-blocks, the low nibbles first.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,16 @@ import torch
 from lora_llama.kernels.fused import made_once
 
 # kind: (weights per block, bytes per block)
-GGUF_FORMATS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
-                "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+GGUF_FORMATS = {
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+}
 EIGHT = tuple(range(8))  # the shifts that take each bit of a byte
 
 
@@ -75,7 +84,7 @@ def _q32(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     offset = 4 if kind in ("q4_1", "q5_1") else 2  # after d (and m)
     high = 0
     if kind in ("q5_0", "q5_1"):
-        high, offset = _fifth_bit(blocks[..., offset:offset + 4]), offset + 4
+        high, offset = _fifth_bit(blocks[..., offset : offset + 4]), offset + 4
     q = (_nibbles(blocks[..., offset:]) | high).float()
     if kind in ("q4_0", "q5_0"):
         return q.sub_(8 if kind == "q4_0" else 16).mul_(d)

@@ -12,6 +12,7 @@ product allocates weight-sized memory; on CUDA each weight is one kernel where o
 nf4, compiled formulas for the K formats). Inside a torch.compile'd block the product is one opaque op. The
 model is quantized while it loads, one shard at a time, so the full-precision model never exists.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,14 +20,20 @@ import functools
 import torch
 import torch.nn as nn
 
-from lora_llama.kernels import fused
-from lora_llama.kernels import workspace
-from lora_llama.model.config import DECODER_TARGETS, HF_NAME, QUANTIZE_KINDS
 from lora_llama.errors import UserError
+from lora_llama.kernels import fused, workspace
 from lora_llama.kernels.gemm import copies_transposed, linear
+from lora_llama.model.config import DECODER_TARGETS, HF_NAME, QUANTIZE_KINDS
+from lora_llama.quant.formats import (
+    NF4_BLOCK,
+    dequantize_absmax,
+    dequantize_int8,
+    dequantize_nf4,
+    quantize_absmax,
+    quantize_int8,
+    quantize_nf4,
+)
 from lora_llama.quant.gguf_blocks import GGUF_FORMATS, dequantize_gguf
-from lora_llama.quant.formats import (NF4_BLOCK, dequantize_absmax, dequantize_int8, dequantize_nf4, quantize_absmax,
-                            quantize_int8, quantize_nf4)
 
 DECODER_LINEARS = tuple(HF_NAME[t] for t in DECODER_TARGETS)  # q_proj ... down_proj
 REQUANTIZED = ("int8", "nf4")  # quantized from float weights while loading (source keeps a file's own blocks)
@@ -52,8 +59,15 @@ def dequantized(weight: torch.Tensor, kind: str, double_quant: bool = False) -> 
     return dequantize_nf4(codes, absmax, weight.shape)
 
 
-def dequantize_codes(kind: str, codes: torch.Tensor, scales: torch.Tensor, shape: tuple, dtype: torch.dtype,
-                     absmax2: torch.Tensor | None = None, offset: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_codes(
+    kind: str,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    shape: tuple,
+    dtype: torch.dtype,
+    absmax2: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The (out, in) = shape weight in `dtype` from a quantized layer's tensors (absmax2 and offset: nf4's double
     quantization)."""
     if kind == "int8":
@@ -72,8 +86,9 @@ def dequantize_codes(kind: str, codes: torch.Tensor, scales: torch.Tensor, shape
 # kernel serves nf4), and the CPU keeps its eager kernels: inductor's C++ loops were faster for some formats and
 # slower for others.
 COMPILED_ON_CUDA = frozenset({"int8", "q4_k", "q5_k", "q6_k", "q5_0"})
-_dequantize_compiled = fused.compiled(dequantize_codes, slower="quantized bases dequantize slower on the GPU",
-                                      graphs=64, dynamic=True)
+_dequantize_compiled = fused.compiled(
+    dequantize_codes, slower="quantized bases dequantize slower on the GPU", graphs=64, dynamic=True
+)
 
 
 # ---------------------------------------------------------------------------- the layer
@@ -82,8 +97,15 @@ _dequantize_compiled = fused.compiled(dequantize_codes, slower="quantized bases 
 class QuantizedLinear(nn.Module):
     """A frozen linear y = x·dequant(W)ᵀ + b whose weight is held as int8 or nf4 codes and float32 scales."""
 
-    def __init__(self, in_features: int, out_features: int, kind: str, codes: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kind: str,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ):
         super().__init__()
         check_kind(kind, LAYER_KINDS)
         self.in_features, self.out_features, self.kind = in_features, out_features, kind
@@ -115,8 +137,15 @@ class QuantizedLinear(nn.Module):
 
     def dequantize_args(self, dtype: torch.dtype) -> tuple:
         """The arguments of `dequantize_codes` for this layer's weight in `dtype`."""
-        return (self.kind, self.codes, self.scales, (self.out_features, self.in_features), dtype,
-                getattr(self, "absmax2", None), getattr(self, "offset", None))
+        return (
+            self.kind,
+            self.codes,
+            self.scales,
+            (self.out_features, self.in_features),
+            dtype,
+            getattr(self, "absmax2", None),
+            getattr(self, "offset", None),
+        )
 
     def transient_weight(self, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
         return transient_weight(self.dequantize_args(dtype), transposed)
@@ -125,8 +154,9 @@ class QuantizedLinear(nn.Module):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         if torch.compiler.is_compiling():  # one opaque op in the graph: nothing weight-sized saved for backward
             kind, codes, scales, _, _, absmax2, offset = self.dequantize_args(x.dtype)
-            return dequantized_linear(x, codes, scales, absmax2, offset, bias, kind, self.out_features,
-                                      self.in_features)
+            return dequantized_linear(
+                x, codes, scales, absmax2, offset, bias, kind, self.out_features, self.in_features
+            )
         return _QuantizedProduct.apply(x, self, bias)
 
     def extra_repr(self) -> str:
@@ -183,13 +213,20 @@ def transient_weight(args: tuple, transposed: bool = False) -> torch.Tensor:
     and a transpose is written row-major where `linear` would copy it so. Elsewhere (a GPU's caching allocator
     reuses memory itself), for small weights and for nf4 laid out flat, it is a fresh tensor."""
     kind, codes, scales, shape, dtype, absmax2, offset = args
-    if codes.device.type != "cpu" or codes.dim() != 2 or torch.compiler.is_compiling() or \
-            shape[0] * shape[1] <= workspace.WHOLE_WEIGHTS:
+    if (
+        codes.device.type != "cpu"
+        or codes.dim() != 2
+        or torch.compiler.is_compiling()
+        or shape[0] * shape[1] <= workspace.WHOLE_WEIGHTS
+    ):
         w = dequantize_weight(args)
         return w.t() if transposed else w
     if absmax2 is not None:  # one value a block of 64: small
         scales = dequantize_absmax(scales, absmax2, offset)
-    rows = lambda r0, r1: dequantize_codes(kind, codes[r0:r1], scales[r0:r1], (r1 - r0, shape[1]), dtype)
+
+    def rows(r0, r1):
+        return dequantize_codes(kind, codes[r0:r1], scales[r0:r1], (r1 - r0, shape[1]), dtype)
+
     row_major_t = transposed and copies_transposed(dtype, codes.device)
     out = workspace.buffer(shape[::-1] if row_major_t else shape, dtype, codes.device)
     workspace.fill_by_rows(out, rows, row_major_t)
@@ -199,9 +236,18 @@ def transient_weight(args: tuple, transposed: bool = False) -> torch.Tensor:
 # _QuantizedProduct as an op that torch.compile keeps whole (an autograd Function holding a module would break the
 # graph; traced, the dequantized weight would be saved for backward, a weight-sized tensor per layer)
 @torch.library.custom_op("lora_llama::dequantized_linear", mutates_args=())
-def dequantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, absmax2: torch.Tensor | None,
-                       offset: torch.Tensor | None, bias: torch.Tensor | None, kind: str, out_features: int,
-                       in_features: int, transposed: bool = False) -> torch.Tensor:
+def dequantized_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    absmax2: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    out_features: int,
+    in_features: int,
+    transposed: bool = False,
+) -> torch.Tensor:
     """x·Wᵀ + b, or with `transposed` x·W (the input gradient), W dequantized for this product only."""
     args = (kind, codes, scales, (out_features, in_features), x.dtype, absmax2, offset)
     return linear(x, transient_weight(args, transposed), bias)
@@ -248,8 +294,11 @@ def quantize_loaded_linears(model, kind: str, double_quant: bool = False) -> Non
                 holder, attr, lin = parent, name, getattr(parent, name, None)
                 if hasattr(lin, "base_layer"):
                     holder, attr, lin = lin, "base_layer", lin.base_layer
-                if type(lin) is nn.Linear and lin.weight.device.type != "meta" and \
-                        (lin.bias is None or lin.bias.device.type != "meta"):
+                if (
+                    type(lin) is nn.Linear
+                    and lin.weight.device.type != "meta"
+                    and (lin.bias is None or lin.bias.device.type != "meta")
+                ):
                     setattr(holder, attr, QuantizedLinear.from_linear(lin, kind, double_quant))
 
 

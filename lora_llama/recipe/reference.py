@@ -3,6 +3,7 @@
 `python -m lora_llama.recipe.reference docs/recipes.md` writes it; tests/test_docs.py fails when the file
 differs from what the schema gives, so the reference never drifts from the code.
 """
+
 from __future__ import annotations
 
 import sys
@@ -55,14 +56,22 @@ def default_text(value) -> str:
 
 def section(path: str, model: type[BaseModel]) -> list[str]:
     """A heading, the section's docstring and its keys' table; nested sections follow as their own."""
-    lines = [f"## `{path}`", "", (model.__doc__ or "").strip(), "", "| key | type | default | meaning |",
-             "| --- | --- | --- | --- |"]
+    lines = [
+        f"## `{path}`",
+        "",
+        (model.__doc__ or "").strip(),
+        "",
+        "| key | type | default | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
     nested = []
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             nested.append((f"{path}.{name}", field.annotation))
-        lines.append(f"| `{name}` | {type_name(field.annotation)} | `{default_text(field.default)}` | "
-                     f"{field.description or ''} |")
+        lines.append(
+            f"| `{name}` | {type_name(field.annotation)} | `{default_text(field.default)}` | "
+            f"{field.description or ''} |"
+        )
     lines.append("")
     for sub_path, sub_model in nested:
         lines += section(sub_path, sub_model)

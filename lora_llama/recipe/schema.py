@@ -3,12 +3,13 @@
 Everything a user writes (a recipe, overrides, LoRA settings) is validated here, so a typo
 fails before any model is loaded and the one-line error names the key path.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from lora_llama.errors import UserError
 from lora_llama.lora.init import moves_w0
@@ -19,75 +20,103 @@ from lora_llama.settings import Settings, describe
 
 class ModelSection(Settings):
     """The base model."""
+
     source: str = Field("smollm2-135m-instruct", description="HF model folder, .gguf file, Hub id or registered name")
     dtype: DType = Field("float32", description="the frozen base's dtype under train.precision fp32")
     quantize: Literal[("auto", *QUANTIZE_KINDS)] | None = Field(
-        None, description="hold the frozen decoder linears in 8 bits (int8: a scale per row), 4 (nf4: QLoRA's, blocks "
-                          "of 64), or as a GGUF base's own blocks (source: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-                          "Q4_K, Q5_K, Q6_K); auto: source where a GGUF base trains in fp32 on the CPU (the same "
-                          "model, faster and smaller there), else null")
-    nf4_double_quant: bool = Field(False, description="quantize: nf4 with its per-block absmax in 8 bits too "
-                                   "(QLoRA's double quantization: ~0.37 fewer bits a weight)")
-    device: str = Field("auto", pattern=rf"^({DEVICE})$",
-                        description="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
+        None,
+        description="hold the frozen decoder linears in 8 bits (int8: a scale per row), 4 (nf4: QLoRA's, blocks "
+        "of 64), or as a GGUF base's own blocks (source: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+        "Q4_K, Q5_K, Q6_K); auto: source where a GGUF base trains in fp32 on the CPU (the same "
+        "model, faster and smaller there), else null",
+    )
+    nf4_double_quant: bool = Field(
+        False,
+        description="quantize: nf4 with its per-block absmax in 8 bits too "
+        "(QLoRA's double quantization: ~0.37 fewer bits a weight)",
+    )
+    device: str = Field(
+        "auto", pattern=rf"^({DEVICE})$", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N"
+    )
 
 
 class DataSection(Settings):
     """The training data and how it becomes token ids and labels."""
-    source: str = Field("chatterbot-corpus", description="JSON/JSONL/CSV/Parquet/text file, folder, Hub dataset id "
-                        "or registered name (chatterbot-corpus, chatterbot-pairs, shakespeare)")
+
+    source: str = Field(
+        "chatterbot-corpus",
+        description="JSON/JSONL/CSV/Parquet/text file, folder, Hub dataset id "
+        "or registered name (chatterbot-corpus, chatterbot-pairs, shakespeare)",
+    )
     format: Literal["text", "alpaca", "chat", "preference", "prompt", "auto"] = Field(
-        "chat", description="text, alpaca (instruction/input/output), chat (messages), preference "
-                            "(prompt/chosen/rejected, for train.objective dpo or orpo), prompt (a prompt and any "
-                            "columns the rewards read, for train.objective grpo), auto (from the columns)")
+        "chat",
+        description="text, alpaca (instruction/input/output), chat (messages), preference "
+        "(prompt/chosen/rejected, for train.objective dpo or orpo), prompt (a prompt and any "
+        "columns the rewards read, for train.objective grpo), auto (from the columns)",
+    )
     max_seq_len: int = Field(256, gt=1, description="tokens per row; longer examples are cut")
     val_size: float = Field(0.1, ge=0.0, lt=1.0, description="share of the records held out for eval")
     val_source: str | None = Field(None, description="a separate validation source instead of a split")
-    packing: bool = Field(False, description="pack several examples (GRPO: completions) into each row; attention "
-                          "stays inside each")
+    packing: bool = Field(
+        False, description="pack several examples (GRPO: completions) into each row; attention stays inside each"
+    )
     train_on_prompt: bool = Field(False, description="also take the loss on prompt tokens")
     fields: dict[str, str] = Field({}, description="standard name -> your column, e.g. {instruction: question}")
-    prompt_template: str | None = Field(None, description="alpaca prompt for tokenizers without a chat template "
-                                        "({instruction}, {input})")
-    max_examples: int | None = Field(None, gt=0, description="use only the first N records (reasoning-gym: how many "
-                                     "to generate, default 1000)")
+    prompt_template: str | None = Field(
+        None, description="alpaca prompt for tokenizers without a chat template ({instruction}, {input})"
+    )
+    max_examples: int | None = Field(
+        None, gt=0, description="use only the first N records (reasoning-gym: how many to generate, default 1000)"
+    )
     system_prompt: str | None = Field(None, description="prompt data: a system turn before each prompt that has none")
-    task_args: dict[str, Any] = Field({}, description="data.source reasoning-gym:<task>: the task's settings, "
-                                      "e.g. {min_terms: 2, max_terms: 2}")
+    task_args: dict[str, Any] = Field(
+        {}, description="data.source reasoning-gym:<task>: the task's settings, e.g. {min_terms: 2, max_terms: 2}"
+    )
 
 
 class DPOSettings(Settings):
     """Direct preference optimisation; the reference is the base with the adapter switched off."""
+
     beta: float = Field(0.1, gt=0, description="strength of the pull towards the reference")
-    loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="sigmoid (DPO) or ipo (IPO's squared loss, "
-                                            "per-token average)")
+    loss: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="sigmoid (DPO) or ipo (IPO's squared loss, per-token average)"
+    )
 
 
 class ORPOSettings(Settings):
     """Odds-ratio preference optimisation: the chosen answers' NLL plus beta times the odds-ratio term."""
+
     beta: float = Field(0.1, gt=0, description="weight of the odds-ratio term (the paper's lambda; trl's beta)")
 
 
 class GRPOSettings(Settings):
     """Group relative policy optimisation on prompts, scored by reward functions (trl's names and meanings)."""
+
     group_size: int = Field(8, ge=2, description="completions sampled per prompt (trl's num_generations)")
     max_new_tokens: int = Field(64, gt=0, description="most tokens a completion gets (trl's max_completion_length)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature; log-probabilities use the same")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens with this mass")
     beta: float = Field(0.0, ge=0, description="weight of the KL to the base (adapter off); 0: no reference pass")
-    use_bias_correction_kl: bool = Field(True, description="multiply the KL term by the ratio: the unbiased "
-                                         "reverse-KL gradient (trl's default)")
+    use_bias_correction_kl: bool = Field(
+        True, description="multiply the KL term by the ratio: the unbiased reverse-KL gradient (trl's default)"
+    )
     epsilon: float = Field(0.2, gt=0, description="clip the ratio below at 1 - epsilon (and above, by default)")
     epsilon_high: float | None = Field(None, gt=0, description="clip above at 1 + epsilon_high (DAPO); null: epsilon")
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
-        "dapo", description="normalisation: dapo (completion tokens of the global batch), bnpo (of the micro-batch), "
-                            "grpo (per completion), dr_grpo (completions x max_new_tokens)")
+        "dapo",
+        description="normalisation: dapo (completion tokens of the global batch), bnpo (of the micro-batch), "
+        "grpo (per completion), dr_grpo (completions x max_new_tokens)",
+    )
     scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="divide advantages by the group's reward std, the batch's, or not at all")
+        "group", description="divide advantages by the group's reward std, the batch's, or not at all"
+    )
     num_iterations: int = Field(1, gt=0, description="optimiser steps on each generation (trl's mu)")
     mask_truncated: bool = Field(False, description="completions that hit max_new_tokens take no loss")
-    rewards: list[str] = Field(["reasoning_gym"], description="reward functions: path/to/file.py:function, "
-                               "package.module:function, or a built-in (format, reasoning_gym)")
+    rewards: list[str] = Field(
+        ["reasoning_gym"],
+        description="reward functions: path/to/file.py:function, "
+        "package.module:function, or a built-in (format, reasoning_gym)",
+    )
     reward_weights: list[float] | None = Field(None, description="one weight per reward; null: all 1")
 
     @model_validator(mode="after")
@@ -95,20 +124,26 @@ class GRPOSettings(Settings):
         if not self.rewards:
             raise ValueError("train.grpo.rewards needs at least one reward function")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            raise ValueError(f"train.grpo.reward_weights has {len(self.reward_weights)} values for "
-                             f"{len(self.rewards)} rewards")
+            raise ValueError(
+                f"train.grpo.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} rewards"
+            )
         return self
 
 
 class TrainSection(Settings):
     """The optimisation: batch, schedule, checkpoints, memory, processes, precision, objective."""
+
     batch_size: int = Field(4, gt=0, description="rows (or pairs) per micro-batch on each process")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimiser step")
     lr: float = Field(3.0e-4, gt=0, description="AdamW's peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas")
-    loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: B (and DoRA's magnitudes) learn at this "
-                                            "many times lr (peft's create_loraplus_optimizer; 16 is its paper's pick)")
+    loraplus_lr_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="LoRA+: B (and DoRA's magnitudes) learn at this "
+        "many times lr (peft's create_loraplus_optimizer; 16 is its paper's pick)",
+    )
     max_steps: int | None = Field(300, gt=0, description="optimiser steps; null: train.epochs decides")
     epochs: float | None = Field(None, gt=0, description="passes over the training data (used when max_steps is null)")
     warmup_steps: int = Field(10, ge=0, description="linear warmup steps")
@@ -120,20 +155,30 @@ class TrainSection(Settings):
     log_every: int = Field(1, gt=0, description="steps between metric lines")
     seed: int = Field(0, description="seeds the data order, the split, dropout and the adapter's init")
     gradient_checkpointing: Literal[False, True, "block", "selective"] = Field(
-        False, description="true / block: keep each block's input, recompute the block in backward; selective: "
-                           "also keep attention's output")
+        False,
+        description="true / block: keep each block's input, recompute the block in backward; selective: "
+        "also keep attention's output",
+    )
     offload_activations: bool = Field(False, description="CUDA: what backward keeps waits in pinned host memory")
     compile: Literal[False, True, "auto"] = Field(
-        "auto", description="torch.compile each decoder block for the training passes (eval and sampling stay "
-                            "eager); auto: on a GPU unless fsdp shards the blocks")
+        "auto",
+        description="torch.compile each decoder block for the training passes (eval and sampling stay "
+        "eager); auto: on a GPU unless fsdp shards the blocks",
+    )
     distributed: Literal["auto", "ddp", "fsdp"] = Field(
-        "auto", description="several processes: ddp replicates the frozen base, fsdp shards it; auto: fsdp when the "
-                            "base's weights exceed 80% of one GPU's memory, else ddp")
+        "auto",
+        description="several processes: ddp replicates the frozen base, fsdp shards it; auto: fsdp when the "
+        "base's weights exceed 80% of one GPU's memory, else ddp",
+    )
     collective_timeout_s: float = Field(600.0, gt=0, description="a process that waits longer on the others raises")
-    precision: Literal[PRECISIONS] = Field("auto", description="fp32, bf16-mixed, or auto: bf16-mixed on a GPU with "
-                                           "bf16 and on a CPU with AVX512_BF16 or AMX, else fp32")
+    precision: Literal[PRECISIONS] = Field(
+        "auto",
+        description="fp32, bf16-mixed, or auto: bf16-mixed on a GPU with "
+        "bf16 and on a CPU with AVX512_BF16 or AMX, else fp32",
+    )
     objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
-        "sft", description="sft, dpo / orpo on preference pairs, or grpo on prompts with reward functions")
+        "sft", description="sft, dpo / orpo on preference pairs, or grpo on prompts with reward functions"
+    )
     dpo: DPOSettings = Field(DPOSettings(), description="settings of train.objective dpo")
     orpo: ORPOSettings = Field(ORPOSettings(), description="settings of train.objective orpo")
     grpo: GRPOSettings = Field(GRPOSettings(), description="settings of train.objective grpo")
@@ -147,12 +192,14 @@ class TrainSection(Settings):
 
 class OutputSection(Settings):
     """Where the run goes."""
+
     dir: str = Field("runs/smollm2-chat", description="the run folder: checkpoints/, metrics.jsonl, loss.png, adapter/")
     push_to_hub: str | None = Field(None, description="USER/NAME: push the final adapter after a successful run")
 
 
 class Recipe(Settings):
     """A training recipe: five sections, every key with a default."""
+
     model: ModelSection = ModelSection()
     lora: LoraSettings = LoraSettings()
     data: DataSection = DataSection()
@@ -164,25 +211,33 @@ class Recipe(Settings):
         if self.model.nf4_double_quant and self.model.quantize != "nf4":
             raise ValueError("model.nf4_double_quant needs model.quantize nf4")
         if moves_w0(self.lora.init_lora_weights) and self.model.quantize == "source":
-            raise ValueError(f"lora.init_lora_weights {self.lora.init_lora_weights} changes the frozen base, which "
-                             "model.quantize source keeps as the file's blocks: use int8 or nf4")
+            raise ValueError(
+                f"lora.init_lora_weights {self.lora.init_lora_weights} changes the frozen base, which "
+                "model.quantize source keeps as the file's blocks: use int8 or nf4"
+            )
         return self
 
     @model_validator(mode="after")
     def _objective_fits_data(self):
         objective, fmt = self.train.objective, self.data.format
         if (objective == "grpo") != (fmt == "prompt") and not (objective == "grpo" and fmt == "auto"):
-            raise ValueError(f"train.objective grpo needs data.format prompt (and prompt data needs grpo), "
-                             f"not objective {objective} with format {fmt}")
+            raise ValueError(
+                f"train.objective grpo needs data.format prompt (and prompt data needs grpo), "
+                f"not objective {objective} with format {fmt}"
+            )
         preference = objective in ("dpo", "orpo")
         if preference and self.data.format not in ("preference", "auto"):
-            raise ValueError(f"train.objective {self.train.objective} needs data.format preference "
-                             f"(prompt, chosen, rejected), not {self.data.format}")
+            raise ValueError(
+                f"train.objective {self.train.objective} needs data.format preference "
+                f"(prompt, chosen, rejected), not {self.data.format}"
+            )
         if objective == "sft" and self.data.format == "preference":
             raise ValueError("data.format preference needs train.objective dpo or orpo")
         if preference and self.data.packing:
-            raise ValueError(f"data.packing is not supported with train.objective {self.train.objective}: "
-                             "a pair's chosen and rejected answers each need a row of their own")
+            raise ValueError(
+                f"data.packing is not supported with train.objective {self.train.objective}: "
+                "a pair's chosen and rejected answers each need a row of their own"
+            )
         return self
 
 
@@ -222,5 +277,3 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         return Recipe.model_validate(tree)
     except ValidationError as e:
         raise UserError(describe(e, Recipe)) from None
-
-

@@ -21,6 +21,7 @@ Loading is the same case (a shard read whole, weights converted or quantized one
 its model with these settings and keeps freed memory only from its first step on. A quantized base's products
 leave nothing weight-sized behind either: their weights are dequantized into one reusable buffer (workspace.py).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -32,15 +33,22 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 256 << 20
 RETURN = ((M_MMAP_THRESHOLD, 1 << 20), (M_TRIM_THRESHOLD, 32 << 20), (M_TOP_PAD, 0))
-_USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
-                  "GLIBC_TUNABLES")
+_USER_SETTINGS = (
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_MMAP_MAX_",
+    "GLIBC_TUNABLES",
+)
 
 
 def keep_freed_memory() -> str:
     """Apply the settings (process-wide; again is harmless) if glibc allocates and nobody chose otherwise; returns
     what happened."""
-    return _apply(((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)),
-                  "glibc keeps freed memory for the next step (fewer page faults)")
+    return _apply(
+        ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)),
+        "glibc keeps freed memory for the next step (fewer page faults)",
+    )
 
 
 def return_freed_memory() -> str:

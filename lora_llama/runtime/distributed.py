@@ -3,9 +3,10 @@
 Each rank takes its share of every global micro-batch (`Ranks.share`), so N processes x batch b
 compute what one process computes on batch N·b. The loss is divided by the target count of the
 whole global batch (`Ranks.sum`), and the adapter's gradients are summed over ranks
-(`Ranks.sum_gradients`) before the update: the same update as one process, to float-summation order. ddp keeps the whole frozen base on
-every rank; fsdp (`shard_model`) gives each rank 1/world of it. Only rank 0 writes files.
+(`Ranks.sum_gradients`) before the update: the same update as one process, to float-summation order. ddp keeps the
+whole frozen base on every rank; fsdp (`shard_model`) gives each rank 1/world of it. Only rank 0 writes files.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,6 +29,7 @@ from lora_llama.runtime.precision import resolve_device
 @dataclass(frozen=True)
 class Ranks:
     """This process's place among the training processes (one process: rank 0 of 1)."""
+
     rank: int = 0
     world: int = 1
 
@@ -37,7 +39,7 @@ class Ranks:
 
     def share(self, items: list, per_rank: int) -> list:
         """This rank's consecutive slice of a global micro-batch of `per_rank` x world items."""
-        return items[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return items[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sums over ranks (float64, so counts stay exact)."""
@@ -60,7 +62,7 @@ class Ranks:
         dist.all_reduce(flat)
         offset = 0
         for p, g in zip(params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(g)
+            p.grad = flat[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
 
     def barrier(self) -> None:
@@ -69,7 +71,7 @@ class Ranks:
 
 
 def choose_strategy(requested: str, ranks: Ranks, device: str, weight_bytes: int, quantized: bool) -> str:
-    """"auto": fsdp when the base would not fit one GPU (weights over 80% of its memory), ddp otherwise."""
+    """ "auto": fsdp when the base would not fit one GPU (weights over 80% of its memory), ddp otherwise."""
     if requested != "auto" or ranks.world == 1:
         return requested
     if quantized or not device.startswith("cuda"):
@@ -151,7 +153,10 @@ def load_optimizer_state(optimizer, sd: dict) -> None:
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, ranks: Ranks) -> float:
     """torch's clip_grad_norm_ for a mix of sharded and whole gradients: the norm over all of them."""
     grads = [p.grad for p in params if p.grad is not None]
-    local = lambda g: g.to_local() if hasattr(g, "to_local") else g
+
+    def local(g):
+        return g.to_local() if hasattr(g, "to_local") else g
+
     sharded = sum(float(local(g).float().pow(2).sum()) for g in grads if hasattr(g, "to_local"))
     whole = sum(float(g.float().pow(2).sum()) for g in grads if not hasattr(g, "to_local"))
     total = (ranks.sum([sharded])[0] + whole) ** 0.5
@@ -169,11 +174,16 @@ def check_global_batch(saved: dict, train, world: int, ckpt_dir) -> None:
     before = saved["batch_size"] * saved["world_size"]
     if before == train.batch_size * world and saved["grad_accum"] == train.grad_accum:
         return
-    hint = (f"resume with train.batch_size={before // world}" if before % world == 0 else
-            f"resume with a number of processes that divides {before}")
-    raise UserError(f"{ckpt_dir} was trained with global batch {saved['batch_size']} x {saved['world_size']} processes "
-                    f"x grad_accum {saved['grad_accum']}; this run would use {train.batch_size} x {world} x "
-                    f"{train.grad_accum}, which changes the data order: {hint} and train.grad_accum={saved['grad_accum']}")
+    hint = (
+        f"resume with train.batch_size={before // world}"
+        if before % world == 0
+        else f"resume with a number of processes that divides {before}"
+    )
+    raise UserError(
+        f"{ckpt_dir} was trained with global batch {saved['batch_size']} x {saved['world_size']} processes "
+        f"x grad_accum {saved['grad_accum']}; this run would use {train.batch_size} x {world} x "
+        f"{train.grad_accum}, which changes the data order: {hint} and train.grad_accum={saved['grad_accum']}"
+    )
 
 
 def _device():
@@ -222,8 +232,9 @@ def die_with_parent() -> None:
 PR_SET_PDEATHSIG = 1
 
 
-def launcher_args(nproc: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-                  run_id: str = "") -> list[str]:
+def launcher_args(
+    nproc: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, run_id: str = ""
+) -> list[str]:
     """torchrun's options: this machine alone, or one of `nnodes` meeting at `rdzv_endpoint` (c10d rendezvous,
     whose store node 0 hosts). The rendezvous id is the same on every node: derived from the run's output.dir."""
     if nnodes == 1:
@@ -232,9 +243,14 @@ def launcher_args(nproc: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
         raise UserError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (node 0's address, the same on every node)")
     if not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is not in 0..{nnodes - 1}")
-    return [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
-            f"--rdzv-id=lora-llama-{hashlib.sha1(run_id.encode()).hexdigest()[:12]}",
-            f"--rdzv-conf=is_host={int(node_rank == 0)}"]
+    return [
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id=lora-llama-{hashlib.sha1(run_id.encode()).hexdigest()[:12]}",
+        f"--rdzv-conf=is_host={int(node_rank == 0)}",
+    ]
 
 
 def launch(torchrun_args: list[str], argv: list[str]) -> int:
@@ -244,6 +260,7 @@ def launch(torchrun_args: list[str], argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="lora-llama-launch-") as tmp:
         code_file = Path(tmp) / "exit-code"
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "lora_llama", *argv]
-        code = subprocess.call(cmd, env={**os.environ, "LORA_LLAMA_EXIT_FILE": str(code_file)},
-                               preexec_fn=die_with_parent)
+        code = subprocess.call(
+            cmd, env={**os.environ, "LORA_LLAMA_EXIT_FILE": str(code_file)}, preexec_fn=die_with_parent
+        )
         return int(code_file.read_text()) if code_file.is_file() and code_file.read_text().strip() else code

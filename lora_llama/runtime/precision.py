@@ -2,6 +2,7 @@
 bfloat16 with float32 accumulation; norms, softmax and the loss in float32; LoRA A/B and the optimizer state in
 float32), and what `auto` picks on this machine, for the precision, `model.quantize` and `train.compile`.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,10 @@ def resolve_device(setting: str) -> str:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = int(setting.partition(":")[2] or 0)
         if index >= count:
-            raise UserError(f"device {setting}: this machine has {count} CUDA GPU{'' if count == 1 else 's'} "
-                            f"visible to torch {torch.__version__}")
+            raise UserError(
+                f"device {setting}: this machine has {count} CUDA GPU{'' if count == 1 else 's'} "
+                f"visible to torch {torch.__version__}"
+            )
     return setting
 
 
@@ -34,8 +37,11 @@ def resolve_precision(setting: str, device: str) -> tuple[str, str]:
     import torch
 
     if setting == "bf16-mixed" and device == "cpu" and not cpu_bf16_instructions():
-        return setting, "set in the recipe; this CPU lacks AVX512_BF16 and AMX, so its bf16 products are " \
-                        "emulated, many times slower than fp32"
+        return (
+            setting,
+            "set in the recipe; this CPU lacks AVX512_BF16 and AMX, so its bf16 products are "
+            "emulated, many times slower than fp32",
+        )
     if setting != "auto":
         return setting, "set in the recipe"
     if device.startswith("cuda"):

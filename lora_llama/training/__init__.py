@@ -1,1 +1,2 @@
-"""A run: objectives, rollouts and rewards, evaluation, the schedule, the run folder, the Trainer, the recipe entry point."""
+"""A run: objectives, rollouts and rewards, evaluation, the schedule, the run folder, the Trainer, the recipe entry
+point."""

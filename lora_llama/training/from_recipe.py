@@ -1,5 +1,6 @@
 """`train_from_recipe`: what `lora-llama train` runs — check the inputs and the run folder, load the
 tokenizer, data and adapted model, hand them to the `Trainer`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,24 +11,24 @@ from pathlib import Path
 
 import torch
 
-from lora_llama.kernels import fused
-from lora_llama.loading.adapters import load_adapter_weights
-from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
-from lora_llama.loading.models import gguf_file, load_model, load_tokenizer, resolve_source
-from lora_llama.model.config import torch_dtype
-from lora_llama.data.sft import build_examples
-from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
-from lora_llama.errors import UserError
-from lora_llama.files import shard_files
-from lora_llama.lora.layer import apply_lora
+from lora_llama.data.chat import end_of_turn_id
 from lora_llama.data.preference import build_pairs
 from lora_llama.data.prompts import build_prompts
-from lora_llama.runtime.precision import base_dtype, resolve_compile, resolve_precision, resolve_quantize
-from lora_llama.lora.init import moves_w0
-from lora_llama.quant.linear import base_weight_bytes, quantize_loaded_linears
+from lora_llama.data.sft import build_examples
+from lora_llama.errors import UserError
+from lora_llama.files import shard_files
+from lora_llama.kernels import fused
+from lora_llama.loading.adapters import load_adapter_weights
+from lora_llama.loading.models import gguf_file, load_model, load_tokenizer, resolve_source
 from lora_llama.loading.sharded import sharded_adapted_model
+from lora_llama.lora.init import moves_w0
+from lora_llama.lora.layer import apply_lora
+from lora_llama.model.config import torch_dtype
+from lora_llama.quant.linear import base_weight_bytes, quantize_loaded_linears
+from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
+from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
+from lora_llama.runtime.precision import base_dtype, resolve_compile, resolve_precision, resolve_quantize
 from lora_llama.training.run_folder import ADAPTER, checkpoints, remove_leftovers, run_lock, write_run_recipe
-from lora_llama.data.chat import end_of_turn_id
 from lora_llama.training.trainer import Trainer
 
 
@@ -63,8 +64,16 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     allocator = return_freed_memory() if device == "cpu" else None
     if sharded and _loads_by_rows(recipe):  # each rank reads only its own rows of the base
         resume_from = found[-1] / ADAPTER if found and not (force and not resume) else None
-        model, summary = sharded_adapted_model(recipe.model.source, recipe.lora, base_dtype(precision, torch_dtype(
-            recipe.model.dtype)), recipe.model.quantize, recipe.model.nf4_double_quant, device, ranks, resume_from)
+        model, summary = sharded_adapted_model(
+            recipe.model.source,
+            recipe.lora,
+            base_dtype(precision, torch_dtype(recipe.model.dtype)),
+            recipe.model.quantize,
+            recipe.model.nf4_double_quant,
+            device,
+            ranks,
+            resume_from,
+        )
         found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
         _set_model_options(model, recipe)
     else:
@@ -77,10 +86,21 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     if allocator and not sharded:
         allocator = keep_freed_memory()
     trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log)
-    log(f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
-        f"({summary['percent']:.3f}%) on {device}" + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else ""))
-    _describe_setup(log, recipe, model, (precision, why), {"model.quantize": quantize_why, "train.compile": compile_why},
-                    allocator, device, sharded)
+    log(
+        f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
+        f"({summary['percent']:.3f}%) on {device}"
+        + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else "")
+    )
+    _describe_setup(
+        log,
+        recipe,
+        model,
+        (precision, why),
+        {"model.quantize": quantize_why, "train.compile": compile_why},
+        allocator,
+        device,
+        sharded,
+    )
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
     _warn_if_stop_untrained(log, recipe, model, tok)
     if found:
@@ -103,7 +123,9 @@ def _check_run_folder(recipe, out: Path, resume: bool, force: bool) -> list[Path
     if (out / ADAPTER).exists() and not force and not resume:
         raise UserError(f"{out} holds a finished run; pass --force to start over or choose another output.dir")
     if out.exists() and any(out.iterdir()) and not found and not force:
-        raise UserError(f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir")
+        raise UserError(
+            f"{out} exists and holds no checkpoints; pass --force to start over or choose another output.dir"
+        )
     return found
 
 
@@ -111,8 +133,9 @@ def _quantize_resolved(recipe, precision: str, device: str):
     """(the recipe with model.quantize auto replaced by the kind it picks here, why). The run folder's
     recipe.yaml records that kind, which `merge --onto dequantized` reads."""
     m = recipe.model
-    kind, why = resolve_quantize(m.quantize, precision, device, gguf_file(m.source) is not None,
-                                 moves_w0(recipe.lora.init_lora_weights))
+    kind, why = resolve_quantize(
+        m.quantize, precision, device, gguf_file(m.source) is not None, moves_w0(recipe.lora.init_lora_weights)
+    )
     return recipe.model_copy(update={"model": m.model_copy(update={"quantize": kind})}), why
 
 
@@ -127,7 +150,9 @@ def _choose_strategy(recipe, ranks: Ranks, device: str) -> str:
     strategy = choose_strategy(recipe.train.distributed, ranks, device, weight_bytes, bool(recipe.model.quantize))
     if ranks.world > 1 and strategy == "fsdp":
         if "lm_head" in recipe.lora.targets:  # the chunked loss runs lm_head outside the model's backward
-            raise UserError("train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head")
+            raise UserError(
+                "train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head"
+            )
     return strategy
 
 
@@ -144,8 +169,13 @@ def _adapted_model(recipe, precision: str, device: str):
     """The base in the precision's dtype with the recipe's adapters; returns (model, apply_lora's summary)."""
     m = recipe.model
     principal = moves_w0(recipe.lora.init_lora_weights)  # PiSSA / OLoRA: the residual is what gets quantized
-    model = load_model(m.source, dtype=base_dtype(precision, torch_dtype(m.dtype)),
-                       quantize=None if principal else m.quantize, device=device, nf4_double_quant=m.nf4_double_quant)
+    model = load_model(
+        m.source,
+        dtype=base_dtype(precision, torch_dtype(m.dtype)),
+        quantize=None if principal else m.quantize,
+        device=device,
+        nf4_double_quant=m.nf4_double_quant,
+    )
     summary = apply_lora(model, recipe.lora)
     if principal and m.quantize:
         quantize_loaded_linears(model, m.quantize, m.nf4_double_quant)
@@ -180,8 +210,9 @@ def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, forc
     return found
 
 
-def _describe_setup(log, recipe, model, precision_why: tuple, reasons: dict[str, str], allocator, device: str,
-                    sharded: bool) -> None:
+def _describe_setup(
+    log, recipe, model, precision_why: tuple, reasons: dict[str, str], allocator, device: str, sharded: bool
+) -> None:
     """reasons: why each setting named (model.quantize, train.compile) has its value; those `auto` picked are said."""
     m, (precision, why) = recipe.model, precision_why
     dtype = str(base_dtype(precision, torch_dtype(m.dtype))).removeprefix("torch.")
@@ -193,19 +224,25 @@ def _describe_setup(log, recipe, model, precision_why: tuple, reasons: dict[str,
     if allocator:
         log(f"allocator: {allocator}")
     if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:
-        log("bf16 on the CPU: RMSNorm and SwiGLU run as compiled loops, built during the first step "
-            "(seconds; kept on disk for later runs)")
+        log(
+            "bf16 on the CPU: RMSNorm and SwiGLU run as compiled loops, built during the first step "
+            "(seconds; kept on disk for later runs)"
+        )
     if sharded:
         frozen = [p for p in model.parameters() if not p.requires_grad]
-        log(f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.3f} MB of the base's "
-            f"{sum(p.numel() * p.element_size() for p in frozen) / 1e6:.3f} MB of frozen weights")
+        log(
+            f"fsdp: each rank holds {local_bytes(frozen) / 1e6:.3f} MB of the base's "
+            f"{sum(p.numel() * p.element_size() for p in frozen) / 1e6:.3f} MB of frozen weights"
+        )
 
 
 def _warn_if_stop_untrained(log, recipe, model, tok) -> None:
     if "lm_head" not in recipe.lora.targets and looks_untrained(model, stop := end_of_turn_id(tok)):
-        log(f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(stop)}) "
+        log(
+            f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(stop)}) "
             "looks untrained in this base (its embedding or lm_head row is near zero) and both stay frozen: "
-            "the model may never learn to stop; add lm_head to lora.targets or start from an instruct model")
+            "the model may never learn to stop; add lm_head to lora.targets or start from an instruct model"
+        )
 
 
 def looks_untrained(model, token_id: int | None) -> bool:
@@ -214,5 +251,6 @@ def looks_untrained(model, token_id: int | None) -> bool:
     if token_id is None:
         return False
     rows = {model.model.embed_tokens.weight, model.lm_head.weight}
-    return any(float(norms[token_id]) < 0.1 * float(norms.median()) for norms in
-               (w.detach().float().norm(dim=1) for w in rows))
+    return any(
+        float(norms[token_id]) < 0.1 * float(norms.median()) for norms in (w.detach().float().norm(dim=1) for w in rows)
+    )

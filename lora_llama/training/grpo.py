@@ -14,6 +14,7 @@ unbiased reverse-KL one. Log-probabilities come from logits / temperature, a chu
 The loss types normalise as trl's do: dapo by the completion tokens of the global batch, bnpo by each
 micro-batch's, grpo per completion then over completions, dr_grpo by completions x max_new_tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,10 +22,10 @@ import math
 import torch
 
 from lora_llama.data.sft import collate, pack
-from lora_llama.runtime.distributed import sharded
 from lora_llama.kernels.cross_entropy import IGNORE_INDEX, target_mask, token_logps
 from lora_llama.lora.layer import adapters_disabled
-from lora_llama.training.rewards import completion_text, load_reward, score
+from lora_llama.runtime.distributed import sharded
+from lora_llama.training.rewards import load_reward, score
 from lora_llama.training.rollout import sample_completions
 
 # what a rollout batch keeps on the model's device (the rest, rewards and lengths, stays on the CPU)
@@ -47,7 +48,9 @@ def weighted_rewards(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return total.masked_fill(table.isnan().all(1), torch.nan)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_std: float | None = None) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str, batch_std: float | None = None
+) -> torch.Tensor:
     """(rewards - group mean) / (std + 1e-4), the std of the group, of the batch, or none; NaN rewards
     (unscorable) stay out of the means and standard deviations and get advantage 0."""
     grouped = rewards.view(-1, group_size)
@@ -62,7 +65,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_s
 def _moments(x: torch.Tensor) -> list[float]:
     """[sum, sum of squares, count] of the non-NaN values: what ranks add up for a mean and a std."""
     kept = x[~x.isnan()].double()
-    return [float(kept.sum()), float((kept ** 2).sum()), kept.numel()]
+    return [float(kept.sum()), float((kept**2).sum()), kept.numel()]
 
 
 def _mean_std(s: float, s2: float, n: float) -> tuple[float, float]:
@@ -70,8 +73,16 @@ def _mean_std(s: float, s2: float, n: float) -> tuple[float, float]:
     return mean, math.sqrt(max(s2 - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan
 
 
-def per_token_loss(logps, old_logps, advantages, epsilon: float, epsilon_high: float, beta: float = 0.0,
-                   ref_logps=None, bias_correction: bool = True) -> tuple[torch.Tensor, dict]:
+def per_token_loss(
+    logps,
+    old_logps,
+    advantages,
+    epsilon: float,
+    epsilon_high: float,
+    beta: float = 0.0,
+    ref_logps=None,
+    bias_correction: bool = True,
+) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate (+ beta·KL, times the ratio with bias_correction) per completion token (N,), and the
     tokens clipped below, above, either and the KL (trl's metrics), as sums over tokens."""
     ratio = torch.exp(logps - old_logps)
@@ -89,7 +100,9 @@ def per_token_loss(logps, old_logps, advantages, epsilon: float, epsilon_high: f
     return loss, stats
 
 
-def reduce_loss(loss: torch.Tensor, rows: torch.Tensor, n_rows: int, loss_type: str, max_new_tokens: int) -> torch.Tensor:
+def reduce_loss(
+    loss: torch.Tensor, rows: torch.Tensor, n_rows: int, loss_type: str, max_new_tokens: int
+) -> torch.Tensor:
     """A micro-batch's loss term before the division by its global count (see GRPO.counts)."""
     if loss_type == "grpo":  # per completion: the mean over its tokens
         per_row = loss.new_zeros(n_rows).index_add(0, rows, loss)
@@ -109,6 +122,7 @@ def _seed(seed: int, generation: int, index: int, sample: int) -> int:
 
 class GRPO:
     """The objective the trainer runs for train.objective grpo (the interface of objectives.Objective)."""
+
     name, n_counts = "grpo", 1
 
     def __init__(self, settings, tokenizer, eos_ids: list[int], seed: int, packing: bool = False, max_seq_len: int = 0):
@@ -140,11 +154,23 @@ class GRPO:
         """group_size sampled completions per prompt (greedy, one each, when generation is None: eval)."""
         group = 1 if generation is None else self.s.group_size
         rows = [p for p in prompts for _ in range(group)]
-        seeds = None if generation is None else [_seed(self.seed, generation, p["index"], j)
-                                                 for p in prompts for j in range(group)]
-        completions = sample_completions(model, [r["prompt_ids"] for r in rows], self.s.max_new_tokens, self.eos,
-                                         self.tok.pad_token_id, 0.0 if generation is None else self.s.temperature,
-                                         self.s.top_p, seeds, group, self.any_rank)
+        seeds = (
+            None
+            if generation is None
+            else [_seed(self.seed, generation, p["index"], j) for p in prompts for j in range(group)]
+        )
+        completions = sample_completions(
+            model,
+            [r["prompt_ids"] for r in rows],
+            self.s.max_new_tokens,
+            self.eos,
+            self.tok.pad_token_id,
+            0.0 if generation is None else self.s.temperature,
+            self.s.top_p,
+            seeds,
+            group,
+            self.any_rank,
+        )
         return completions, rows
 
     def rewards_of(self, rows: list[dict], completions: list[list[int]]) -> torch.Tensor:
@@ -164,8 +190,12 @@ class GRPO:
         for row, c, cut in zip(rows, completions, truncated):
             masked = cut and self.s.mask_truncated
             ids = row["prompt_ids"] + c
-            examples.append({"input_ids": ids, "labels": [IGNORE_INDEX] * len(row["prompt_ids"])
-                             + ([IGNORE_INDEX] * len(c) if masked else c)})
+            examples.append(
+                {
+                    "input_ids": ids,
+                    "labels": [IGNORE_INDEX] * len(row["prompt_ids"]) + ([IGNORE_INDEX] * len(c) if masked else c),
+                }
+            )
         batch = self._rows(examples)
         batch["rewards"] = self.rewards_of(rows, completions)
         batch["lengths"] = torch.tensor([len(c) for c in completions], dtype=torch.float32)
@@ -187,8 +217,14 @@ class GRPO:
         return batch
 
     def _logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logps(model, batch["input_ids"], batch["labels"], self.s.temperature, batch.get("position_ids"),
-                           batch.get("segment_ids"))
+        return token_logps(
+            model,
+            batch["input_ids"],
+            batch["labels"],
+            self.s.temperature,
+            batch.get("position_ids"),
+            batch.get("segment_ids"),
+        )
 
     def _targets(self, batch: dict) -> torch.Tensor:
         return target_mask(batch["labels"], batch.get("segment_ids"))
@@ -220,26 +256,40 @@ class GRPO:
         total = weighted_rewards(table, self.weights)
         g = self.s.group_size
         zero_std = torch.isclose(nanstd(total.view(-1, g), 1), torch.zeros(())).sum() * g if rolled else 0
-        lengths, truncated = (torch.cat([b[k] for b in rolled]) if rolled else torch.zeros(0)
-                              for k in ("lengths", "truncated"))
+        lengths, truncated = (
+            torch.cat([b[k] for b in rolled]) if rolled else torch.zeros(0) for k in ("lengths", "truncated")
+        )
         tokens = sum(int(self._targets(b).sum()) for b in rolled)
-        sums = ranks.sum([*_moments(total), total.numel(), float(zero_std), float(lengths.sum()), float(truncated.sum()),
-                          *[v for j in range(table.shape[1]) for v in _moments(table[:, j])], tokens])
+        sums = ranks.sum(
+            [
+                *_moments(total),
+                total.numel(),
+                float(zero_std),
+                float(lengths.sum()),
+                float(truncated.sum()),
+                *[v for j in range(table.shape[1]) for v in _moments(table[:, j])],
+                tokens,
+            ]
+        )
         self.tokens = int(sums[-1])
         mean, std = _mean_std(*sums[:3])
         n = max(sums[3], 1)  # completions in the global batch
         start = 0
         for b in rolled:
             rows = b["rewards"].shape[0]
-            b["advantages"] = group_advantages(total[start:start + rows], g, self.s.scale_rewards, std)
+            b["advantages"] = group_advantages(total[start : start + rows], g, self.s.scale_rewards, std)
             start += rows
-        per_fn = [_mean_std(*sums[7 + 3 * j:10 + 3 * j]) for j in range(table.shape[1])]
+        per_fn = [_mean_std(*sums[7 + 3 * j : 10 + 3 * j]) for j in range(table.shape[1])]
         zero = (std < 1e-8) if self.s.scale_rewards == "batch" else sums[4] / n
         self.rollout_stats = {
-            "reward": mean, "reward_std": std, "frac_reward_zero_std": float(zero),
+            "reward": mean,
+            "reward_std": std,
+            "frac_reward_zero_std": float(zero),
             **{f"rewards/{name}/mean": m for name, (m, _) in zip(self.rewards, per_fn)},
             **{f"rewards/{name}/std": sd for name, (_, sd) in zip(self.rewards, per_fn)},
-            "completions/mean_length": sums[5] / n, "completions/clipped_ratio": sums[6] / n}
+            "completions/mean_length": sums[5] / n,
+            "completions/clipped_ratio": sums[6] / n,
+        }
 
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
         s = self.s
@@ -251,8 +301,9 @@ class GRPO:
         if s.beta:
             with torch.no_grad(), adapters_disabled(model):
                 ref = self._logps(model, batch)[0]
-        loss, stats = per_token_loss(logps, old, advantages, s.epsilon, s.epsilon_high or s.epsilon, s.beta, ref,
-                                     s.use_bias_correction_kl)
+        loss, stats = per_token_loss(
+            logps, old, advantages, s.epsilon, s.epsilon_high or s.epsilon, s.beta, ref, s.use_bias_correction_kl
+        )
         return [reduce_loss(loss, owner, int(batch["completions"]), s.loss_type, s.max_new_tokens)], stats
 
     def summarize(self, stat_sums: dict, totals: list[int], ranks) -> dict:
@@ -264,30 +315,46 @@ class GRPO:
     def evaluate(self, model, prompts: list[dict], batch_size: int, ranks) -> dict:
         """The mean weighted reward of greedy completions of held-out prompts, and each function's mean; as many
         prompts decode together as a training step samples completions."""
-        mine, rows_per_batch = prompts[ranks.rank::ranks.world], batch_size * self.s.group_size
+        mine, rows_per_batch = prompts[ranks.rank :: ranks.world], batch_size * self.s.group_size
         self.any_rank = ranks.any if sharded(model) else None
         # under fsdp every rank decodes as many batches as the one with most (a spare one is thrown away)
         count = math.ceil(len(prompts) / ranks.world) if self.any_rank else len(mine)
         tables = []
         for i in range(0, count, rows_per_batch):
-            batch = mine[i:i + rows_per_batch]
+            batch = mine[i : i + rows_per_batch]
             completions, rows = self.complete(model, batch or prompts[:1], None)
             if batch:
                 tables.append(self.rewards_of(rows, completions))
         table = torch.cat(tables) if tables else torch.zeros(0, len(self.rewards))
-        sums = ranks.sum([*_moments(weighted_rewards(table, self.weights)),
-                          *[v for j in range(table.shape[1]) for v in _moments(table[:, j])]])
-        return {"reward": _mean_std(*sums[:3])[0], **{f"rewards/{name}/mean": _mean_std(*sums[3 + 3 * j:6 + 3 * j])[0]
-                                                      for j, name in enumerate(self.rewards)}}
+        sums = ranks.sum(
+            [
+                *_moments(weighted_rewards(table, self.weights)),
+                *[v for j in range(table.shape[1]) for v in _moments(table[:, j])],
+            ]
+        )
+        return {
+            "reward": _mean_std(*sums[:3])[0],
+            **{
+                f"rewards/{name}/mean": _mean_std(*sums[3 + 3 * j : 6 + 3 * j])[0]
+                for j, name in enumerate(self.rewards)
+            },
+        }
 
     def state(self) -> dict | None:
         """The kept rollouts (num_iterations > 1), so that a resume between generations continues exactly."""
         if self.cache is None or self.repeats == 1:
             return None
-        return {"generation": self.cache[0], "batches": self.cache[1], "stats": self.rollout_stats, "tokens": self.tokens}
+        return {
+            "generation": self.cache[0],
+            "batches": self.cache[1],
+            "stats": self.rollout_stats,
+            "tokens": self.tokens,
+        }
 
     def load_state(self, state: dict | None, device) -> None:
         if state:
             self.rollout_stats, self.tokens = state["stats"], state["tokens"]
-            self.cache = (state["generation"], [{k: v.to(device) if k in ON_DEVICE else v for k, v in b.items()}
-                                                for b in state["batches"]])
+            self.cache = (
+                state["generation"],
+                [{k: v.to(device) if k in ON_DEVICE else v for k, v in b.items()} for b in state["batches"]],
+            )

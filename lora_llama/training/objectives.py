@@ -4,6 +4,7 @@ An objective splits its loss into terms, each a sum over a micro-batch divided b
 whole global batch (every micro-batch on every rank) before any forward pass: accumulation and several
 processes then train exactly what one big batch trains, as for the SFT loss.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,19 +12,26 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lora_llama.data.sft import EMPTY_EXAMPLE, collate
-from lora_llama.lora.layer import adapters_disabled
-from lora_llama.kernels.cross_entropy import target_loss, target_mask, token_logps, where_targets
 from lora_llama.data.preference import EMPTY_PAIR, collate_pairs
+from lora_llama.data.sft import EMPTY_EXAMPLE, collate
+from lora_llama.kernels.cross_entropy import target_loss, target_mask, token_logps, where_targets
+from lora_llama.lora.layer import adapters_disabled
 
 # what preference objectives log, summed over pairs then averaged (trl's names)
-PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-              "logps/rejected")
+PAIR_STATS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 class Objective:
     """What the trainer asks of an objective besides its terms; these defaults suit data that is ready to train
     on (GRPO overrides them: its batches are rollouts it generates)."""
+
     repeats = 1  # optimiser steps per batch of data
 
     def prepare(self, model, batches: list[dict], step: int, ranks) -> list[dict]:
@@ -41,6 +49,7 @@ class Objective:
 
 class SFT(Objective):
     """Cross-entropy per target token."""
+
     name, empty, stat_names, n_counts = "sft", EMPTY_EXAMPLE, (), 1
 
     def collate(self, examples: list[dict], pad_id: int) -> dict:
@@ -60,6 +69,7 @@ class SFT(Objective):
 class _Preference(Objective):
     """Pairs: a batch holds the B chosen rows, then the B rejected ones. A pair counts when both answers
     kept a target token (the filler pair of a rank with nothing to do does not)."""
+
     empty, stat_names, n_counts = EMPTY_PAIR, PAIR_STATS, 1
 
     def collate(self, pairs: list[dict], pad_id: int) -> dict:
@@ -89,8 +99,14 @@ def answer_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 def _pair_stats(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, valid) -> dict:
     v = valid.to(chosen_rewards.dtype)
-    values = (chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).to(v.dtype),
-              chosen_rewards - rejected_rewards, chosen_logps, rejected_logps)
+    values = (
+        chosen_rewards,
+        rejected_rewards,
+        (chosen_rewards > rejected_rewards).to(v.dtype),
+        chosen_rewards - rejected_rewards,
+        chosen_logps,
+        rejected_logps,
+    )
     return {name: float((x.detach() * v).sum()) for name, x in zip(PAIR_STATS, values)}
 
 
@@ -98,6 +114,7 @@ class DPO(_Preference):
     """Direct preference optimisation against the base (the adapter switched off, no second model):
     sigmoid: -log σ(β·((π_c - ref_c) - (π_r - ref_r))) on summed log-probs (trl's `sigmoid`);
     ipo: ((π_c - ref_c)/n_c - (π_r - ref_r)/n_r - 1/(2β))² on per-token averages (trl's `ipo`)."""
+
     name = "dpo"
 
     def __init__(self, beta: float = 0.1, loss: str = "sigmoid"):
@@ -126,6 +143,7 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 class ORPO(_Preference):
     """Odds-ratio preference optimisation, no reference at all: the chosen answers' NLL per target token
     plus β·(-log σ(log odds(chosen) - log odds(rejected))) per pair, odds from per-token average log-probs."""
+
     name, n_counts = "orpo", 2
 
     def __init__(self, beta: float = 0.1):

@@ -11,6 +11,7 @@ The prompts and completions are as the data gives them: strings for string promp
 messages) each completion is `[{"role": "assistant", "content": text}]`. The other keyword arguments are the
 data's other columns and `completion_ids`, one value per completion.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -49,8 +50,14 @@ def reasoning_gym_reward(prompts, completions, entry=None, **_) -> list[float]:
         raise ValueError("no 'entry' column: use data.source reasoning-gym:<task>")
     import reasoning_gym
 
-    return [float(reasoning_gym.get_score_answer_fn(e["metadata"]["source_dataset"])(
-        answer=extract_answer(completion_text(c)), entry=e)) for c, e in zip(completions, entry)]
+    return [
+        float(
+            reasoning_gym.get_score_answer_fn(e["metadata"]["source_dataset"])(
+                answer=extract_answer(completion_text(c)), entry=e
+            )
+        )
+        for c, e in zip(completions, entry)
+    ]
 
 
 BUILTIN: dict[str, Callable] = {"format": format_reward, "reasoning_gym": reasoning_gym_reward}
@@ -62,8 +69,10 @@ def load_reward(spec: str) -> tuple[str, Callable]:
         return spec, BUILTIN[spec]
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise UserError(f"reward {spec!r}: use path/to/file.py:function, package.module:function or a built-in "
-                        f"({', '.join(BUILTIN)})")
+        raise UserError(
+            f"reward {spec!r}: use path/to/file.py:function, package.module:function or a built-in "
+            f"({', '.join(BUILTIN)})"
+        )
     if where.endswith(".py"):
         path = Path(where).expanduser()
         if not path.is_file():
@@ -95,8 +104,10 @@ def _checked(name: str, values, prompts: list, n: int) -> list[float]:
     out = []
     for i, v in enumerate(values):
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
-            raise UserError(f"reward {name} returned {v!r} ({type(v).__name__}) for row {i} "
-                            f"(prompt {_short(prompts[i])}): not a number or None")
+            raise UserError(
+                f"reward {name} returned {v!r} ({type(v).__name__}) for row {i} "
+                f"(prompt {_short(prompts[i])}): not a number or None"
+            )
         out.append(math.nan if v is None else float(v))
     return out
 
@@ -109,7 +120,11 @@ def _short(prompt) -> str:
 def _first_failing_row(fn, prompts, completions, columns) -> int | None:
     for i in range(len(completions)):
         try:
-            fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+            fn(
+                prompts=prompts[i : i + 1],
+                completions=completions[i : i + 1],
+                **{k: v[i : i + 1] for k, v in columns.items()},
+            )
         except Exception:
             return i
     return None

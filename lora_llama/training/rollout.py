@@ -6,6 +6,7 @@ sampling: a row's completion depends on its prompt, its seed and the weights, no
 batch, on which rank it runs or on a resume. Its uniforms are drawn up front and moved to the device once. On a
 GPU the decoding steps run over a cache of fixed shape as a replayed CUDA graph (decoding.py), and whether every
 row has stopped is asked every CHECK_EVERY tokens, not every token: the host never waits on the GPU mid-run."""
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,9 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float | None, u: torc
 def row_uniforms(seeds: list[int], n: int, device) -> torch.Tensor:
     """(rows, n) float64: each row's first n uniforms from a CPU generator seeded with its seed, the numbers it
     would draw one at a time."""
-    return torch.stack([torch.rand(n, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
-                        for s in seeds]).to(device)
+    return torch.stack(
+        [torch.rand(n, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+    ).to(device)
 
 
 def left_padded(prompts: list[list[int]], pad_id: int, extra: int, device) -> tuple[torch.Tensor, ...]:
@@ -38,15 +40,25 @@ def left_padded(prompts: list[list[int]], pad_id: int, extra: int, device) -> tu
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     key_mask = torch.ones((len(prompts), width + extra), dtype=torch.bool)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        key_mask[i, :width - len(p)] = False
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        key_mask[i, : width - len(p)] = False
     positions = (key_mask[:, :width].long().cumsum(1) - 1).clamp(min=0)
     return ids.to(device), positions.to(device), key_mask.to(device)
 
 
-def sample_completions(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, pad_id: int,
-                       temperature: float = 1.0, top_p: float | None = None, seeds: list[int] | None = None,
-                       group: int = 1, any_rank=None, static: bool | None = None) -> list[list[int]]:
+def sample_completions(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    seeds: list[int] | None = None,
+    group: int = 1,
+    any_rank=None,
+    static: bool | None = None,
+) -> list[list[int]]:
     """Each prompt's completion (token ids, its first EOS included when it stops before max_new_tokens).
     seeds: one per row (temperature > 0). group: the rows come in runs of `group` equal prompts (GRPO's
     groups), and each prompt is run through the model once, its keys and values copied to its group.
@@ -56,8 +68,9 @@ def sample_completions(model, prompts: list[list[int]], max_new_tokens: int, eos
     static = next(model.parameters()).is_cuda and any_rank is None if static is None else static
     # fsdp's gathered weights must stay ordinary tensors for its later in-place updates: no_grad, not inference mode
     with torch.no_grad() if any_rank is not None else torch.inference_mode():
-        return _sample(model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, seeds, group, any_rank,
-                       static)
+        return _sample(
+            model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, seeds, group, any_rank, static
+        )
 
 
 def _sample(model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, seeds, group, any_rank, static):
@@ -78,12 +91,16 @@ def _sample(model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p,
         if static:
             decoder = decoder_for(model, len(prompts), key_mask.shape[1])
             decoder.load(cache, group, next_pos)
-            step_logits = lambda token, step: decoder.step(token)
+
+            def step_logits(token, step):
+                return decoder.step(token)
         else:
             if group > 1:
                 cache.repeat_rows(group)
-            step_logits = lambda token, step: model(token[:, None], position_ids=(next_pos + step)[:, None],
-                                                    cache=cache)[:, -1]
+
+            def step_logits(token, step):
+                return model(token[:, None], position_ids=(next_pos + step)[:, None], cache=cache)[:, -1]
+
         logits = logits.repeat_interleave(group, 0)
         eos = torch.tensor(sorted(set(eos_ids)), device=device, dtype=torch.long)
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
@@ -110,5 +127,5 @@ def _cut(row: list[int], eos: set[int]) -> list[int]:
     """A row up to and including its first EOS."""
     for i, t in enumerate(row):
         if t in eos:
-            return row[:i + 1]
+            return row[: i + 1]
     return row

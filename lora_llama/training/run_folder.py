@@ -7,6 +7,7 @@ without pickles, metrics and plots.
 Trainer state (optimizer, scheduler, RNG) is split into its tensors (safetensors) and the
 rest (JSON): loading a checkpoint someone sent you runs no code, where a pickle would.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,13 @@ from lora_llama.files import read_json, write_json
 
 # the run folder's names: every other module spells them through these
 ADAPTER, CHECKPOINTS, METRICS, LOSS_PLOT, RECIPE, TENSORBOARD = (
-    "adapter", "checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard")
+    "adapter",
+    "checkpoints",
+    "metrics.jsonl",
+    "loss.png",
+    "recipe.yaml",
+    "tensorboard",
+)
 STATE_TENSORS, STATE_JSON, TRAINER_STATE = "state.safetensors", "state.json", "trainer_state.json"
 
 
@@ -74,8 +81,10 @@ def run_lock(out: Path):
         f.seek(0)
         holder = f.read().strip() or "?"
         f.close()
-        raise UserError(f"{out} is in use by a running `lora-llama train` (pid {holder}); "
-                        "wait for it to end or choose another output.dir") from None
+        raise UserError(
+            f"{out} is in use by a running `lora-llama train` (pid {holder}); "
+            "wait for it to end or choose another output.dir"
+        ) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -227,10 +236,20 @@ def plot_losses(metrics: Path, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics)
-    curve = lambda key: [(r["step"], r[key]) for r in rows if key in r]
+
+    def curve(key):
+        return [(r["step"], r[key]) for r in rows if key in r]
+
     preference = any("rewards/margins" in r for r in rows)
-    panel = [k for k in (("rewards/accuracies", "rewards/margins", "eval_rewards/accuracies", "eval_rewards/margins")
-                         if preference else ("reward", "eval_reward")) if curve(k)]
+    panel = [
+        k
+        for k in (
+            ("rewards/accuracies", "rewards/margins", "eval_rewards/accuracies", "eval_rewards/margins")
+            if preference
+            else ("reward", "eval_reward")
+        )
+        if curve(k)
+    ]
     fig, axes = plt.subplots(1, 2 if panel else 1, figsize=(12 if panel else 7, 4), squeeze=False)
     ax = axes[0][0]
     for key, style, label in (("loss", "-", "train loss"), ("eval_loss", "o-", "eval loss")):

@@ -1,4 +1,5 @@
 """The learning-rate schedule and the number of steps a run takes."""
+
 from __future__ import annotations
 
 import math
@@ -6,6 +7,7 @@ import math
 
 def lr_lambda(schedule: str, warmup: int, total: int):
     """Linear warmup, then cosine / linear decay to zero, or constant."""
+
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
@@ -13,6 +15,7 @@ def lr_lambda(schedule: str, warmup: int, total: int):
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+
     return f
 
 

@@ -1,6 +1,7 @@
 """`Trainer`: fits a LoRA adapter on examples — optimiser, schedule, accumulation, eval, checkpoint /
 resume, metrics — so that a resumed run continues bit for bit. It reports through a callback and
 writes only into its run folder."""
+
 from __future__ import annotations
 
 import json
@@ -11,42 +12,82 @@ from pathlib import Path
 
 import torch
 
-from lora_llama.loading.adapters import save_adapter
-from lora_llama.runtime.distributed import (Ranks, check_global_batch, clip_grad_norm, full, full_optimizer_state, load_optimizer_state,
-                          replicated, sharded, sum_shard_gradients)
-from lora_llama.errors import UserError
-from lora_llama.training.evaluation import evaluate
-from lora_llama.files import atomic_dir, read_json, write_json
 from lora_llama.data.chat import stop_token_ids
+from lora_llama.errors import UserError
+from lora_llama.files import atomic_dir, read_json, write_json
+from lora_llama.loading.adapters import save_adapter
 from lora_llama.lora.layer import lora_state_dict
+from lora_llama.runtime.distributed import (
+    Ranks,
+    check_global_batch,
+    clip_grad_norm,
+    full,
+    full_optimizer_state,
+    load_optimizer_state,
+    replicated,
+    sharded,
+    sum_shard_gradients,
+)
+from lora_llama.training.evaluation import evaluate
 from lora_llama.training.objectives import make_objective
-from lora_llama.training.run_folder import (ADAPTER, CHECKPOINTS, LOSS_PLOT, METRICS, TRAINER_STATE, checkpoints, load_state, plot_losses,
-                         read_metrics, rng_state, save_state, set_rng_state, stop_requests, tensorboard,
-                         truncate_metrics)
+from lora_llama.training.run_folder import (
+    ADAPTER,
+    CHECKPOINTS,
+    LOSS_PLOT,
+    METRICS,
+    TRAINER_STATE,
+    checkpoints,
+    load_state,
+    plot_losses,
+    read_metrics,
+    rng_state,
+    save_state,
+    set_rng_state,
+    stop_requests,
+    tensorboard,
+    truncate_metrics,
+)
 from lora_llama.training.schedule import lr_lambda, total_steps
 
 
 class Trainer:
     """Fits a LoRA adapter on a recipe's data; checkpoints so that a resumed run continues bit for bit."""
 
-    def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path, ranks: Ranks = Ranks(),
-                 report=None):
+    def __init__(
+        self,
+        recipe,
+        model,
+        tokenizer,
+        train: list[dict],
+        val: list[dict],
+        out: Path,
+        ranks: Ranks = Ranks(),
+        report=None,
+    ):
         self.recipe, self.model, self.ranks = recipe, model, ranks
         self.report = report or (lambda message: None)  # one line per event (eval results, a stop)
-        self.objective = make_objective(recipe.train, tokenizer,
-                                        stop_token_ids(tokenizer, model.args.eos_token_id, model.folder), recipe.data)
+        self.objective = make_objective(
+            recipe.train, tokenizer, stop_token_ids(tokenizer, model.args.eos_token_id, model.folder), recipe.data
+        )
         self.sharded = sharded(model)  # fsdp: blocks are shards
         self.train_examples, self.val_examples, self.out = train, val, Path(out)
         t = recipe.train
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
         # fused: one kernel for all adapter tensors (CPU: 2.0 vs 8.1 ms a step for the default recipe's 240 tensors)
-        self.optimizer = torch.optim.AdamW(param_groups(model, t.lr, t.loraplus_lr_ratio), lr=t.lr,
-                                           betas=tuple(t.betas), weight_decay=t.weight_decay, fused=True)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, t.lr, t.loraplus_lr_ratio),
+            lr=t.lr,
+            betas=tuple(t.betas),
+            weight_decay=t.weight_decay,
+            fused=True,
+        )
         # a micro-batch is global: batch_size examples on each rank
         self.batches_per_epoch = math.ceil(len(train) / (t.batch_size * ranks.world))
         self.total = total_steps(t, self.batches_per_epoch * self.objective.repeats)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t.schedule, t.warmup_steps, self.total))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(t.schedule, t.warmup_steps, self.total)
+        )
         self.step = 0
         self.pad_id = tokenizer.pad_token_id
         self.tb = None  # opened by fit, once the step it resumes from is known
@@ -60,8 +101,10 @@ class Trainer:
         bs = self.recipe.train.batch_size
         glob = bs * self.ranks.world
         epoch, i = divmod(index, self.batches_per_epoch)
-        order = torch.randperm(len(self.train_examples), generator=torch.Generator().manual_seed(self.recipe.train.seed + epoch))
-        chosen = [self.train_examples[j] for j in self.ranks.share(order[i * glob:(i + 1) * glob].tolist(), bs)]
+        order = torch.randperm(
+            len(self.train_examples), generator=torch.Generator().manual_seed(self.recipe.train.seed + epoch)
+        )
+        chosen = [self.train_examples[j] for j in self.ranks.share(order[i * glob : (i + 1) * glob].tolist(), bs)]
         if not chosen and self.sharded:  # fsdp's gathers are collectives: every rank runs every micro-batch
             chosen = [self.objective.empty]
         return self.objective.collate(chosen, self.pad_id) if chosen else None  # on the host: counted there
@@ -89,8 +132,10 @@ class Trainer:
         local_loss = float(torch.stack(losses).sum()) if losses else 0.0  # the step's one wait for the device
         bad = not math.isfinite(local_loss)
         if self.ranks.any(bad):  # every rank stops before the update, together
-            raise UserError(f"non-finite loss ({local_loss if bad else 'on another rank'}) at step {self.step + 1}; "
-                            f"stopped before the update. The last good checkpoint is kept in {self.out / 'checkpoints'}")
+            raise UserError(
+                f"non-finite loss ({local_loss if bad else 'on another rank'}) at step {self.step + 1}; "
+                f"stopped before the update. The last good checkpoint is kept in {self.out / 'checkpoints'}"
+            )
         self.ranks.sum_gradients(replicated(self.params) if self.sharded else self.params)  # fsdp reduces its own
         if self.sharded:
             sum_shard_gradients(self.params, self.ranks)
@@ -116,11 +161,26 @@ class Trainer:
         if self.ranks.main:
             with atomic_dir(ckpt_dir, force=True) as tmp:
                 save_adapter(self.model, tmp / ADAPTER, force=True, tensors=adapter, plain=False)  # to resume from
-                save_state(tmp, {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
-                                 **({"objective": obj} if (obj := self.objective.state()) else {})})
-                write_json(tmp / TRAINER_STATE, {
-                    "step": self.step, "micro_batches_done": self.step * t.grad_accum, "total_steps": self.total,
-                    "batch_size": t.batch_size, "grad_accum": t.grad_accum, "world_size": self.ranks.world})
+                save_state(
+                    tmp,
+                    {
+                        "optimizer": optimizer,
+                        "scheduler": self.scheduler.state_dict(),
+                        "rng": rng_state(),
+                        **({"objective": obj} if (obj := self.objective.state()) else {}),
+                    },
+                )
+                write_json(
+                    tmp / TRAINER_STATE,
+                    {
+                        "step": self.step,
+                        "micro_batches_done": self.step * t.grad_accum,
+                        "total_steps": self.total,
+                        "batch_size": t.batch_size,
+                        "grad_accum": t.grad_accum,
+                        "world_size": self.ranks.world,
+                    },
+                )
             for old in checkpoints(self.out)[: -t.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         self.ranks.barrier()
@@ -168,8 +228,9 @@ class Trainer:
         if hasattr(self.objective, "evaluate"):  # GRPO: the reward of greedy completions
             r = self.objective.evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.ranks)
         else:
-            r = evaluate(self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks,
-                         self.objective)
+            r = evaluate(
+                self.model, self.val_examples, self.recipe.train.batch_size, self.pad_id, self.ranks, self.objective
+            )
         record = {"step": self.step, **{f"eval_{k}": v for k, v in r.items() if k not in ("tokens", "pairs")}}
         self.log(record)
         return record
@@ -185,8 +246,14 @@ class Trainer:
         last_eval = None
         if self.step == 0:
             last_eval = self.run_eval()  # the starting point of the eval curve
-        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not self.ranks.main)
+        bar = tqdm(
+            total=self.total,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not self.ranks.main,
+        )
         saved_at = self.step
         try:
             with stop_requests() as stop:
@@ -202,8 +269,10 @@ class Trainer:
             bar.close()
             why = f"stopped by {e.args[0]}" if e.args else "interrupted"
             path = self.save_checkpoint() if self.step > saved_at else (checkpoints(self.out) or [None])[-1]
-            self.report(f"{why} at step {self.step}: " + (f"saved {path}; run the same command again to resume"
-                                                          if path else "no checkpoint yet"))
+            self.report(
+                f"{why} at step {self.step}: "
+                + (f"saved {path}; run the same command again to resume" if path else "no checkpoint yet")
+            )
             raise
         finally:
             bar.close()
@@ -247,13 +316,18 @@ def param_groups(model, lr: float, loraplus_lr_ratio: float | None) -> list[dict
     if not loraplus_lr_ratio:
         return [{"params": [p for _, p in named]}]
     fast = {n for n, p in named if "lora_B" in n or p.dim() == 1}
-    return [{"params": [p for n, p in named if n not in fast]},
-            {"params": [p for n, p in named if n in fast], "lr": lr * loraplus_lr_ratio}]
+    return [
+        {"params": [p for n, p in named if n not in fast]},
+        {"params": [p for n, p in named if n in fast], "lr": lr * loraplus_lr_ratio},
+    ]
 
 
 def _to(batch: dict, device) -> dict:
     """The batch on `device`; from the host to a GPU through pinned memory, asynchronously (a copy from pageable
     memory would first wait for the GPU's queue: a host sync per micro-batch)."""
     cuda = torch.device(device).type == "cuda"
-    move = lambda t: t.pin_memory().to(device, non_blocking=True) if cuda and t.device.type == "cpu" else t.to(device)
+
+    def move(t):
+        return t.pin_memory().to(device, non_blocking=True) if cuda and t.device.type == "cpu" else t.to(device)
+
     return {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
