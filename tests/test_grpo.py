@@ -253,7 +253,7 @@ def test_packed_completions_train_as_separate_rows(tiny_ckpt, tmp_path, loss_typ
     for packing in (False, True):
         model = _policy(tiny_ckpt, tmp_path / str(packing))
         grpo = GRPO(settings, make_tokenizer(), [2], seed=0, packing=packing, max_seq_len=24)
-        batch = grpo._rows(examples)
+        batch = grpo.rollouts.rows(examples)
         batch["advantages"] = torch.tensor([1.3, -0.7, 0.4, -1.0])
         model.train()
         terms, _ = grpo.terms(model, batch)

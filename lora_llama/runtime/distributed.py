@@ -49,6 +49,14 @@ class Ranks:
         dist.all_reduce(t)
         return t.tolist()
 
+    def sum_named(self, values: dict[str, list[float]]) -> dict[str, list[float]]:
+        """`sum` over named lists of numbers in one collective, read back by name."""
+        flat = self.sum([v for vs in values.values() for v in vs])
+        out, start = {}, 0
+        for name, vs in values.items():
+            out[name], start = flat[start : start + len(vs)], start + len(vs)
+        return out
+
     def any(self, flag: bool) -> bool:
         """Whether any rank says yes: a NaN or a stop request on one rank stops them all together."""
         return bool(self.sum([float(flag)])[0]) if self.world > 1 else flag
@@ -164,26 +172,6 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, ranks: Ranks) ->
     for g in grads:
         local(g).mul_(coef)
     return total
-
-
-def check_global_batch(saved: dict, train, world: int, ckpt_dir) -> None:
-    """A resume continues the same data order only with the same global micro-batch (batch_size x
-    processes) and grad_accum; another number of processes is fine when batch_size makes up for it."""
-    if "world_size" not in saved:  # a state without a process count comes from one process
-        return
-    before = saved["batch_size"] * saved["world_size"]
-    if before == train.batch_size * world and saved["grad_accum"] == train.grad_accum:
-        return
-    hint = (
-        f"resume with train.batch_size={before // world}"
-        if before % world == 0
-        else f"resume with a number of processes that divides {before}"
-    )
-    raise UserError(
-        f"{ckpt_dir} was trained with global batch {saved['batch_size']} x {saved['world_size']} processes "
-        f"x grad_accum {saved['grad_accum']}; this run would use {train.batch_size} x {world} x "
-        f"{train.grad_accum}, which changes the data order: {hint} and train.grad_accum={saved['grad_accum']}"
-    )
 
 
 def _device():

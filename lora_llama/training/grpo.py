@@ -21,12 +21,11 @@ import math
 
 import torch
 
-from lora_llama.data.sft import collate, pack
-from lora_llama.kernels.cross_entropy import IGNORE_INDEX, target_mask, token_logps
+from lora_llama.kernels.cross_entropy import target_mask, token_logps
 from lora_llama.lora.layer import adapters_disabled
 from lora_llama.runtime.distributed import sharded
-from lora_llama.training.rewards import load_reward, score
-from lora_llama.training.rollout import sample_completions
+from lora_llama.training.objectives import Objective
+from lora_llama.training.rollout import Rollouts
 
 # what a rollout batch keeps on the model's device (the rest, rewards and lengths, stays on the CPU)
 ON_DEVICE = ("input_ids", "labels", "advantages", "completion", "position_ids", "segment_ids", "old_logps")
@@ -62,15 +61,30 @@ def group_advantages(
     return advantages.nan_to_num(0.0)
 
 
-def _moments(x: torch.Tensor) -> list[float]:
+def moments(x: torch.Tensor) -> list[float]:
     """[sum, sum of squares, count] of the non-NaN values: what ranks add up for a mean and a std."""
     kept = x[~x.isnan()].double()
     return [float(kept.sum()), float((kept**2).sum()), kept.numel()]
 
 
-def _mean_std(s: float, s2: float, n: float) -> tuple[float, float]:
+def mean_std(s: float, s2: float, n: float) -> tuple[float, float]:
+    """The mean and the standard deviation (Bessel's) from `moments` added up over ranks."""
     mean = s / n if n else math.nan
     return mean, math.sqrt(max(s2 - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan
+
+
+def reward_moments(table: torch.Tensor, weights: torch.Tensor, names) -> dict[str, list[float]]:
+    """The moments of the weighted reward ("reward") and of each function's (by its name), to sum over ranks."""
+    per_function = {f"rewards/{name}": moments(table[:, j]) for j, name in enumerate(names)}
+    return {"reward": moments(weighted_rewards(table, weights)), **per_function}
+
+
+def reward_means(sums: dict[str, list[float]], names) -> dict:
+    """trl's reward metrics from summed `reward_moments`: the weighted reward's mean, each function's mean."""
+    return {
+        "reward": mean_std(*sums["reward"])[0],
+        **{f"rewards/{n}/mean": mean_std(*sums[f"rewards/{n}"])[0] for n in names},
+    }
 
 
 def per_token_loss(
@@ -115,29 +129,22 @@ def reduce_loss(
     return loss.sum()  # dapo
 
 
-def _seed(seed: int, generation: int, index: int, sample: int) -> int:
-    """One sampling seed per completion: its prompt, its place in the group, the generation step."""
-    return ((seed * 1_000_003 + generation) * 1_000_033 + index) * 1_009 + sample
+class GRPO(Objective):
+    """The objective of train.objective grpo: its batches are rollouts it samples (`prepare`), its eval the reward
+    of greedy completions of held-out prompts."""
 
-
-class GRPO:
-    """The objective the trainer runs for train.objective grpo (the interface of objectives.Objective)."""
-
-    name, n_counts = "grpo", 1
+    name, empty, n_counts = "grpo", None, 1
 
     def __init__(self, settings, tokenizer, eos_ids: list[int], seed: int, packing: bool = False, max_seq_len: int = 0):
-        self.s, self.tok, self.eos, self.seed = settings, tokenizer, list(eos_ids), seed
-        self.packing, self.max_seq_len = packing, max_seq_len  # data.packing: completions packed into rows
-        self.rewards = dict(load_reward(spec) for spec in settings.rewards)
-        self.weights = torch.tensor(settings.reward_weights or [1.0] * len(self.rewards))
+        self.settings = settings
+        self.rollouts = Rollouts(settings, tokenizer, eos_ids, seed, packing, max_seq_len)
+        self.reward_names = list(self.rollouts.reward_functions)
+        self.reward_weights = torch.tensor(settings.reward_weights or [1.0] * len(self.reward_names))
         self.repeats = settings.num_iterations  # optimiser steps per generation (trl's μ)
         self.stat_names = CLIP_STATS + (("kl",) if settings.beta else ())
-        self.cache: tuple[int, list[dict]] | None = None
+        self.kept: tuple[int, list[dict]] | None = None  # (generation, its rollouts), for num_iterations > 1
         self.rollout_stats: dict = {}
-        self.tokens = 0  # completion tokens of the generation's global batch: the clip and KL metrics' divisor
-        self.any_rank = None  # under fsdp: Ranks.any, so that every rank decodes as many steps
-
-    # ------------------------------------------------------------------ batches
+        self.completion_tokens = 0  # of the generation's global batch: the clip and KL metrics' divisor
 
     def collate(self, prompts: list[dict], pad_id: int) -> dict:
         return {"prompts": prompts}
@@ -146,99 +153,18 @@ class GRPO:
         return len(prompt["prompt_ids"])
 
     def counts(self, batch: dict) -> list[int]:
-        if self.s.loss_type == "dapo":
-            return [int(self._targets(batch).sum())]
-        return [1 if self.s.loss_type == "bnpo" else int(batch["completions"])]
-
-    def complete(self, model, prompts: list[dict], generation: int | None) -> tuple[list[list[int]], list[dict]]:
-        """group_size sampled completions per prompt (greedy, one each, when generation is None: eval)."""
-        group = 1 if generation is None else self.s.group_size
-        rows = [p for p in prompts for _ in range(group)]
-        seeds = (
-            None
-            if generation is None
-            else [_seed(self.seed, generation, p["index"], j) for p in prompts for j in range(group)]
-        )
-        completions = sample_completions(
-            model,
-            [r["prompt_ids"] for r in rows],
-            self.s.max_new_tokens,
-            self.eos,
-            self.tok.pad_token_id,
-            0.0 if generation is None else self.s.temperature,
-            self.s.top_p,
-            seeds,
-            group,
-            self.any_rank,
-        )
-        return completions, rows
-
-    def rewards_of(self, rows: list[dict], completions: list[list[int]]) -> torch.Tensor:
-        """(rows, functions) rewards; completions reach the functions in the form of their prompt."""
-        texts = self.tok.batch_decode(completions, skip_special_tokens=True)
-        prompts = [r["prompt"] for r in rows]
-        shaped = [t if isinstance(p, str) else [{"role": "assistant", "content": t}] for t, p in zip(texts, prompts)]
-        columns = {k: [r["columns"][k] for r in rows] for k in rows[0]["columns"]} if rows else {}
-        return score(self.rewards, prompts, shaped, {**columns, "completion_ids": completions})
-
-    def rollout(self, model, prompts: list[dict], generation: int) -> dict:
-        """One micro-batch's completions as training rows (prompt + completion; the completion's tokens are the
-        targets, none of a truncated one with mask_truncated), with their rewards."""
-        completions, rows = self.complete(model, prompts, generation)
-        truncated = [len(c) == self.s.max_new_tokens and c[-1] not in self.eos for c in completions]
-        examples = []
-        for row, c, cut in zip(rows, completions, truncated):
-            masked = cut and self.s.mask_truncated
-            ids = row["prompt_ids"] + c
-            examples.append(
-                {
-                    "input_ids": ids,
-                    "labels": [IGNORE_INDEX] * len(row["prompt_ids"]) + ([IGNORE_INDEX] * len(c) if masked else c),
-                }
-            )
-        batch = self._rows(examples)
-        batch["rewards"] = self.rewards_of(rows, completions)
-        batch["lengths"] = torch.tensor([len(c) for c in completions], dtype=torch.float32)
-        batch["truncated"] = torch.tensor(truncated, dtype=torch.float32)
-        return batch
-
-    def _rows(self, examples: list[dict]) -> dict:
-        """The completions as a batch, one per row or packed (data.packing) several to a row, each attending
-        only to itself; `completion` (B, T) says which completion each position belongs to."""
-        if not self.packing:
-            batch = collate(examples, self.tok.pad_token_id)
-            batch["completion"] = torch.arange(len(examples))[:, None].expand_as(batch["input_ids"]).clone()
-        else:
-            packed = pack(examples, self.max_seq_len)
-            batch = collate(packed, self.tok.pad_token_id)
-            firsts = torch.tensor([0] + [r["segment_ids"][-1] + 1 for r in packed]).cumsum(0)[:-1]
-            batch["completion"] = (firsts[:, None] + batch["segment_ids"]).clamp(0, len(examples) - 1)  # padding: any
-        batch["completions"] = torch.tensor(len(examples))
-        return batch
-
-    def _logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logps(
-            model,
-            batch["input_ids"],
-            batch["labels"],
-            self.s.temperature,
-            batch.get("position_ids"),
-            batch.get("segment_ids"),
-        )
-
-    def _targets(self, batch: dict) -> torch.Tensor:
-        return target_mask(batch["labels"], batch.get("segment_ids"))
-
-    # ------------------------------------------------------------------ a step
+        if self.settings.loss_type == "dapo":
+            return [int(_targets(batch).sum())]
+        return [1 if self.settings.loss_type == "bnpo" else int(batch["completions"])]
 
     def prepare(self, model, batches: list[dict], step: int, ranks) -> list[dict]:
         """The step's rollouts with their advantages (computed once per num_iterations steps and kept)."""
         generation = step // self.repeats
-        if self.cache is not None and self.cache[0] == generation:
-            return self.cache[1]
-        self.any_rank = ranks.any if sharded(model) else None
+        if self.kept is not None and self.kept[0] == generation:
+            return self.kept[1]
+        self.rollouts.any_rank = ranks.any if sharded(model) else None
         device = next(model.parameters()).device
-        rolled = [self.rollout(model, b["prompts"], generation) for b in batches]
+        rolled = [self.rollouts.batch(model, b["prompts"], generation) for b in batches]
         self._advantages(rolled, ranks)
         for b in rolled:
             for k in ON_DEVICE:
@@ -247,52 +173,51 @@ class GRPO:
             if self.repeats > 1:  # the policy that sampled, for the ratio of the later iterations
                 with torch.no_grad():
                     b["old_logps"] = self._logps(model, b)[0].detach()
-        self.cache = (generation, rolled)
+        self.kept = (generation, rolled)
         return rolled
 
     def _advantages(self, rolled: list[dict], ranks) -> None:
         """Advantages per completion, and the rollout metrics over the global batch (every rank's groups)."""
-        table = torch.cat([b["rewards"] for b in rolled]) if rolled else torch.zeros(0, len(self.rewards))
-        total = weighted_rewards(table, self.weights)
-        g = self.s.group_size
+        table = torch.cat([b["rewards"] for b in rolled]) if rolled else torch.zeros(0, len(self.reward_names))
+        total, g = weighted_rewards(table, self.reward_weights), self.settings.group_size
         zero_std = torch.isclose(nanstd(total.view(-1, g), 1), torch.zeros(())).sum() * g if rolled else 0
         lengths, truncated = (
             torch.cat([b[k] for b in rolled]) if rolled else torch.zeros(0) for k in ("lengths", "truncated")
         )
-        tokens = sum(int(self._targets(b).sum()) for b in rolled)
-        sums = ranks.sum(
-            [
-                *_moments(total),
-                total.numel(),
-                float(zero_std),
-                float(lengths.sum()),
-                float(truncated.sum()),
-                *[v for j in range(table.shape[1]) for v in _moments(table[:, j])],
-                tokens,
-            ]
-        )
-        self.tokens = int(sums[-1])
-        mean, std = _mean_std(*sums[:3])
-        n = max(sums[3], 1)  # completions in the global batch
+        sums = ranks.sum_named({
+            **reward_moments(table, self.reward_weights, self.reward_names),
+            "counts": [total.numel(), float(zero_std), float(lengths.sum()), float(truncated.sum())],
+            "tokens": [sum(int(_targets(b).sum()) for b in rolled)],
+        })  # fmt: skip
+        self.completion_tokens = int(sums["tokens"][0])
+        mean, std = mean_std(*sums["reward"])
+        completions, zero_std_sum, length_sum, truncated_sum = sums["counts"]
+        n = max(completions, 1)
         start = 0
         for b in rolled:
             rows = b["rewards"].shape[0]
-            b["advantages"] = group_advantages(total[start : start + rows], g, self.s.scale_rewards, std)
+            b["advantages"] = group_advantages(total[start : start + rows], g, self.settings.scale_rewards, std)
             start += rows
-        per_fn = [_mean_std(*sums[7 + 3 * j : 10 + 3 * j]) for j in range(table.shape[1])]
-        zero = (std < 1e-8) if self.s.scale_rewards == "batch" else sums[4] / n
+        per_function = {name: mean_std(*sums[f"rewards/{name}"]) for name in self.reward_names}
+        zero = (std < 1e-8) if self.settings.scale_rewards == "batch" else zero_std_sum / n
         self.rollout_stats = {
             "reward": mean,
             "reward_std": std,
             "frac_reward_zero_std": float(zero),
-            **{f"rewards/{name}/mean": m for name, (m, _) in zip(self.rewards, per_fn)},
-            **{f"rewards/{name}/std": sd for name, (_, sd) in zip(self.rewards, per_fn)},
-            "completions/mean_length": sums[5] / n,
-            "completions/clipped_ratio": sums[6] / n,
+            **{f"rewards/{name}/mean": m for name, (m, _) in per_function.items()},
+            **{f"rewards/{name}/std": sd for name, (_, sd) in per_function.items()},
+            "completions/mean_length": length_sum / n,
+            "completions/clipped_ratio": truncated_sum / n,
         }
 
+    def _logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logps(
+            model, batch["input_ids"], batch["labels"], self.settings.temperature, batch.get("position_ids"),
+            batch.get("segment_ids"),
+        )  # fmt: skip
+
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
-        s = self.s
+        s = self.settings
         logps, keep = self._logps(model, batch)
         owner = batch["completion"][:, 1:][keep]  # the completion of each target token
         advantages = batch["advantages"][owner]
@@ -308,53 +233,43 @@ class GRPO:
 
     def summarize(self, stat_sums: dict, totals: list[int], ranks) -> dict:
         """Token means of the clip and KL sums, with the rollout metrics."""
-        return {**self.rollout_stats, **{k: v / max(self.tokens, 1) for k, v in stat_sums.items()}}
+        return {**self.rollout_stats, **{k: v / max(self.completion_tokens, 1) for k, v in stat_sums.items()}}
 
-    # ------------------------------------------------------------------ eval and resume
-
-    def evaluate(self, model, prompts: list[dict], batch_size: int, ranks) -> dict:
+    def evaluate(self, model, prompts: list[dict], batch_size: int, pad_id: int, ranks) -> dict:
         """The mean weighted reward of greedy completions of held-out prompts, and each function's mean; as many
         prompts decode together as a training step samples completions."""
-        mine, rows_per_batch = prompts[ranks.rank :: ranks.world], batch_size * self.s.group_size
-        self.any_rank = ranks.any if sharded(model) else None
+        mine, rows_per_batch = prompts[ranks.rank :: ranks.world], batch_size * self.settings.group_size
+        self.rollouts.any_rank = ranks.any if sharded(model) else None
         # under fsdp every rank decodes as many batches as the one with most (a spare one is thrown away)
-        count = math.ceil(len(prompts) / ranks.world) if self.any_rank else len(mine)
+        count = math.ceil(len(prompts) / ranks.world) if self.rollouts.any_rank else len(mine)
         tables = []
         for i in range(0, count, rows_per_batch):
             batch = mine[i : i + rows_per_batch]
-            completions, rows = self.complete(model, batch or prompts[:1], None)
+            completions, rows = self.rollouts.complete(model, batch or prompts[:1], None)
             if batch:
-                tables.append(self.rewards_of(rows, completions))
-        table = torch.cat(tables) if tables else torch.zeros(0, len(self.rewards))
-        sums = ranks.sum(
-            [
-                *_moments(weighted_rewards(table, self.weights)),
-                *[v for j in range(table.shape[1]) for v in _moments(table[:, j])],
-            ]
-        )
-        return {
-            "reward": _mean_std(*sums[:3])[0],
-            **{
-                f"rewards/{name}/mean": _mean_std(*sums[3 + 3 * j : 6 + 3 * j])[0]
-                for j, name in enumerate(self.rewards)
-            },
-        }
+                tables.append(self.rollouts.rewards(rows, completions))
+        table = torch.cat(tables) if tables else torch.zeros(0, len(self.reward_names))
+        sums = ranks.sum_named(reward_moments(table, self.reward_weights, self.reward_names))
+        return reward_means(sums, self.reward_names)
 
     def state(self) -> dict | None:
         """The kept rollouts (num_iterations > 1), so that a resume between generations continues exactly."""
-        if self.cache is None or self.repeats == 1:
+        if self.kept is None or self.repeats == 1:
             return None
+        generation, batches = self.kept
         return {
-            "generation": self.cache[0],
-            "batches": self.cache[1],
+            "generation": generation,
+            "batches": batches,
             "stats": self.rollout_stats,
-            "tokens": self.tokens,
+            "tokens": self.completion_tokens,
         }
 
     def load_state(self, state: dict | None, device) -> None:
         if state:
-            self.rollout_stats, self.tokens = state["stats"], state["tokens"]
-            self.cache = (
-                state["generation"],
-                [{k: v.to(device) if k in ON_DEVICE else v for k, v in b.items()} for b in state["batches"]],
-            )
+            self.rollout_stats, self.completion_tokens = state["stats"], state["tokens"]
+            batches = [{k: v.to(device) if k in ON_DEVICE else v for k, v in b.items()} for b in state["batches"]]
+            self.kept = (state["generation"], batches)
+
+
+def _targets(batch: dict) -> torch.Tensor:
+    return target_mask(batch["labels"], batch.get("segment_ids"))

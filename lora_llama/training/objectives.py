@@ -1,4 +1,5 @@
-"""What a training step minimises: `SFT` (next-token loss on the targets), `DPO` and `ORPO` (preference pairs).
+"""What a training step minimises: `SFT` (next-token loss on the targets), `DPO` and `ORPO` (preference pairs),
+and their loss on held-out examples.
 
 An objective splits its loss into terms, each a sum over a micro-batch divided by a count taken over the
 whole global batch (every micro-batch on every rank) before any forward pass: accumulation and several
@@ -16,6 +17,7 @@ from lora_llama.data.preference import EMPTY_PAIR, collate_pairs
 from lora_llama.data.sft import EMPTY_EXAMPLE, collate
 from lora_llama.kernels.cross_entropy import target_loss, target_mask, token_logps, where_targets
 from lora_llama.lora.layer import adapters_disabled
+from lora_llama.runtime.distributed import Ranks
 
 # what preference objectives log, summed over pairs then averaged (trl's names)
 PAIR_STATS = (
@@ -29,10 +31,15 @@ PAIR_STATS = (
 
 
 class Objective:
-    """What the trainer asks of an objective besides its terms; these defaults suit data that is ready to train
-    on (GRPO overrides them: its batches are rollouts it generates)."""
+    """What the trainer asks of an objective: `collate`, `length`, `counts` and `terms` (each objective's own),
+    `empty` (a filler example for a rank with nothing to do), and what follows, whose defaults suit data that is
+    ready to train on (GRPO overrides them: its batches are rollouts it generates, its eval a reward)."""
 
     repeats = 1  # optimiser steps per batch of data
+
+    def evaluate(self, model, examples: list[dict], batch_size: int, pad_id: int, ranks: Ranks) -> dict:
+        """The loss on held-out examples (see `held_out_loss`)."""
+        return held_out_loss(self, model, examples, batch_size, pad_id, ranks)
 
     def prepare(self, model, batches: list[dict], step: int, ranks) -> list[dict]:
         return batches
@@ -164,15 +171,32 @@ class ORPO(_Preference):
         return [odds_ratio, nll], _pair_stats(self.beta * mean_c, self.beta * mean_r, mean_c, mean_r, valid)
 
 
-def make_objective(train, tokenizer=None, eos_ids=(), data=None) -> Objective:
-    """The objective a recipe's `train` section names (GRPO samples, so it needs the tokenizer, the EOS ids
-    and the `data` section's packing)."""
-    if train.objective == "grpo":
-        from lora_llama.training.grpo import GRPO
-
-        return GRPO(train.grpo, tokenizer, list(eos_ids), train.seed, data.packing, data.max_seq_len)
-    if train.objective == "dpo":
-        return DPO(train.dpo.beta, train.dpo.loss)
-    if train.objective == "orpo":
-        return ORPO(train.orpo.beta)
-    return SFT()
+@torch.no_grad()
+def held_out_loss(objective, model, examples: list[dict], batch_size: int, pad_id: int, ranks: Ranks) -> dict:
+    """The objective's loss over `examples` (SFT: mean per target token, with its perplexity; preference:
+    mean per pair, with the rewards averaged over pairs); with several ranks, each evaluates every
+    world-th example and the sums are added up."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    # sorted by length so batches carry little padding
+    ordered = sorted(examples, key=objective.length)[ranks.rank :: ranks.world]
+    # every rank runs as many batches as the one with most (fsdp's gathers are collectives)
+    per_rank = math.ceil(len(examples) / ranks.world) if ranks.world > 1 else len(ordered)
+    ordered += [objective.empty] * (per_rank - len(ordered))
+    counts, terms, stats = None, None, dict.fromkeys(objective.stat_names, 0.0)
+    for i in range(0, len(ordered), batch_size):
+        batch = {k: v.to(device) for k, v in objective.collate(ordered[i : i + batch_size], pad_id).items()}
+        batch_counts = objective.counts(batch)
+        batch_terms, batch_stats = objective.terms(model, batch)
+        counts = [a + b for a, b in zip(counts or [0] * len(batch_counts), batch_counts)]
+        terms = [a + float(b) for a, b in zip(terms or [0.0] * len(batch_terms), batch_terms)]
+        stats = {k: stats[k] + batch_stats[k] for k in stats}
+    model.train(was_training)
+    n = len(counts or [0])
+    totals = ranks.sum([*(counts or [0] * n), *(terms or [0.0] * n), *stats.values()])
+    counts, terms = [int(c) for c in totals[:n]], totals[n : 2 * n]
+    loss = sum(t / max(c, 1) for t, c in zip(terms, counts))
+    if not objective.stat_names:
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": counts[0]}
+    return {"loss": loss, **{k: v / max(counts[0], 1) for k, v in zip(stats, totals[2 * n :])}, "pairs": counts[0]}

@@ -118,6 +118,10 @@ def stop_requests():
             signal.signal(s, h)
 
 
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return Path(out) / CHECKPOINTS / f"step-{step}"
+
+
 def checkpoints(out: Path) -> list[Path]:
     """A run's complete checkpoint folders, oldest first (atomic_dir's temporaries start with a dot)."""
     found = [p for p in (Path(out) / CHECKPOINTS).glob("step-*") if p.name[5:].isdigit()]
@@ -225,6 +229,36 @@ def tensorboard(out: Path, resumed_step: int):
     except ImportError:  # tensorboard is optional
         return None
     return SummaryWriter(str(out / TENSORBOARD), purge_step=resumed_step + 1 if resumed_step else None)
+
+
+class MetricsLog:
+    """metrics.jsonl and, when tensorboard is installed, its events: a record per logged step (rank 0 writes)."""
+
+    def __init__(self, out: Path, resumed_step: int, main: bool):
+        self.path, self.main = Path(out) / METRICS, main
+        self.events = tensorboard(Path(out), resumed_step) if main else None
+
+    def write(self, record: dict) -> None:
+        if not self.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for k, v in record.items() if self.events else ():
+            if k != "step":
+                self.events.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        if self.events:
+            self.events.close()
+
+
+def eval_at_start(metrics: Path) -> dict:
+    """The eval figures logged at step 0, the base model's (`eval_loss_start`, `eval_reward_start`)."""
+    start = {}
+    for key in ("eval_loss", "eval_reward"):
+        found = [r[key] for r in read_metrics(metrics) if r["step"] == 0 and key in r]
+        start.update({f"{key}_start": found[0]} if found else {})
+    return start
 
 
 def plot_losses(metrics: Path, png: Path) -> None:
