@@ -11,7 +11,7 @@ import torch
 
 from bench.common import cpu_line, median_time, random_checkpoint, record
 from lora_llama import LoraSettings, apply_lora, load_model
-from lora_llama.lora.layer import lora_modules
+from lora_llama.lora.adapted import lora_modules
 
 
 def main():

@@ -46,7 +46,7 @@ model.merge_and_unload().save_pretrained(sys.argv[3], max_shard_size="200MB")
 def main():
     torch.set_num_threads(2)
     from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-    from lora_llama.lora.layer import lora_modules
+    from lora_llama.lora.adapted import lora_modules
 
     tmp = scratch_dir("lora-llama-merge-bench-")
     base = random_checkpoint(tmp / "base", shards=4)

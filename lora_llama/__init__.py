@@ -17,8 +17,8 @@ _EXPORTS = {
     "load_recipe": "recipe.schema",
     "UserError": "errors",
     "LoRALinear": "lora.layer",
-    "apply_lora": "lora.layer",
-    "merge_lora": "lora.layer",
+    "apply_lora": "lora.adapted",
+    "merge_lora": "lora.adapted",
 }
 __all__ = list(_EXPORTS)
 

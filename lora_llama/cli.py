@@ -1,231 +1,21 @@
-"""`lora-llama` sub-commands: parse, call the library, print.
+"""`lora-llama`: its sub-commands' arguments parsed and checked, then handed to `commands.py`.
 
-torch and transformers are imported inside the commands so `--help` answers at once.
+Nothing here imports torch, so `--help` answers at once.
 User mistakes raise `UserError`: one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
+from lora_llama.commands import cmd_eval, cmd_export, cmd_generate, cmd_merge, cmd_push, cmd_train
 from lora_llama.errors import UserError
-from lora_llama.model.config import DTYPE_NAMES, QUANTIZE_KINDS, torch_dtype
+from lora_llama.model.config import DTYPE_NAMES, QUANTIZE_KINDS
+from lora_llama.runtime.launcher import speaks_for_job
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def _rank_0() -> bool:
-    """Whether this process speaks for the job: the only one, or rank 0 of torchrun's."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _load(args):
-    """Model (with the adapter when given) and tokenizer for generate / eval."""
-    from lora_llama.loading.adapters import load_adapter
-    from lora_llama.loading.models import load_model, load_tokenizer
-
-    model = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
-    if args.adapter:
-        load_adapter(model, args.adapter)
-    return model, load_tokenizer(args.model)
-
-
-def cmd_train(args) -> int:
-    from lora_llama.recipe.schema import load_recipe
-
-    recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, before any process starts
-    if recipe.output.push_to_hub:  # no token fails now, not after hours of training
-        from lora_llama.outputs.hub import resolve_token
-
-        resolve_token(None)
-    if "RANK" in os.environ:  # a worker of torchrun's: it ends with its launcher
-        from lora_llama.runtime.distributed import die_with_parent
-
-        die_with_parent()
-    elif (args.nproc_per_node or 1) > 1 or args.nnodes > 1:
-        from lora_llama.runtime.distributed import launch, launcher_args
-
-        torchrun = launcher_args(
-            args.nproc_per_node or 1, args.nnodes, args.node_rank, args.rdzv_endpoint, str(recipe.output.dir)
-        )
-        return launch(
-            torchrun, ["train", args.recipe, *args.overrides] + ["--resume"] * args.resume + ["--force"] * args.force
-        )
-    from lora_llama.training.from_recipe import train_from_recipe
-
-    result = train_from_recipe(recipe, resume=args.resume, force=args.force)
-    if not _rank_0():  # rank 0 reports for the job
-        return 0
-    for what in ("loss", "reward"):
-        if f"eval_{what}_start" in result and f"eval_{what}" in result:
-            print(
-                f"eval {what} {result[f'eval_{what}_start']:.4f} (base model) -> {result[f'eval_{what}']:.4f} "
-                f"(adapter, step {result['step']})"
-            )
-    if recipe.output.push_to_hub:
-        from lora_llama.outputs.hub import push
-
-        result["pushed"] = push(recipe.output.dir, recipe.output.push_to_hub)
-    print(json.dumps(result))
-    return 0
-
-
-def _trained_quantize(args) -> dict:
-    """quantize= and double_quant= for merge / export: --quantize (and --nf4-double-quant), or the model.quantize
-    (and model.nf4_double_quant) of the run the adapter comes from (run/adapter, run/checkpoints/step-N/adapter)."""
-    if args.quantize or args.onto != "dequantized" or not args.adapter:
-        return {"quantize": args.quantize, "double_quant": args.nf4_double_quant}
-    from lora_llama.training.run_folder import read_run_recipe, run_of_adapter
-
-    model = read_run_recipe(run_of_adapter(args.adapter)).get("model") or {}
-    return {"quantize": model.get("quantize"), "double_quant": bool(model.get("nf4_double_quant"))}
-
-
-def _warnings_to_stderr(call):
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = call()
-    for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
-    return result
-
-
-def cmd_merge(args) -> int:
-    from lora_llama.outputs.merge import merge_checkpoint
-
-    result = _warnings_to_stderr(
-        lambda: merge_checkpoint(
-            args.base,
-            args.adapter,
-            args.out,
-            dtype=args.dtype,
-            force=args.force,
-            onto=args.onto,
-            **_trained_quantize(args),
-        )
-    )
-    print(
-        f"merged into {result['out']}: {result['shards']} shards, {result['bytes'] / 1e6:.1f} MB "
-        f"in {result['seconds']:.1f} s"
-    )
-    return 0
-
-
-def cmd_export(args) -> int:
-    from lora_llama.outputs.export import export_gguf, export_lora_gguf
-
-    if args.lora_gguf:
-        if not args.adapter or args.out:
-            raise UserError("--lora-gguf writes the adapter alone: give --adapter and no --out")
-        r = _warnings_to_stderr(
-            lambda: export_lora_gguf(args.adapter, args.lora_gguf, base=args.base, force=args.force)
-        )
-        print(f"wrote {r['out']}: {r['tensors']} LoRA tensors, {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f} s")
-        return 0
-    if not args.base or not args.out:
-        raise UserError("export needs --base and --out FILE.gguf (or --adapter and --lora-gguf FILE.gguf)")
-    r = _warnings_to_stderr(
-        lambda: export_gguf(
-            args.base,
-            args.out,
-            adapter=args.adapter,
-            out_type=args.type,
-            force=args.force,
-            onto=args.onto,
-            **_trained_quantize(args),
-        )
-    )
-    print(
-        f"wrote {r['out']}: {r['tensors']} tensors, {r['bytes'] / 1e6:.1f} MB ({args.type}) in {r['seconds']:.1f} s; "
-        f"{r['modelfile']} for `ollama create`"
-    )
-    return 0
-
-
-def cmd_push(args) -> int:
-    from lora_llama.outputs.hub import push
-
-    push(
-        args.path,
-        args.repo_id,
-        token=args.token,
-        private=args.private,
-        revision=args.revision,
-        commit_message=args.commit_message,
-        dry_run=args.dry_run,
-    )
-    return 0
-
-
-def _prompt_ids(args, tok, prompt: str) -> list[int]:
-    from lora_llama.data.chat import encode_rendered
-
-    if args.chat:
-        if not tok.chat_template:
-            raise UserError(f"{args.model} has no chat template; drop --chat")
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        ids, _ = encode_rendered(tok, tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
-    else:
-        ids = tok(prompt)["input_ids"]
-    if not ids:
-        raise UserError("the prompt is empty")
-    return ids
-
-
-def cmd_generate(args) -> int:
-    import torch
-    from transformers import TextStreamer
-
-    from lora_llama.data.chat import eos_token_ids
-    from lora_llama.lora.layer import adapters_disabled
-    from lora_llama.model.generate import generate
-
-    if args.compare and not args.adapter:
-        raise UserError("--compare needs --adapter (it shows the base model's answer beside the adapter's)")
-    model, tok = _load(args)
-    settings = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_ids=eos_token_ids(model, tok),
-        use_cache=not args.no_cache,
-    )
-    for prompt in args.prompt:
-        ids = _prompt_ids(args, tok, prompt)
-        if args.compare:
-            with adapters_disabled(model):
-                base = generate(model, ids, **settings)
-            tuned = generate(model, ids, **settings)
-            print(f"prompt:  {prompt}")
-            print(f"base:    {tok.decode(base, skip_special_tokens=True).strip()}")
-            print(f"adapter: {tok.decode(tuned, skip_special_tokens=True).strip()}\n", flush=True)
-            continue
-        streamer = TextStreamer(tok, skip_special_tokens=True)
-        generate(model, ids, **settings, on_token=lambda t: streamer.put(torch.tensor([t])))
-        streamer.end()
-    return 0
-
-
-def cmd_eval(args) -> int:
-    from lora_llama.data.sft import read_documents
-    from lora_llama.training.evaluation import evaluate_documents
-
-    model, tok = _load(args)
-    docs = read_documents(args.data)
-    if not docs:
-        raise UserError(f"{args.data} holds no documents")
-    result = evaluate_documents(model, tok, docs, batch_size=args.batch_size)
-    print(json.dumps(result))
-    return 0
 
 
 def _model_args(sp, adapter=True):
@@ -402,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
     code = _run(args)
-    if os.environ.get("LORA_LLAMA_EXIT_FILE") and _rank_0():
+    if os.environ.get("LORA_LLAMA_EXIT_FILE") and speaks_for_job():
         with open(
             os.environ["LORA_LLAMA_EXIT_FILE"], "w"
         ) as f:  # for `train --nproc-per-node`: rank 0's code is the job's
@@ -414,7 +204,7 @@ def _run(args) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        if _rank_0():  # one line for the job: every rank meets the same error together
+        if speaks_for_job():  # one line for the job: every rank meets the same error together
             print(f"lora-llama {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the machine refused a read or write (disk full, permissions): no traceback for that

@@ -6,7 +6,6 @@ Everything here is format-level (names, shapes, bytes); nothing knows about mode
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -309,12 +308,3 @@ def write_safetensors_streaming(path: Path, entries: list[tuple], tensors, metad
                 raise ValueError(f"{name}: got {t.dtype} {tuple(t.shape)}, header says {dtype} {tuple(shape)}")
             f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
     return offset
-
-
-def release_freed_memory() -> None:
-    """Hand memory freed by the last shard back to the OS (glibc keeps it otherwise, and the
-    heap of a shard-by-shard job grows shard after shard). A no-op where there is no glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -138,7 +138,7 @@ def test_hub_id_offline_is_one_clear_line(capsys, monkeypatch, tmp_path):
 def test_generate_compare_prints_base_and_adapter_answers(tiny_ckpt, tmp_path, capsys):
     from lora_llama import LoraSettings, apply_lora, load_model, load_tokenizer, save_adapter
     from lora_llama.data.chat import encode_rendered
-    from lora_llama.lora.layer import lora_modules
+    from lora_llama.lora.adapted import lora_modules
     from lora_llama.model.generate import generate
 
     model = load_model(tiny_ckpt)

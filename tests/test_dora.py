@@ -7,7 +7,8 @@ from helpers import hf_model
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.loading.adapters import load_adapter
-from lora_llama.lora.layer import lora_modules, merge_lora, row_norms
+from lora_llama.lora.adapted import lora_modules, merge_lora
+from lora_llama.lora.layer import row_norms
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 

@@ -10,7 +10,7 @@ from helpers import build_checkpoint, hf_model, make_tokenizer, peak_growth, sha
 from lora_llama import load_model
 from lora_llama.cli import main
 from lora_llama.loading.adapters import save_adapter
-from lora_llama.lora.layer import apply_lora, lora_modules
+from lora_llama.lora.adapted import apply_lora, lora_modules
 from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import DECODER_TARGETS
 

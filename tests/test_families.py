@@ -9,7 +9,7 @@ from helpers import ROOT, build_checkpoint, hf_model, make_tokenizer
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
 from lora_llama.cli import main
 from lora_llama.kernels.cross_entropy import target_loss
-from lora_llama.lora.layer import lora_modules
+from lora_llama.lora.adapted import lora_modules
 from lora_llama.model.generate import generate
 
 LLAMA32_ROPE = {

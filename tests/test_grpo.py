@@ -222,7 +222,7 @@ def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, corr
     mask = inputs["completion_mask"].bool()
     inputs["old_per_token_logps"] = torch.zeros(mask.shape).masked_scatter(mask, batch["old_logps"])
     if beta:
-        from lora_llama.lora.layer import adapters_disabled
+        from lora_llama.lora.adapted import adapters_disabled
 
         with torch.no_grad(), adapters_disabled(model):
             ref = token_logps(model, batch["input_ids"], batch["labels"], 0.7)[0]

@@ -8,6 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
+from helpers import chat_file
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.cli import main
 
@@ -177,3 +178,30 @@ def test_card_of_registered_base_names_hub_model_and_license(run_dir):
     cfg_path.write_text(json.dumps({**cfg, "base_model_name_or_path": "smollm2-135m-instruct"}))
     meta = yaml.safe_load(model_card(run_dir / "adapter", run_dir, REPO).split("---")[1])
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and meta["license"] == "apache-2.0"
+
+
+def _train_args(tiny_ckpt, tmp_path) -> list[str]:
+    data = chat_file(tmp_path / "d.jsonl", [("hello", "world"), ("the quick", "brown fox")] * 2)
+    (tmp_path / "r.yaml").write_text("{}")
+    settings = [f"model.source={tiny_ckpt}", f"data.source={data}", f"output.dir={tmp_path / 'run'}", "data.val_size=0"]
+    settings += ["train.max_steps=2", "train.precision=fp32", "model.device=cpu", f"output.push_to_hub={REPO}"]
+    return ["train", str(tmp_path / "r.yaml"), *settings]
+
+
+def test_train_pushes_the_final_adapter_after_training(hub, tiny_ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert main(_train_args(tiny_ckpt, tmp_path)) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["steps"] == 2 and result["pushed"].endswith("/commit/abc123")
+    assert len(hub.commits) == 1
+    files = {entry["value"]["path"]: base64.b64decode(entry["value"]["content"]) for entry in hub.commits[0][1:]}
+    assert (
+        files["adapter_model.safetensors"] == (tmp_path / "run" / "adapter" / "adapter_model.safetensors").read_bytes()
+    )
+
+
+def test_train_without_a_token_stops_before_training(hub, tiny_ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    assert main(_train_args(tiny_ckpt, tmp_path)) == 2
+    assert "no Hugging Face token" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not hub.requests

@@ -8,7 +8,7 @@ import torch
 from helpers import hf_model
 from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.kernels.cross_entropy import target_loss
-from lora_llama.lora.layer import lora_modules
+from lora_llama.lora.adapted import lora_modules
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -326,7 +326,7 @@ def test_fold_hand_computed():
 
 
 def test_adapters_disabled_gives_exactly_the_base_logits(tiny_ckpt):
-    from lora_llama.lora.layer import adapters_disabled
+    from lora_llama.lora.adapted import adapters_disabled
 
     x = ids()
     model = load_model(tiny_ckpt)

@@ -8,7 +8,7 @@ from helpers import hf_model
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.errors import UserError
 from lora_llama.loading.adapters import load_adapter
-from lora_llama.lora.layer import lora_modules
+from lora_llama.lora.adapted import lora_modules
 from lora_llama.recipe.schema import load_recipe
 
 TARGETS = ["q", "v", "up", "down"]

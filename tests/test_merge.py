@@ -8,7 +8,7 @@ import torch
 from helpers import build_checkpoint, hf_model, peak_growth, sharded_checkpoint
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
 from lora_llama.cli import main
-from lora_llama.lora.layer import lora_modules
+from lora_llama.lora.adapted import lora_modules
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 

@@ -12,7 +12,7 @@ from lora_llama.cli import main
 from lora_llama.data.preference import collate_pairs, tokenize_pairs
 from lora_llama.loading.adapters import save_adapter
 from lora_llama.loading.models import load_tokenizer
-from lora_llama.lora.layer import adapters_disabled, apply_lora, lora_modules
+from lora_llama.lora.adapted import adapters_disabled, apply_lora, lora_modules
 from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import DECODER_TARGETS, HF_NAME
 from lora_llama.recipe.schema import load_recipe

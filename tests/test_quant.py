@@ -9,7 +9,7 @@ import torch
 from helpers import ROOT, hf_model, peak_growth, sharded_checkpoint
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.kernels.cross_entropy import target_loss
-from lora_llama.lora.layer import lora_modules
+from lora_llama.lora.adapted import lora_modules
 from lora_llama.quant.formats import (
     NF4_CODE,
     dequantize_int8,

@@ -10,7 +10,7 @@ import torch
 from helpers import hf_model
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.cli import main
-from lora_llama.lora.layer import lora_modules
+from lora_llama.lora.adapted import lora_modules
 
 
 def make_adapter(base, out, source=None):

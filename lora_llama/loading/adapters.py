@@ -13,8 +13,8 @@ import torch
 
 from lora_llama.errors import UserError
 from lora_llama.files import atomic_dir, read_json, write_json
+from lora_llama.lora.adapted import adapter_settings, apply_lora, lora_modules, lora_state_dict
 from lora_llama.lora.init import plain_adapter
-from lora_llama.lora.layer import adapter_settings, apply_lora, lora_modules, lora_state_dict
 from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import DECODER_TARGETS, HF_NAME
 from lora_llama.registry import base_model_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from lora_llama.errors import UserError
 from lora_llama.files import (
@@ -18,7 +19,6 @@ from lora_llama.files import (
     make_tokenizer_config_portable,
     permute_rows,
     read_config,
-    release_freed_memory,
     write_json,
     write_text_atomic,
 )
@@ -27,13 +27,34 @@ from lora_llama.model.llama import Llama
 from lora_llama.quant.gguf_blocks import GGUF_FORMATS, row_bytes
 from lora_llama.quant.linear import REQUANTIZED, QuantizedLinear, quantize_loaded_linears
 from lora_llama.registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
+from lora_llama.runtime.allocator import release_freed_memory
 from lora_llama.runtime.precision import resolve_device
 
 CACHE_FORMAT = 2  # of the folders gguf_to_folder writes (2: portable config.json and tokenizer_config.json)
 
 
-def resolve_source(source: str | os.PathLike) -> Path:
+class ModelSource(NamedTuple):
+    """A model source resolved once (`model_source`): the name the user gave, its local HF folder, and the GGUF file
+    behind it (None for other sources). Every loader takes one in place of the name and resolves nothing again."""
+
+    name: str
+    folder: Path
+    gguf: Path | None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def model_source(source: str | os.PathLike | ModelSource) -> ModelSource:
+    if isinstance(source, ModelSource):
+        return source
+    return ModelSource(str(source), resolve_source(source), gguf_file(source))
+
+
+def resolve_source(source: str | os.PathLike | ModelSource) -> Path:
     """Return a local HF folder (config.json + safetensors + tokenizer) for any accepted source."""
+    if isinstance(source, ModelSource):
+        return source.folder
     source = str(source)
     if (gguf := gguf_file(source)) is not None:
         return gguf_to_folder(gguf)
@@ -52,6 +73,8 @@ def resolve_source(source: str | os.PathLike) -> Path:
 
 def gguf_file(source: str | os.PathLike) -> Path | None:
     """The GGUF file behind a source (a registered name or a .gguf path), or None for other sources."""
+    if isinstance(source, ModelSource):
+        return source.gguf
     if str(source) in REGISTERED_MODELS:
         return registered_model_path(str(source))
     path = Path(source).expanduser()
@@ -175,9 +198,8 @@ def load_model(
     dtype = dtype or torch.float32
     device = resolve_device(device)
     folder = resolve_source(source)
-    args = ModelArgs.from_hf_config(read_config(folder))
-    with torch.device("meta"):
-        model = Llama(args)
+    model = meta_model(folder)
+    args = model.args
     expected = {k: v.shape for k, v in model.state_dict().items()}
     blocks = gguf_linear_blocks(source, args) if quantize == "source" else {}
     seen: set[str] = {f"{path}.weight" for path in blocks}
@@ -214,6 +236,14 @@ def load_model(
         p.requires_grad_(p.is_floating_point())
     model.source, model.folder = str(source), folder
     return model.eval()
+
+
+def meta_model(folder: Path):
+    """The `Llama` of a folder's config.json on the meta device: its shapes, no memory (loaders assign the weights)."""
+    import torch
+
+    with torch.device("meta"):
+        return Llama(ModelArgs.from_hf_config(read_config(folder)))
 
 
 def gguf_linear_blocks(source, args: ModelArgs, copy: bool = True) -> dict:

@@ -17,12 +17,10 @@ import torch
 import torch.nn as nn
 
 from lora_llama.errors import UserError
-from lora_llama.files import CheckpointRows, read_config
+from lora_llama.files import CheckpointRows
 from lora_llama.loading.adapters import load_adapter_weights
-from lora_llama.loading.models import block_rows, gguf_linear_blocks, resolve_source
-from lora_llama.lora.layer import apply_lora
-from lora_llama.model.config import ModelArgs
-from lora_llama.model.llama import Llama
+from lora_llama.loading.models import block_rows, gguf_linear_blocks, meta_model, resolve_source
+from lora_llama.lora.adapted import apply_lora
 from lora_llama.quant.formats import NF4_BLOCK, quantize_absmax, quantize_int8, quantize_nf4
 from lora_llama.quant.gguf_blocks import GGUF_FORMATS, row_bytes
 from lora_llama.quant.linear import DECODER_LINEARS, QuantizedLinear
@@ -35,9 +33,8 @@ def sharded_adapted_model(
     """(model, apply_lora's summary): the base sharded over the ranks from the start, its adapters on every rank
     as one process makes them (the same random draws), then cut into shards too."""
     folder = resolve_source(source)
-    args = ModelArgs.from_hf_config(read_config(folder))
-    with torch.device("meta"):
-        model = Llama(args)
+    model = meta_model(folder)
+    args = model.args
     if args.tie_word_embeddings:
         model.tie_weights()
     blocks = gguf_linear_blocks(source, args, copy=False) if quantize == "source" else {}

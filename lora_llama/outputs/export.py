@@ -168,6 +168,23 @@ def _atomic_gguf(writer, out: Path, write_tensors) -> int:
     return out.stat().st_size
 
 
+def _tensor_infos(writer, merger, names, out_type: str, freqs) -> int:
+    """Every tensor's GGUF header entry, from the safetensors headers, in the order the tensors will be written;
+    returns their number."""
+    gguf = _gguf()
+    if freqs is not None:
+        f32 = gguf.GGMLQuantizationType.F32
+        writer.add_tensor_info("rope_freqs.weight", tuple(freqs.shape), np.float32, freqs.numel() * 4, raw_dtype=f32)
+    count = 0
+    for f in merger.files:
+        with open_safetensors(f) as sf:
+            for key, _, shape in merger.entries(sf):
+                qtype = ggml_type(out_type, shape)
+                writer.add_tensor_info(names.name(key), shape, np.float32, nbytes(shape, qtype), raw_dtype=qtype)
+                count += 1
+    return count
+
+
 def export_gguf(
     base: str,
     out: str | os.PathLike,
@@ -200,23 +217,8 @@ def export_gguf(
         copy_tokenizer(writer, source_gguf)
     else:
         build_tokenizer(writer, merger.folder, args.vocab_size)
-
     freqs = rope_factors(args)
-    if freqs is not None:
-        writer.add_tensor_info(
-            "rope_freqs.weight",
-            tuple(freqs.shape),
-            np.float32,
-            freqs.numel() * 4,
-            raw_dtype=gguf.GGMLQuantizationType.F32,
-        )
-    count = 0
-    for f in merger.files:  # tensor infos from the headers, in the order the tensors will be written
-        with open_safetensors(f) as sf:
-            for key, _, shape in merger.entries(sf):
-                qtype = ggml_type(out_type, shape)
-                writer.add_tensor_info(names.name(key), shape, np.float32, nbytes(shape, qtype), raw_dtype=qtype)
-                count += 1
+    count = _tensor_infos(writer, merger, names, out_type, freqs)
 
     def write_tensors():
         if freqs is not None:

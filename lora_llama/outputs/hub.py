@@ -57,14 +57,24 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         meta["license"] = known.license
     if data_source and is_hub_id(data_source):
         meta["datasets"] = [data_source]
-    ev = last_eval(run)
+    objective = (recipe.get("train") or {}).get("objective", "sft")
+    if objective != "sft":
+        meta["tags"].append(objective)
+    base_link = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"a local base model (`{shown}`)"
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
-        "A LoRA adapter for "
-        + (f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"a local base model (`{shown}`)")
-        + ", trained with "
-        "[lora-llama](https://github.com/lora-llama/lora-llama).",
+        f"A LoRA adapter for {base_link}, trained with [lora-llama](https://github.com/lora-llama/lora-llama).",
+        *_settings(cfg, recipe, data_source),
+        *_results(last_eval(run), run),
+        *_usage(shown, repo_id),
+    ]
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(lines)
+
+
+def _settings(cfg: dict, recipe: dict, data_source: str | None) -> list[str]:
+    """The card's settings table: the adapter's, the data's, the objective's and the training's."""
+    lines = [
         "",
         "## Settings",
         "",
@@ -83,16 +93,19 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
     train = recipe.get("train") or {}
     objective = train.get("objective", "sft")
     if objective != "sft":
-        settings = train.get(objective) or {}
-        lines.append(
-            f"| objective | {objective.upper()} (" + ", ".join(f"{k} {v}" for k, v in settings.items()) + ") |"
-        )
-        meta["tags"].append(objective)
+        settings = ", ".join(f"{k} {v}" for k, v in (train.get(objective) or {}).items())
+        lines.append(f"| objective | {objective.upper()} ({settings}) |")
     else:
         lines.append("| objective | supervised fine-tuning (loss on the answers) |")
     for key in ("lr", "batch_size", "grad_accum", "max_steps", "epochs", "schedule"):
         if train.get(key) is not None:
             lines.append(f"| {key} | {train[key]} |")
+    return lines
+
+
+def _results(ev: dict | None, run: Path | None) -> list[str]:
+    """The last eval (SFT: loss and perplexity; preference: loss, reward accuracy and margin) and the loss plot."""
+    lines = []
     if ev and "eval_perplexity" in ev:
         lines += [
             "",
@@ -112,7 +125,11 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         ]
     if run and (run / LOSS_PLOT).is_file():
         lines += ["", f"![training curve]({LOSS_PLOT})"]
-    lines += [
+    return lines
+
+
+def _usage(shown: str, repo_id: str) -> list[str]:
+    return [
         "",
         "## Use",
         "",
@@ -135,7 +152,6 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         "```",
         "",
     ]
-    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(lines)
 
 
 def stage(adapter: Path, run: Path | None, repo_id: str, folder: Path) -> list[str]:

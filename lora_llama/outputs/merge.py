@@ -27,7 +27,6 @@ from lora_llama.files import (
     open_safetensors,
     read_config,
     refuse_existing,
-    release_freed_memory,
     shard_files,
     tensor_shapes,
     write_json,
@@ -39,6 +38,7 @@ from lora_llama.lora.layer import fold
 from lora_llama.model.config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
 from lora_llama.quant.linear import DECODER_LINEARS, dequantized
 from lora_llama.registry import base_model_id
+from lora_llama.runtime.allocator import release_freed_memory
 
 
 def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:

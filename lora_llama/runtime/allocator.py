@@ -67,3 +67,12 @@ def _apply(settings, done: str) -> str:
     # the mmap threshold first: setting either one switches off glibc's adaptive thresholds
     ok = all(mallopt(option, value) == 1 for option, value in settings)
     return done if ok else "mallopt refused a setting"
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the last shard back to the OS (glibc keeps it otherwise, and the
+    heap of a shard-by-shard job grows shard after shard). A no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

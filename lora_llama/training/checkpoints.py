@@ -10,7 +10,7 @@ from pathlib import Path
 from lora_llama.errors import UserError
 from lora_llama.files import atomic_dir, read_json, write_json
 from lora_llama.loading.adapters import save_adapter
-from lora_llama.lora.layer import lora_state_dict
+from lora_llama.lora.adapted import lora_state_dict
 from lora_llama.runtime.distributed import Ranks, full, full_optimizer_state, load_optimizer_state
 from lora_llama.training.run_folder import (
     ADAPTER,

@@ -19,10 +19,10 @@ from lora_llama.errors import UserError
 from lora_llama.files import shard_files
 from lora_llama.kernels import fused
 from lora_llama.loading.adapters import load_adapter_weights
-from lora_llama.loading.models import gguf_file, load_model, load_tokenizer, resolve_source
+from lora_llama.loading.models import ModelSource, load_model, load_tokenizer, model_source
 from lora_llama.loading.sharded import sharded_adapted_model
+from lora_llama.lora.adapted import apply_lora
 from lora_llama.lora.init import moves_w0
-from lora_llama.lora.layer import apply_lora
 from lora_llama.model.config import torch_dtype
 from lora_llama.quant.linear import base_weight_bytes, quantize_loaded_linears
 from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
@@ -49,35 +49,30 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     """Inputs are all checked before the run folder is touched."""
     found = _check_run_folder(recipe, out, resume, force)
     if ranks.main:  # a GGUF source is converted into its cached folder once, by rank 0, while the others wait
-        resolve_source(recipe.model.source)
+        model_source(recipe.model.source)
     ranks.barrier()
+    source = model_source(recipe.model.source)  # resolved once for the run, passed to every loader
     precision, why = resolve_precision(recipe.train.precision, device)
-    recipe, quantize_why = _quantize_resolved(recipe, precision, device)
-    strategy = _choose_strategy(recipe, ranks, device)
+    recipe, quantize_why = _quantize_resolved(recipe, precision, device, source)
+    strategy = _choose_strategy(recipe, ranks, device, source)
     sharded = ranks.world > 1 and strategy == "fsdp"
     recipe, compile_why = _compile_resolved(recipe, device, sharded)
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
-    tok = load_tokenizer(recipe.model.source)
+    tok = load_tokenizer(source)
     train, val = _examples(recipe, tok, log)
     # loading's weight-sized temporaries (conversions, quantization) go back at once; the steps' memory is kept below
     allocator = return_freed_memory() if device == "cpu" else None
     if sharded and _loads_by_rows(recipe):  # each rank reads only its own rows of the base
         resume_from = found[-1] / ADAPTER if found and not (force and not resume) else None
+        m, dtype = recipe.model, base_dtype(precision, torch_dtype(recipe.model.dtype))
         model, summary = sharded_adapted_model(
-            recipe.model.source,
-            recipe.lora,
-            base_dtype(precision, torch_dtype(recipe.model.dtype)),
-            recipe.model.quantize,
-            recipe.model.nf4_double_quant,
-            device,
-            ranks,
-            resume_from,
+            source, recipe.lora, dtype, m.quantize, m.nf4_double_quant, device, ranks, resume_from
         )
         found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
         _set_model_options(model, recipe)
     else:
-        model, summary = _adapted_model(recipe, precision, "cpu" if sharded else device)
+        model, summary = _adapted_model(recipe, precision, "cpu" if sharded else device, source)
         found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
         if found:  # the adapter goes in before fsdp cuts it into shards
             load_adapter_weights(model, found[-1] / ADAPTER)
@@ -91,16 +86,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         f"({summary['percent']:.3f}%) on {device}"
         + (f", {ranks.world} processes ({strategy})" if ranks.world > 1 else "")
     )
-    _describe_setup(
-        log,
-        recipe,
-        model,
-        (precision, why),
-        {"model.quantize": quantize_why, "train.compile": compile_why},
-        allocator,
-        device,
-        sharded,
-    )
+    reasons = {"model.quantize": quantize_why, "train.compile": compile_why}
+    _describe_setup(log, recipe, model, (precision, why), reasons, allocator, device, sharded)
     log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
     _warn_if_stop_untrained(log, recipe, model, tok)
     if found:
@@ -129,12 +116,12 @@ def _check_run_folder(recipe, out: Path, resume: bool, force: bool) -> list[Path
     return found
 
 
-def _quantize_resolved(recipe, precision: str, device: str):
+def _quantize_resolved(recipe, precision: str, device: str, source: ModelSource):
     """(the recipe with model.quantize auto replaced by the kind it picks here, why). The run folder's
     recipe.yaml records that kind, which `merge --onto dequantized` reads."""
     m = recipe.model
     kind, why = resolve_quantize(
-        m.quantize, precision, device, gguf_file(m.source) is not None, moves_w0(recipe.lora.init_lora_weights)
+        m.quantize, precision, device, source.gguf is not None, moves_w0(recipe.lora.init_lora_weights)
     )
     return recipe.model_copy(update={"model": m.model_copy(update={"quantize": kind})}), why
 
@@ -145,8 +132,8 @@ def _compile_resolved(recipe, device: str, sharded: bool):
     return recipe.model_copy(update={"train": recipe.train.model_copy(update={"compile": on})}), why
 
 
-def _choose_strategy(recipe, ranks: Ranks, device: str) -> str:
-    weight_bytes = sum(f.stat().st_size for f in shard_files(resolve_source(recipe.model.source)))
+def _choose_strategy(recipe, ranks: Ranks, device: str, source: ModelSource) -> str:
+    weight_bytes = sum(f.stat().st_size for f in shard_files(source.folder))
     strategy = choose_strategy(recipe.train.distributed, ranks, device, weight_bytes, bool(recipe.model.quantize))
     if ranks.world > 1 and strategy == "fsdp":
         if "lm_head" in recipe.lora.targets:  # the chunked loss runs lm_head outside the model's backward
@@ -165,12 +152,12 @@ def _examples(recipe, tok, log) -> tuple[list[dict], list[dict]]:
     return build_pairs(recipe.data, tok, recipe.train.seed, log)
 
 
-def _adapted_model(recipe, precision: str, device: str):
+def _adapted_model(recipe, precision: str, device: str, source: ModelSource | None = None):
     """The base in the precision's dtype with the recipe's adapters; returns (model, apply_lora's summary)."""
     m = recipe.model
     principal = moves_w0(recipe.lora.init_lora_weights)  # PiSSA / OLoRA: the residual is what gets quantized
     model = load_model(
-        m.source,
+        source or recipe.model.source,
         dtype=base_dtype(precision, torch_dtype(m.dtype)),
         quantize=None if principal else m.quantize,
         device=device,

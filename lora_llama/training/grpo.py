@@ -22,7 +22,7 @@ import math
 import torch
 
 from lora_llama.kernels.cross_entropy import target_mask, token_logps
-from lora_llama.lora.layer import adapters_disabled
+from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.runtime.distributed import sharded
 from lora_llama.training.objectives import Objective
 from lora_llama.training.rollout import Rollouts

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lora_llama.data.preference import EMPTY_PAIR, collate_pairs
 from lora_llama.data.sft import EMPTY_EXAMPLE, collate
 from lora_llama.kernels.cross_entropy import target_loss, target_mask, token_logps, where_targets
-from lora_llama.lora.layer import adapters_disabled
+from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.runtime.distributed import Ranks
 
 # what preference objectives log, summed over pairs then averaged (trl's names)
