@@ -108,14 +108,6 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def permute_rows(w, n_heads: int, inverse: bool = False):
-    """q or k rows from HF's rotate-half order to the interleaved pairs llama.cpp's llama architecture rotates
-    (`LlamaModel.permute` in convert_hf_to_gguf.py), or back with inverse; a bias is a tensor of one column, and
-    rows of quantized blocks move whole."""
-    halves = (2, w.shape[0] // n_heads // 2)
-    return w.reshape(n_heads, *(halves[::-1] if inverse else halves), *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def read_json(path: Path) -> dict:
     """A JSON object from a file that must exist and parse; a broken one is a user error naming the file."""
     try:

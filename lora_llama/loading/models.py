@@ -17,14 +17,14 @@ from lora_llama.files import (
     atomic_dir,
     iter_shards,
     make_tokenizer_config_portable,
-    permute_rows,
     read_config,
     write_json,
     write_text_atomic,
 )
-from lora_llama.model.config import DECODER_TARGETS, TARGET_MODULES, ModelArgs, family_of, portable_hf_config
+from lora_llama.model.config import ModelArgs, family_of, portable_hf_config
 from lora_llama.model.llama import Llama
-from lora_llama.quant.gguf_blocks import GGUF_FORMATS, row_bytes
+from lora_llama.quant.gguf_blocks import row_bytes
+from lora_llama.quant.gguf_tensors import linear_blocks
 from lora_llama.quant.linear import REQUANTIZED, QuantizedLinear, quantize_loaded_linears
 from lora_llama.registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
 from lora_llama.runtime.allocator import release_freed_memory
@@ -247,47 +247,11 @@ def meta_model(folder: Path):
 
 
 def gguf_linear_blocks(source, args: ModelArgs, copy: bool = True) -> dict:
-    """{module path: (kind, rows of blocks)} for the decoder linears a GGUF base stores in a block format that
-    gguf_blocks.py knows, read from the file as they are (other types come from its dequantized copy), found by
-    gguf's own HF -> GGUF name map.
-    llama.cpp stores llama's q and k rows in its interleaved RoPE order: they are put back in HF's order.
-    copy=False: (kind, the file's memory-mapped rows, heads to reorder or None), for `block_rows` to read later."""
-    import gguf as gg
-
+    """A GGUF base's decoder linears as its own blocks (see `quant.gguf_tensors.linear_blocks`)."""
     gguf = gguf_file(source)
     if gguf is None:
         raise UserError(f"model.quantize source keeps a GGUF file's own blocks; {source} is not a GGUF base")
-    reader = gg.GGUFReader(gguf)
-    field = reader.fields["general.architecture"]
-    arch = next(a for a, name in gg.MODEL_ARCH_NAMES.items() if name == bytes(field.parts[field.data[0]]).decode())
-    names, tensors = gg.get_tensor_name_map(arch, args.n_layers), {t.name: t for t in reader.tensors}
-    found = {}
-    for i in range(args.n_layers):
-        for target in DECODER_TARGETS:
-            path = f"model.layers.{i}.{TARGET_MODULES[target]}"
-            t = tensors.get(names.get_name(f"{path}.weight", try_suffixes=(".weight",)) or "")
-            if t is None or t.tensor_type.name.lower() not in GGUF_FORMATS:
-                continue
-            heads = (
-                (args.n_heads if target == "q" else args.n_kv_heads)
-                if arch == gg.MODEL_ARCH.LLAMA and target in ("q", "k")
-                else None
-            )
-            entry = (t.tensor_type.name.lower(), t.data, heads)  # (out, blocks x bytes) of the mapped file
-            found[path] = (entry[0], block_rows(entry)) if copy else entry
-    return found
-
-
-def block_rows(entry, lo: int = 0, hi: int | None = None):
-    """A copy of rows lo..hi of a GGUF tensor's rows of blocks (the quantized bytes only), in HF's row order."""
-    import numpy as np
-    import torch
-
-    _, data, heads = entry
-    if not heads:
-        return torch.from_numpy(np.array(data[lo:hi]))
-    rows = permute_rows(torch.from_numpy(np.array(data)), heads, inverse=True)  # rows move within each head
-    return rows if (lo, hi) == (0, None) else rows[lo:hi].clone()
+    return linear_blocks(gguf, args, copy)
 
 
 def install_blocks(model, blocks: dict, device) -> None:

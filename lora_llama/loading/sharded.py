@@ -19,10 +19,11 @@ import torch.nn as nn
 from lora_llama.errors import UserError
 from lora_llama.files import CheckpointRows
 from lora_llama.loading.adapters import load_adapter_weights
-from lora_llama.loading.models import block_rows, gguf_linear_blocks, meta_model, resolve_source
+from lora_llama.loading.models import gguf_linear_blocks, meta_model, resolve_source
 from lora_llama.lora.adapted import apply_lora
 from lora_llama.quant.formats import NF4_BLOCK, quantize_absmax, quantize_int8, quantize_nf4
 from lora_llama.quant.gguf_blocks import GGUF_FORMATS, row_bytes
+from lora_llama.quant.gguf_tensors import block_rows
 from lora_llama.quant.linear import DECODER_LINEARS, QuantizedLinear
 from lora_llama.runtime.distributed import shard_model
 

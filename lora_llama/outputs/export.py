@@ -23,7 +23,6 @@ from lora_llama.errors import UserError
 from lora_llama.files import (
     atomic_file,
     open_safetensors,
-    permute_rows,
     read_config,
     refuse_existing,
     write_text_atomic,
@@ -32,6 +31,7 @@ from lora_llama.loading.models import gguf_file, load_tokenizer, resolve_source
 from lora_llama.model.config import ModelArgs, rope_inv_freq
 from lora_llama.outputs.gguf_vocab import build_tokenizer, copy_tokenizer
 from lora_llama.outputs.merge import Merger
+from lora_llama.quant.gguf_tensors import permute_rows
 from lora_llama.registry import local_model_name
 
 GGUF_TYPES = ("f16", "bf16", "q8_0")
