@@ -149,6 +149,24 @@ def peak_growth(setup: str, work: str, *argv) -> int:
     return (mem["peak_kb"] - mem["base_kb"]) * 1024
 
 
+ALL = ["q", "k", "v", "o", "gate", "up", "down"]  # every decoder linear (peft's all-linear but lm_head)
+
+
+def token_ids(batch: int = 2, seq: int = 24, seed: int = 1, vocab: int = 300) -> torch.Tensor:
+    """(batch, seq) seeded token ids of the tiny checkpoints' vocabulary, above its special ids 0-2."""
+    return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def make_adapter(base, out, targets=ALL, std: float = 0.1, seed: int = 0, source=None, **save_options):
+    """A saved rank-4 adapter on `targets` of `base` (loaded from `source` when given), its B seeded off zero."""
+    from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
+
+    model = load_model(source or base)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=list(targets)))
+    random_lora_b(model, seed, std)
+    return save_adapter(model, out, **save_options)
+
+
 def random_lora_b(model, seed: int = 1, std: float = 0.1) -> None:
     """Every lora_B moved off zero (seeded), so that the adapter changes what the model computes."""
     g = torch.Generator().manual_seed(seed)

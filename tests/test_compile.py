@@ -6,22 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import random_lora_b
+from helpers import ALL, random_lora_b
+from helpers import token_ids as ids
 from lora_llama import LoraSettings, apply_lora, load_model
 from lora_llama.kernels import fused
 from lora_llama.kernels.cross_entropy import target_loss, where_targets
-
-ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
 @pytest.fixture(autouse=True)
 def compiling_works(monkeypatch):
     """Each test starts with compiling deemed to work (a failure falls back to eager for the whole process)."""
     monkeypatch.setattr(fused, "_broken", None)
-
-
-def ids(batch=2, seq=24, seed=1):
-    return torch.randint(3, 300, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def adapted(tiny_ckpt, quantize=None, dtype=torch.float32):

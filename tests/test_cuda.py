@@ -5,12 +5,11 @@ import pytest
 import torch
 
 import helpers
-from helpers import hf_model, random_lora_b
+from helpers import ALL, hf_model, random_lora_b, token_ids
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.kernels.cross_entropy import target_loss
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 QA = [
     ("hi", "hello"),
     ("what is the capital", "paris"),
@@ -24,7 +23,7 @@ QA = [
 
 
 def ids(batch=2, seq=40, seed=1):
-    return torch.randint(3, 300, (batch, seq), generator=torch.Generator().manual_seed(seed)).cuda()
+    return token_ids(batch, seq, seed).cuda()
 
 
 def rel(a, b):

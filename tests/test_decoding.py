@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import build_checkpoint, random_lora_b
+from helpers import ALL, build_checkpoint, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model
 from lora_llama.model.generate import filtered_logits
 from lora_llama.training.rollout import sample_completions
@@ -21,7 +21,7 @@ def prompts_of(lengths, seed=0):
 def adapted(ckpt):
     model = load_model(ckpt)
     torch.manual_seed(0)
-    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["q", "k", "v", "o", "gate", "up", "down"]))
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
     random_lora_b(model, seed=1)
     return model
 

@@ -3,18 +3,13 @@
 import pytest
 import torch
 
-from helpers import hf_model
+from helpers import ALL, hf_model
+from helpers import token_ids as ids
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.loading.adapters import load_adapter
 from lora_llama.lora.adapted import lora_modules, merge_lora
 from lora_llama.lora.layer import row_norms
-
-ALL = ["q", "k", "v", "o", "gate", "up", "down"]
-
-
-def ids(batch=2, seq=24, seed=1):
-    return torch.randint(3, 300, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def rel(a, b):

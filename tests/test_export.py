@@ -6,13 +6,9 @@ import json
 import pytest
 import torch
 
-from helpers import build_checkpoint, hf_model, make_tokenizer, peak_growth, sharded_checkpoint
+from helpers import build_checkpoint, hf_model, make_adapter, make_tokenizer, peak_growth, sharded_checkpoint
 from lora_llama import load_model
 from lora_llama.cli import main
-from lora_llama.loading.adapters import save_adapter
-from lora_llama.lora.adapted import apply_lora, lora_modules
-from lora_llama.lora.settings import lora_settings
-from lora_llama.model.config import DECODER_TARGETS
 
 TEXTS = [
     "hello world, how are you today? i am fine.",
@@ -25,16 +21,6 @@ MESSAGES = [
     {"role": "assistant", "content": "paris is."},
 ]
 TOLERANCE = {"f16": 2e-3, "bf16": 2e-2, "q8_0": 3e-2}  # of the largest |logit|
-
-
-def make_adapter(base, out, targets=DECODER_TARGETS, std=0.1, seed=0):
-    model = load_model(base)
-    apply_lora(model, lora_settings(r=4, alpha=8, targets=list(targets)))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in lora_modules(model).values():
-            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * std)
-    return save_adapter(model, out, base_model=str(base))
 
 
 def gguf_model(path):

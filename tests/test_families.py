@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import ROOT, build_checkpoint, hf_model, make_tokenizer
+from helpers import ALL, ROOT, build_checkpoint, hf_model, make_tokenizer, token_ids
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
 from lora_llama.cli import main
 from lora_llama.kernels.cross_entropy import target_loss
@@ -33,7 +33,6 @@ CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
 }
-ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -44,7 +43,7 @@ def family(request, tmp_path_factory):
 
 
 def ids(batch=2, seq=40, seed=1):
-    return torch.randint(3, 300, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return token_ids(batch, seq, seed)
 
 
 def test_logits_match_transformers_own_class(family):

@@ -6,14 +6,12 @@ import math
 import pytest
 import torch
 
-from helpers import hf_model, make_tokenizer, random_lora_b
+from helpers import ALL, hf_model, make_tokenizer, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.kernels.cross_entropy import IGNORE_INDEX
 from lora_llama.recipe.schema import GRPOSettings
 from lora_llama.training.grpo import GRPO, group_advantages
 from lora_llama.training.rollout import sample_completions
-
-TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
 def prompts_of(lengths, seed=0):
@@ -97,7 +95,7 @@ def _policy(ckpt, folder):
     """Our model with LoRA (B non-zero, so the adapter matters), saved for peft."""
     model = load_model(ckpt)
     torch.manual_seed(0)
-    apply_lora(model, LoraSettings(r=4, alpha=8, targets=TARGETS))
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
     random_lora_b(model, seed=1)
     save_adapter(model, folder)
     return model

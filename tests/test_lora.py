@@ -5,23 +5,11 @@ import json
 import pytest
 import torch
 
-from helpers import hf_model
+from helpers import ALL, hf_model, random_lora_b
+from helpers import token_ids as ids
 from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.lora.adapted import lora_modules
-
-ALL = ["q", "k", "v", "o", "gate", "up", "down"]
-
-
-def ids(batch=2, seq=24, seed=1):
-    return torch.randint(3, 300, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def randomise_b(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in lora_modules(model).values():
-            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
 
 
 def adapted_model(folder):
@@ -29,7 +17,7 @@ def adapted_model(folder):
     model = load_model(folder)
     torch.manual_seed(0)
     apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
-    randomise_b(model)
+    random_lora_b(model)
     return model
 
 
@@ -54,7 +42,7 @@ def test_zero_b_is_exactly_the_base_model(tiny_ckpt):
 def test_saved_adapter_loads_in_peft_with_same_logits(tiny_ckpt, tmp_path, extra):
     model = load_model(tiny_ckpt)
     apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL, **extra))
-    randomise_b(model)
+    random_lora_b(model)
     save_adapter(model, tmp_path / "adapter")
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["target_modules"] == sorted(f"{t}_proj" for t in ALL)
@@ -91,7 +79,7 @@ def test_merge_and_unmerge(tiny_ckpt):
     model = load_model(tiny_ckpt)
     base_w = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL + ["lm_head"]))
-    randomise_b(model)
+    random_lora_b(model)
     x = ids()
     with torch.no_grad():
         unmerged = model(x)
@@ -114,7 +102,7 @@ def test_merge_and_unmerge(tiny_ckpt):
 def test_only_lora_gets_gradients_equal_to_peft(tiny_ckpt, tmp_path, batch, seq):
     model = load_model(tiny_ckpt)
     apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
-    randomise_b(model)
+    random_lora_b(model)
     save_adapter(model, tmp_path / "a")
     x = ids(batch, seq)
     model.train()  # the training path: norms' outputs and the SwiGLU product are recomputed in backward
@@ -333,7 +321,7 @@ def test_adapters_disabled_gives_exactly_the_base_logits(tiny_ckpt):
     with torch.no_grad():
         base = model(x)
         apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
-        randomise_b(model)
+        random_lora_b(model)
         adapted = model(x)
         with adapters_disabled(model):
             assert torch.equal(model(x), base)

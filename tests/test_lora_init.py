@@ -1,10 +1,12 @@
 """PiSSA / OLoRA against peft: the same A, B and residual base, outputs unchanged at the start, and the saved adapter
 in its plain form gives our outputs in peft on the original base; the start-up forms for resume; recipe errors."""
 
+from functools import partial
+
 import pytest
 import torch
 
-from helpers import hf_model
+from helpers import hf_model, token_ids
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.errors import UserError
 from lora_llama.loading.adapters import load_adapter
@@ -15,8 +17,7 @@ TARGETS = ["q", "v", "up", "down"]
 HF_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 
 
-def ids(seed=1):
-    return torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(seed))
+ids = partial(token_ids, 2, 20)
 
 
 def rel(a, b):

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import ALL
 from lora_llama.kernels import cross_entropy as loss
 
 
@@ -58,7 +59,7 @@ def test_batch_without_targets_gives_zero_loss_and_zero_gradients(tiny_ckpt, che
     from lora_llama import LoraSettings, apply_lora, load_model
 
     model = load_model(tiny_ckpt).train()
-    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["q", "k", "v", "o", "gate", "up", "down"]))
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
     model.gradient_checkpointing = checkpointing
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(4))
     total, n = loss.target_loss(model, ids, torch.full_like(ids, -100))

@@ -1,30 +1,16 @@
 """`lora-llama merge` against peft's merge_and_unload, its memory bound, and its refusals."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
 
-from helpers import build_checkpoint, hf_model, peak_growth, sharded_checkpoint
-from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
+from helpers import build_checkpoint, hf_model, make_adapter, peak_growth, sharded_checkpoint, token_ids
+from lora_llama import load_adapter, load_model
 from lora_llama.cli import main
-from lora_llama.lora.adapted import lora_modules
 
-ALL = ["q", "k", "v", "o", "gate", "up", "down"]
-
-
-def make_adapter(base, out, targets=ALL, seed=0):
-    model = load_model(base)
-    apply_lora(model, LoraSettings(r=4, alpha=8, targets=targets))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in lora_modules(model).values():
-            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
-    return save_adapter(model, out)
-
-
-def ids():
-    return torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+ids = partial(token_ids, 2, 20, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import build_checkpoint, hf_model
+from helpers import build_checkpoint, hf_model, token_ids
 from lora_llama import load_model
 from lora_llama.model.generate import generate
 
@@ -29,8 +29,8 @@ CONFIGS = {
 }
 
 
-def ids(batch=2, seq=40, vocab=300, seed=1):
-    return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+def ids(batch=2, seq=40, seed=1):
+    return token_ids(batch, seq, seed)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -6,7 +6,7 @@ import platform
 import pytest
 import torch
 
-from helpers import ROOT, hf_model, peak_growth, sharded_checkpoint
+from helpers import ALL, ROOT, hf_model, peak_growth, random_lora_b, sharded_checkpoint, token_ids
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.lora.adapted import lora_modules
@@ -20,15 +20,13 @@ from lora_llama.quant.formats import (
 )
 from lora_llama.quant.linear import QuantizedLinear, base_weight_bytes, dequantized
 
-ALL = ["q", "k", "v", "o", "gate", "up", "down"]
-
 
 def rel(a, b):
     return float((a - b).detach().norm() / b.detach().norm())
 
 
 def ids(seed=0):
-    return torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(seed))
+    return token_ids(2, 24, seed)
 
 
 def test_int8_by_hand():
@@ -199,10 +197,7 @@ def test_int8_adapter_in_peft_on_fp32_and_merge_uses_original_weights(tiny_ckpt,
 
     q = load_model(tiny_ckpt, quantize="int8")
     apply_lora(q, LoraSettings(r=4, alpha=8, targets=ALL))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for m in lora_modules(q).values():
-            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
+    random_lora_b(q, 1)
     save_adapter(q, tmp_path / "a")
     x = ids(2)
     with torch.no_grad():

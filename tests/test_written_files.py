@@ -7,19 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import hf_model
-from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
+from helpers import hf_model, make_adapter
+from lora_llama import load_model
 from lora_llama.cli import main
-from lora_llama.lora.adapted import lora_modules
-
-
-def make_adapter(base, out, source=None):
-    model = load_model(source or base)
-    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["q", "v", "down"]))
-    with torch.no_grad():
-        for m in lora_modules(model).values():
-            m.lora_B.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
-    return save_adapter(model, out)
 
 
 def local_paths(folder) -> list[str]:
@@ -59,7 +49,7 @@ def check_merged_folder(out, architecture="LlamaForCausalLM"):
 def test_merged_hf_folder_is_portable(tiny_ckpt, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    adapter = make_adapter(tiny_ckpt, tmp_path / "a")
+    adapter = make_adapter(tiny_ckpt, tmp_path / "a", targets=["q", "v", "down"], std=0.05)
     assert main(["merge", "--base", str(tiny_ckpt), "--adapter", str(adapter), "--out", str(tmp_path / "m")]) == 0
     cfg, tok = check_merged_folder(tmp_path / "m")
     assert cfg["rope_theta"] == 10000.0  # where transformers < 5 and llama.cpp's converter read it
@@ -74,7 +64,7 @@ def test_merged_hf_folder_is_portable(tiny_ckpt, tmp_path):
 
 
 def test_merged_gguf_base_is_portable(smollm2, tmp_path):
-    adapter = make_adapter(None, tmp_path / "a", source="smollm2-135m-instruct")
+    adapter = make_adapter(None, tmp_path / "a", targets=["q", "v", "down"], std=0.05, source="smollm2-135m-instruct")
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub id, not our name
     code = main(["merge", "--base", "smollm2-135m-instruct", "--adapter", str(adapter), "--out", str(tmp_path / "m")])
@@ -88,7 +78,7 @@ def test_merged_gguf_base_is_portable(smollm2, tmp_path):
 def test_adapter_on_a_local_base_loads_with_auto_peft(tiny_ckpt, tmp_path):
     from peft import AutoPeftModelForCausalLM, PeftModel
 
-    adapter = make_adapter(tiny_ckpt, tmp_path / "a")
+    adapter = make_adapter(tiny_ckpt, tmp_path / "a", targets=["q", "v", "down"], std=0.05)
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_ckpt)
     auto = AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
     ref = PeftModel.from_pretrained(hf_model(tiny_ckpt), adapter).eval()
