@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from helpers import build_checkpoint
+from helpers import build_checkpoint, chat_file, make_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -36,3 +36,24 @@ def smollm2():
     from lora_llama.registry import registered_model_path
 
     return registered_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def preference_ckpt(tmp_path_factory):
+    """The tiny checkpoint with a tokenizer that adds no BOS: trl's chat tokenization adds none, ours adds the
+    tokenizer's own, so without one both give the same ids."""
+    from tokenizers import processors
+
+    folder = build_checkpoint(tmp_path_factory.mktemp("pref"))
+    tok = make_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def chat_data(tmp_path):
+    """A small chat data set of answers of clearly different lengths (two_processes.QA), as a JSONL file."""
+    from two_processes import QA
+
+    return chat_file(tmp_path / "d.jsonl", QA)

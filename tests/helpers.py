@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "smollm2-chat-cpu.yaml")  # the default recipe, under the overrides a test gives
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -80,8 +82,6 @@ def build_checkpoint(folder: Path, shards: int = 1, seed: int = 0, family: str =
 
 def chat_file(path: Path, pairs) -> Path:
     """A JSONL chat data set of one user question and one assistant answer per (q, a) pair."""
-    import json
-
     rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -122,7 +122,6 @@ def sharded_checkpoint(folder: Path, shards: int) -> tuple[Path, list[Path]]:
 
 def fresh_python(script: str, *argv, env: dict | None = None) -> dict:
     """The JSON object that `script` prints last, run in a fresh Python (for process-wide state: memory, malloc)."""
-    import json
     import os
     import subprocess
     import sys
@@ -150,6 +149,11 @@ def peak_growth(setup: str, work: str, *argv) -> int:
 
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]  # every decoder linear (peft's all-linear but lm_head)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The relative error ‖a - b‖ / ‖b‖, in float64."""
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 def token_ids(batch: int = 2, seq: int = 24, seed: int = 1, vocab: int = 300) -> torch.Tensor:
@@ -255,3 +259,39 @@ def gguf_with_blocks(src: Path, out: Path, kinds: dict, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# preference data: (prompt, chosen, rejected)
+PREFERENCE_ROWS = [
+    ("what is the capital of france?", "paris is.", "the lazy dog"),
+    ("hello world", "how are you today? i am fine.", "to be"),
+    ("the quick brown fox", "jumps over the lazy dog", "what is the question"),
+    ("to be or not to be", "that is the question", "hello"),
+]
+
+
+def preference_records(conversational: bool):
+    if not conversational:
+        return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PREFERENCE_ROWS]
+    return [
+        {
+            "prompt": [{"role": "user", "content": p}],
+            "chosen": [{"role": "assistant", "content": c}],
+            "rejected": [{"role": "assistant", "content": r}],
+        }
+        for p, c, r in PREFERENCE_ROWS
+    ]
+
+
+def preference_file(path, rows):
+    path.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in rows))
+    return path
+
+
+def one_error_line(err: str) -> bool:
+    """stderr holds one error line and no traceback (the progress bar's lines aside)."""
+    import re
+
+    bar = re.compile(r"^[^|]*:\s+\d+%\|")  # tqdm's "train:  50%|..." lines
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not bar.match(line)]
+    return len(lines) == 1 and lines[0].startswith("lora-llama ") and "Traceback" not in err

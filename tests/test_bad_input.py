@@ -2,13 +2,14 @@
 exist, data records with null fields, truncated weight files, counts below their least value."""
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
-from test_reliability import RECIPE, one_error_line
+from safetensors.torch import load_file
 
-from helpers import chat_file
+from helpers import RECIPE, chat_file, one_error_line
 from lora_llama.cli import main
 
 
@@ -161,3 +162,116 @@ def test_the_python_api_refuses_a_count_below_one(tiny_ckpt):
 @pytest.mark.parametrize("flag,value", [("--nproc-per-node", "0"), ("--nnodes", "0"), ("--node-rank", "-1")])
 def test_process_counts_below_their_least_value_are_refused(capsys, flag, value):
     assert flag in run(capsys, ["train", RECIPE, flag, value])
+
+
+def test_broken_or_hostile_adapters_are_refused_before_allocating(tiny_ckpt, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
+
+    model = load_model(tiny_ckpt)
+    apply_lora(model, LoraSettings(r=4, alpha=8))
+    good = save_adapter(model, tmp_path / "good")
+    cfg = json.loads((good / "adapter_config.json").read_text())
+    tensors = load_file(good / "adapter_model.safetensors")
+    nan = {**tensors, next(iter(tensors)): torch.full_like(next(iter(tensors.values())), float("nan"))}
+    cases = {
+        "huge rank": ({**cfg, "r": 10**9}, tensors, "says r=1000000000, its tensors have rank 4"),
+        "nan": (cfg, nan, "NaN, inf"),
+        "extra modules": ({**cfg, "modules_to_save": ["lm_head"]}, tensors, "modules_to_save"),
+        "truncated": (cfg, None, "adapter_model.safetensors"),
+        "bad json": (None, tensors, "adapter_config.json"),
+    }
+    for name, (c, t, message) in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(c) if c is not None else "{oops")
+        if t is None:
+            (folder / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes()[:50])
+        else:
+            save_file(t, folder / "adapter_model.safetensors")
+        code = main(
+            ["generate", "--model", str(tiny_ckpt), "--adapter", str(folder), "--prompt", "hi", "--max-new-tokens", "1"]
+        )
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and one_error_line(err), (name, err)
+
+
+def test_broken_index_and_gguf_name_the_file(tiny_ckpt, smollm2, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LORA_LLAMA_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_ckpt, folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
+    gguf = tmp_path / "cut.gguf"
+    gguf.write_bytes(smollm2.read_bytes()[: 3 << 20])
+    for model, name in ((folder, "model.safetensors.index.json"), (gguf, "cut.gguf")):
+        assert main(["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+        err = capsys.readouterr().err
+        assert name in err and one_error_line(err), err
+
+
+# keys the recipe fuzz writes: real ones, sections, a path too deep, an unknown one, the empty one
+RECIPE_KEYS = [
+    "lora.r",
+    "lora.alpha",
+    "lora.targets",
+    "lora.layers",
+    "train.lr",
+    "train.max_steps",
+    "train.epochs",
+    "train.betas",
+    "data.max_seq_len",
+    "data.format",
+    "data.fields",
+    "model.dtype",
+    "model.quantize",
+    "output.dir",
+    "lora",
+    "train",
+    "x.y",
+    "lora.r.z",
+    "",
+]
+
+
+def test_any_recipe_input_gives_exit_0_or_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import lora_llama.training.from_recipe
+
+    monkeypatch.setattr(
+        lora_llama.training.from_recipe, "train_from_recipe", lambda *a, **k: {"steps": 0}
+    )  # validation is the subject
+    keys = st.sampled_from(RECIPE_KEYS)
+    values = st.one_of(
+        st.integers(-5, 10**6).map(str),
+        st.floats(allow_nan=True).map(str),
+        st.sampled_from(["null", "[q, v]", "[1, 2]", "{a: 1}", "true", "bf16", "'", "[", "{", ":", "- x"]),
+        st.text(max_size=12),
+    )
+    overrides = st.lists(st.one_of(st.builds(lambda k, v: f"{k}={v}", keys, values), st.text(max_size=12)), max_size=4)
+    recipe_text = st.one_of(
+        st.just("lora: {r: 4}\n"),
+        st.text(max_size=40),
+        st.builds(lambda k, v: f"{k.split('.')[0]}:\n  {k.split('.')[-1]}: {v}\n", keys, values),
+    )
+
+    @settings(
+        max_examples=int(os.environ.get("RECIPE_EXAMPLES", 150)),
+        deadline=None,
+        derandomize="RECIPE_EXAMPLES" not in os.environ,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+    @given(recipe_text, overrides)
+    def check(text, items):
+        path = tmp_path / "r.yaml"
+        path.write_text(text)
+        code = main(["train", str(path), *[i for i in items if not i.startswith("-")]])
+        captured = capsys.readouterr()
+        assert code in (0, 2), (text, items, captured.err)
+        if code == 2:
+            assert one_error_line(captured.err), captured.err
+
+    check()

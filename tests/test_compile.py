@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ALL, random_lora_b
+from helpers import ALL, random_lora_b, rel
 from helpers import token_ids as ids
 from lora_llama import LoraSettings, apply_lora, load_model
 from lora_llama.kernels import fused
@@ -33,10 +33,6 @@ def loss_and_grads(model, labels=None):
     loss, n = target_loss(model, x, labels)
     (loss / n).backward()
     return float(loss), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize(

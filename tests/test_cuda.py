@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import helpers
-from helpers import ALL, hf_model, random_lora_b, token_ids
+from helpers import ALL, hf_model, random_lora_b, rel, token_ids
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.kernels.cross_entropy import target_loss
 
@@ -24,10 +24,6 @@ QA = [
 
 def ids(batch=2, seq=40, seed=1):
     return token_ids(batch, seq, seed).cuda()
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

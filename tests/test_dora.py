@@ -3,17 +3,13 @@
 import pytest
 import torch
 
-from helpers import ALL, hf_model
+from helpers import ALL, hf_model, rel
 from helpers import token_ids as ids
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.loading.adapters import load_adapter
 from lora_llama.lora.adapted import lora_modules, merge_lora
 from lora_llama.lora.layer import row_norms
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def dora_model(ckpt, quantize=None, seed=1):

@@ -6,7 +6,16 @@ import json
 import pytest
 import torch
 
-from helpers import build_checkpoint, hf_model, make_adapter, make_tokenizer, peak_growth, sharded_checkpoint
+from helpers import (
+    build_checkpoint,
+    hf_model,
+    make_adapter,
+    make_tokenizer,
+    peak_growth,
+    rel,
+    sharded_checkpoint,
+    token_ids,
+)
 from lora_llama import load_model
 from lora_llama.cli import main
 
@@ -244,7 +253,7 @@ def test_merge_onto_dequantized_reproduces_the_adapter_on_int8(tmp_path, capsys)
     run = tmp_path / "run"
     adapter = make_adapter(base, run / "adapter", std=0.3)
     (run / "recipe.yaml").write_text("model: {quantize: int8}\n")
-    x = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(2))
+    x = token_ids(2, 24, seed=2)
     trained = load_model(base, quantize="int8")
     from lora_llama.loading.adapters import load_adapter
 
@@ -253,70 +262,22 @@ def test_merge_onto_dequantized_reproduces_the_adapter_on_int8(tmp_path, capsys)
     # inference kernels quantise the activations to int8 too, which no fold of weights can reproduce)
     with torch.no_grad():
         expected = trained.train()(x)
-    assert (
-        main(
-            [
-                "merge",
-                "--base",
-                str(base),
-                "--adapter",
-                str(adapter),
-                "--out",
-                str(tmp_path / "deq"),
-                "--onto",
-                "dequantized",
-            ]
-        )
-        == 0
-    )  # int8 read from the run's recipe.yaml
-    assert (
-        main(
-            [
-                "merge",
-                "--base",
-                str(base),
-                "--adapter",
-                str(adapter),
-                "--out",
-                str(tmp_path / "orig"),
-                "--onto",
-                "original",
-            ]
-        )
-        == 0
-    )
-    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "default")]) == 0
+
+    def merge(out, *onto):
+        return main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / out), *onto])
+
+    assert merge("deq", "--onto", "dequantized") == 0  # int8 read from the run's recipe.yaml
+    assert merge("orig", "--onto", "original") == 0
+    assert merge("default") == 0
     with torch.no_grad():
         deq, orig = load_model(tmp_path / "deq")(x), load_model(tmp_path / "orig")(x)
-
-    def rel(a):
-        return float((a - expected).norm() / expected.norm())
-
-    assert rel(deq) < 1e-3 < rel(orig), (rel(deq), rel(orig))
+    assert rel(deq, expected) < 1e-3 < rel(orig, expected), (rel(deq, expected), rel(orig, expected))
     from safetensors.torch import load_file
 
-    a, b = (
-        load_file(tmp_path / "orig" / "model-00001-of-00001.safetensors"),
-        load_file(tmp_path / "default" / "model-00001-of-00001.safetensors"),
-    )
+    a, b = (load_file(tmp_path / folder / "model-00001-of-00001.safetensors") for folder in ("orig", "default"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     (run / "recipe.yaml").unlink()
-    assert (
-        main(
-            [
-                "merge",
-                "--base",
-                str(base),
-                "--adapter",
-                str(adapter),
-                "--out",
-                str(tmp_path / "x"),
-                "--onto",
-                "dequantized",
-            ]
-        )
-        == 2
-    )
+    assert merge("x", "--onto", "dequantized") == 2
     assert "--quantize" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 

@@ -6,7 +6,7 @@ from functools import partial
 import pytest
 import torch
 
-from helpers import hf_model, token_ids
+from helpers import hf_model, rel, token_ids
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.errors import UserError
 from lora_llama.loading.adapters import load_adapter
@@ -18,10 +18,6 @@ HF_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 
 
 ids = partial(token_ids, 2, 20)
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def principal(ckpt, how, r=4):

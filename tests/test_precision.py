@@ -2,7 +2,6 @@
 plain LoRA paths alike, training to the float32 run's loss, int8 bases, generate / eval, and what `auto` picks."""
 
 import functools
-import json
 import os
 import sys
 
@@ -11,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import helpers
+from helpers import rel
 from lora_llama import load_model
-from lora_llama.cli import main
 from lora_llama.kernels import attention, blocked_attention, fused
 from lora_llama.kernels import cross_entropy as loss_module
 from lora_llama.kernels.attention import attend
@@ -23,13 +22,8 @@ from lora_llama.lora.adapted import apply_lora, lora_modules
 from lora_llama.lora.layer import LoRALinear
 from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import DECODER_TARGETS
-from lora_llama.recipe.schema import load_recipe
 
 BF16 = 2e-2  # relative error allowed: bfloat16 keeps 8 bits (eps 7.8e-3); products accumulate in float32
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def pair(*shape, seed=0, scale=1.0):
@@ -250,139 +244,3 @@ def test_fused_node_runs_under_bf16_mixed(tiny_ckpt):
     attn = model.model.layers[0].self_attn
     assert all(m.lora_A.weight.dtype == torch.float32 for m in lora_modules(model).values())
     assert all(m.low_rank_node(x.view(-1, 64)) is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-
-
-def recipe(ckpt, data, out, precision, *extra):
-    return load_recipe(
-        None,
-        [
-            f"model.source={ckpt}",
-            f"data.source={data}",
-            f"output.dir={out}",
-            "data.val_size=0",
-            f"data.val_source={data}",
-            "train.warmup_steps=0",
-            "train.max_steps=50",
-            "train.batch_size=8",
-            "train.lr=2e-3",
-            "lora.r=16",
-            "lora.alpha=32",
-            "train.schedule=constant",
-            "train.eval_every=50",
-            "train.save_every=1000",
-            "lora.targets=[q,k,v,o,gate,up,down,lm_head]",
-            f"train.precision={precision}",
-            *extra,
-        ],
-    )
-
-
-def test_bf16_mixed_trains_to_the_float32_loss(tiny_ckpt, tmp_path):
-    from lora_llama.training.from_recipe import train_from_recipe
-
-    data = helpers.chat_file(
-        tmp_path / "d.jsonl",
-        [
-            ("hi", "hello"),
-            ("what is the capital", "paris"),
-            ("to be", "or not"),
-            ("the quick", "brown fox"),
-            ("how are you", "i am fine"),
-            ("the lazy", "dog"),
-            ("hello", "world"),
-            ("that is", "the question"),
-        ],
-    )
-    lines = {}
-    # 30 steps: about two thirds of the way down. Past ~35 steps these 8 examples' runs turn chaotic: at 50 steps
-    # bf16-mixed / fp32 over seeds 0-3 spread 0.99-1.06 (either attention backward), at 30 steps 0.994-1.004
-    steps = ("train.max_steps=30", "train.eval_every=30")
-    results = {
-        p: train_from_recipe(
-            recipe(tiny_ckpt, data, tmp_path / p, p, *steps), log=lambda s, p=p: lines.setdefault(p, []).append(s)
-        )
-        for p in ("fp32", "bf16-mixed")
-    }
-    start, fp32, bf16 = (
-        results["fp32"]["eval_loss_start"],
-        results["fp32"]["eval_loss"],
-        results["bf16-mixed"]["eval_loss"],
-    )
-    print(f"eval loss: start {start:.4f}, fp32 {fp32:.4f}, bf16-mixed {bf16:.4f}")
-    # the overfit test's model, data and adapter (lm_head too) at a learning rate whose curve is smooth, stopped
-    # before the end (near zero, 1% of the loss is below the run-to-run noise of either precision)
-    assert fp32 < 0.4 * start
-    assert bf16 < 1.01 * fp32 and abs(bf16 / fp32 - 1) < 0.05, (fp32, bf16)  # reaches it: at most 1% worse
-    assert any("precision bf16-mixed (set in the recipe" in s and "(bfloat16)" in s for s in lines["bf16-mixed"])
-    assert any("precision fp32" in s for s in lines["fp32"])
-    assert any("RMSNorm and SwiGLU run as compiled loops" in s for s in lines["bf16-mixed"])
-    assert not any("compiled loops" in s for s in lines["fp32"])
-    assert fused._broken is None  # the run took the compiled formulas (test_rms_norm_rope_swiglu_in_bf16 checks them)
-
-
-def test_int8_base_and_generate_eval_under_bf16(tiny_ckpt, tmp_path, capsys):
-    from lora_llama.training.from_recipe import train_from_recipe
-
-    data = helpers.chat_file(tmp_path / "d.jsonl", [("hi", "hello"), ("to be", "or not")])
-    r = recipe(tiny_ckpt, data, tmp_path / "run", "bf16-mixed", "model.quantize=int8", "train.max_steps=3")
-    result = train_from_recipe(r, log=lambda *_: None)
-    assert result["eval_loss"] == result["eval_loss"]  # finite, not NaN
-    adapter = tmp_path / "run" / "adapter"
-    docs = tmp_path / "docs.txt"
-    docs.write_text("hello world, how are you today?\nto be or not to be\n")
-    losses = {}
-    for dtype in ("fp32", "bf16"):
-        assert (
-            main(["eval", "--model", str(tiny_ckpt), "--adapter", str(adapter), "--data", str(docs), "--dtype", dtype])
-            == 0
-        )
-        losses[dtype] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
-        assert (
-            main(
-                [
-                    "generate",
-                    "--model",
-                    str(tiny_ckpt),
-                    "--adapter",
-                    str(adapter),
-                    "--prompt",
-                    "hello",
-                    "--max-new-tokens",
-                    "5",
-                    "--dtype",
-                    dtype,
-                ]
-            )
-            == 0
-        )
-    assert abs(losses["bf16"] / losses["fp32"] - 1) < 0.01, losses
-
-
-def test_auto_picks_bf16_only_with_native_instructions(monkeypatch):
-    import lora_llama.runtime.precision as precision
-
-    monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: ["AVX512_BF16"])
-    assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed", "auto: this CPU has AVX512_BF16")
-    monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: [])
-    assert precision.resolve_precision("auto", "cpu")[0] == "fp32"
-    assert precision.resolve_precision("bf16-mixed", "cpu")[1].startswith("set in the recipe; this CPU lacks")
-    monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: ["AMX_BF16"])
-    assert precision.resolve_precision("bf16-mixed", "cpu") == ("bf16-mixed", "set in the recipe")
-    assert precision.base_dtype("bf16-mixed", torch.float32) == torch.bfloat16
-    assert precision.base_dtype("fp32", torch.float32) == torch.float32
-
-
-def test_quantize_auto_keeps_a_gguf_bases_blocks_only_for_float32_on_the_cpu():
-    from lora_llama.runtime.precision import resolve_quantize
-
-    assert resolve_quantize("auto", "fp32", "cpu", gguf=True, base_moves=False)[0] == "source"
-    for precision, device, gguf, base_moves in [
-        ("bf16-mixed", "cpu", True, False),
-        ("fp32", "cuda:0", True, False),
-        ("fp32", "cpu", False, False),
-        ("fp32", "cpu", True, True),
-    ]:
-        kind, why = resolve_quantize("auto", precision, device, gguf, base_moves)
-        assert kind is None and why.startswith("auto: "), (precision, device, gguf, base_moves)
-    for setting in (None, "int8", "nf4", "source"):
-        assert resolve_quantize(setting, "fp32", "cpu", True, False) == (setting, "set in the recipe")

@@ -1,55 +1,19 @@
 """Preference tuning: DPO and ORPO against trl (same model, adapter, data and precision), the reference pass,
 preference data, and the trainer with train.objective dpo / orpo."""
 
-import json
-
 import pytest
 import torch
 
 import helpers
+from helpers import preference_records
 from lora_llama import load_model
-from lora_llama.cli import main
 from lora_llama.data.preference import collate_pairs, tokenize_pairs
 from lora_llama.loading.adapters import save_adapter
 from lora_llama.loading.models import load_tokenizer
 from lora_llama.lora.adapted import adapters_disabled, apply_lora, lora_modules
 from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import DECODER_TARGETS, HF_NAME
-from lora_llama.recipe.schema import load_recipe
 from lora_llama.training.objectives import DPO, ORPO
-
-ROWS = [
-    ("what is the capital of france?", "paris is.", "the lazy dog"),
-    ("hello world", "how are you today? i am fine.", "to be"),
-    ("the quick brown fox", "jumps over the lazy dog", "what is the question"),
-    ("to be or not to be", "that is the question", "hello"),
-]
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """The tiny checkpoint with a tokenizer that adds no BOS: trl's chat tokenization adds none, ours adds the
-    tokenizer's own, so without one both give the same ids."""
-    from tokenizers import processors
-
-    folder = helpers.build_checkpoint(tmp_path_factory.mktemp("pref"))
-    tok = helpers.make_tokenizer()
-    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")
-    tok.save_pretrained(folder)
-    return folder
-
-
-def records(conversational: bool):
-    if not conversational:
-        return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in ROWS]
-    return [
-        {
-            "prompt": [{"role": "user", "content": p}],
-            "chosen": [{"role": "assistant", "content": c}],
-            "rejected": [{"role": "assistant", "content": r}],
-        }
-        for p, c, r in ROWS
-    ]
 
 
 def ours_with_random_adapter(folder, tmp_path):
@@ -88,15 +52,15 @@ def assert_same_grads(model, peft_model):
         assert torch.allclose(g, theirs[name], atol=1e-5, rtol=1e-4), (name, (g - theirs[name]).abs().max())
 
 
-def test_dpo_first_step_equals_trl(base, tmp_path):
+def test_dpo_first_step_equals_trl(preference_ckpt, tmp_path):
     from datasets import Dataset
     from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer
 
-    tok = load_tokenizer(str(base))
-    pairs, skipped = tokenize_pairs(Dataset.from_list(records(False)), tok, 128)
+    tok = load_tokenizer(str(preference_ckpt))
+    pairs, skipped = tokenize_pairs(Dataset.from_list(preference_records(False)), tok, 128)
     assert len(pairs) == 4 and not skipped
-    model = ours_with_random_adapter(base, tmp_path)
+    model = ours_with_random_adapter(preference_ckpt, tmp_path)
 
     args = DPOConfig(
         output_dir=str(tmp_path / "trl"),
@@ -111,9 +75,9 @@ def test_dpo_first_step_equals_trl(base, tmp_path):
     )
     config = LoraConfig(r=4, lora_alpha=8, target_modules=[HF_NAME[t] for t in DECODER_TARGETS], lora_dropout=0.0)
     trainer = DPOTrainer(
-        model=helpers.hf_model(base),
+        model=helpers.hf_model(preference_ckpt),
         args=args,
-        train_dataset=Dataset.from_list(records(True)),
+        train_dataset=Dataset.from_list(preference_records(True)),
         processing_class=tok,
         peft_config=config,
     )
@@ -150,15 +114,15 @@ def test_dpo_first_step_equals_trl(base, tmp_path):
     assert_same_grads(model, trainer.model)
 
 
-def test_orpo_first_step_equals_trl(base, tmp_path):
+def test_orpo_first_step_equals_trl(preference_ckpt, tmp_path):
     """On trl's own batch (its ORPO tokenizer adds BOS and EOS its own way): loss, rewards and gradients, with
     train_on_prompt as trl's NLL covers the prompt too."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    tok = load_tokenizer(str(base))
-    model = ours_with_random_adapter(base, tmp_path)
+    tok = load_tokenizer(str(preference_ckpt))
+    model = ours_with_random_adapter(preference_ckpt, tmp_path)
     args = ORPOConfig(
         output_dir=str(tmp_path / "trl"),
         beta=0.25,
@@ -170,9 +134,9 @@ def test_orpo_first_step_equals_trl(base, tmp_path):
     )
     config = LoraConfig(r=4, lora_alpha=8, target_modules=[HF_NAME[t] for t in DECODER_TARGETS], lora_dropout=0.0)
     trainer = ORPOTrainer(
-        model=helpers.hf_model(base),
+        model=helpers.hf_model(preference_ckpt),
         args=args,
-        train_dataset=Dataset.from_list(records(True)),
+        train_dataset=Dataset.from_list(preference_records(True)),
         processing_class=tok,
         peft_config=config,
     )
@@ -211,13 +175,13 @@ def test_orpo_first_step_equals_trl(base, tmp_path):
     assert_same_grads(model, trainer.model)
 
 
-def test_ipo_is_the_squared_per_token_margin(base, tmp_path):
+def test_ipo_is_the_squared_per_token_margin(preference_ckpt, tmp_path):
     """IPO by hand: ((π_c - ref_c)/n_c - (π_r - ref_r)/n_r - 1/(2β))², the log-probs from plain log_softmax."""
     from datasets import Dataset
 
-    tok = load_tokenizer(str(base))
-    pairs, _ = tokenize_pairs(Dataset.from_list(records(False)[:2]), tok, 128)
-    model = ours_with_random_adapter(base, tmp_path)
+    tok = load_tokenizer(str(preference_ckpt))
+    pairs, _ = tokenize_pairs(Dataset.from_list(preference_records(False)[:2]), tok, 128)
+    model = ours_with_random_adapter(preference_ckpt, tmp_path)
     batch = collate_pairs(pairs, tok.pad_token_id)
 
     def logps_by_hand():
@@ -237,12 +201,12 @@ def test_ipo_is_the_squared_per_token_margin(base, tmp_path):
     assert torch.allclose(terms[0], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_reference_pass_keeps_no_graph_and_no_gradient_buffers(base, tmp_path):
+def test_reference_pass_keeps_no_graph_and_no_gradient_buffers(preference_ckpt, tmp_path):
     from datasets import Dataset
 
-    tok = load_tokenizer(str(base))
-    pairs, _ = tokenize_pairs(Dataset.from_list(records(False)), tok, 128)
-    model = ours_with_random_adapter(base, tmp_path)
+    tok = load_tokenizer(str(preference_ckpt))
+    pairs, _ = tokenize_pairs(Dataset.from_list(preference_records(False)), tok, 128)
+    model = ours_with_random_adapter(preference_ckpt, tmp_path)
     batch = collate_pairs(pairs, tok.pad_token_id)
     saved = []
 
@@ -261,12 +225,12 @@ def test_reference_pass_keeps_no_graph_and_no_gradient_buffers(base, tmp_path):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_preference_data_bad_and_skipped_records(base, tmp_path):
+def test_preference_data_bad_and_skipped_records(preference_ckpt, tmp_path):
     from datasets import Dataset
 
     from lora_llama.errors import UserError
 
-    tok = load_tokenizer(str(base))
+    tok = load_tokenizer(str(preference_ckpt))
     ok = {"prompt": "hello", "chosen": "world", "rejected": "dog"}
     pairs, skipped = tokenize_pairs(
         Dataset.from_list([ok, {**ok, "chosen": "  "}, {**ok, "prompt": "hello " * 80}]), tok, 32
@@ -282,92 +246,3 @@ def test_preference_data_bad_and_skipped_records(base, tmp_path):
         fields={"prompt": "q", "chosen": "good", "rejected": "bad"},
     )
     assert len(pairs) == 1
-
-
-def preference_file(path, rows):
-    path.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in rows))
-    return path
-
-
-@pytest.mark.parametrize("objective", ["dpo", "orpo"])
-def test_trainer_raises_reward_accuracy_and_margin(objective, base, tmp_path):
-    data = preference_file(tmp_path / "pairs.jsonl", ROWS * 2)
-    out = tmp_path / "run"
-    r = load_recipe(
-        None,
-        [
-            f"model.source={base}",
-            f"data.source={data}",
-            "data.format=preference",
-            f"train.objective={objective}",
-            f"output.dir={out}",
-            "data.val_size=0.25",
-            "train.max_steps=30",
-            "train.warmup_steps=0",
-            "train.lr=5e-3",
-            "train.batch_size=2",
-            "train.eval_every=30",
-            "train.save_every=100",
-            "lora.targets=[q,k,v,o,gate,up,down]",
-        ],
-    )
-    from lora_llama.training.from_recipe import train_from_recipe
-
-    result = train_from_recipe(r, log=lambda *_: None)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in rows if "loss" in m]
-    evals = [m for m in rows if "eval_loss" in m]
-    assert len(steps) == 30 and {"rewards/margins", "rewards/accuracies"} <= set(steps[0])
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 30
-    assert evals[-1]["eval_rewards/accuracies"] > 0.5
-    assert evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
-    assert result["eval_loss"] < evals[0]["eval_loss"]
-    assert (out / "loss.png").is_file() and (out / "adapter" / "adapter_model.safetensors").is_file()
-    from lora_llama.outputs.hub import model_card
-
-    card = model_card(out / "adapter", out, "me/pref")
-    assert (
-        f"| objective | {objective.upper()} (beta " in card and "reward accuracy" in card and f"- {objective}" in card
-    )
-
-
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        (["train.objective=dpo"], "needs data.format preference"),
-        (["train.objective=dpo", "data.format=preference", "data.packing=true"], "packing is not supported"),
-        (["data.format=preference"], "needs train.objective dpo or orpo"),
-    ],
-)
-def test_bad_preference_recipes_exit_2(override, message, base, tmp_path, capsys):
-    data = preference_file(tmp_path / "pairs.jsonl", ROWS)
-    out = tmp_path / "run"
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {{source: {base}}}\ndata: {{source: {data}}}\noutput: {{dir: {out}}}\n")
-    assert main(["train", str(recipe), *override]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0]
-    assert not out.exists()
-
-
-def test_dpo_on_an_int8_base_uses_the_int8_base_as_reference(base, tmp_path):
-    from datasets import Dataset
-
-    from lora_llama.training.objectives import answer_logps
-
-    tok = load_tokenizer(str(base))
-    pairs, _ = tokenize_pairs(Dataset.from_list(records(False)), tok, 128)
-    batch = collate_pairs(pairs, tok.pad_token_id)
-    plain = load_model(base, quantize="int8")
-    with torch.no_grad():
-        expected = answer_logps(plain, batch)[0]
-    model = load_model(base, quantize="int8")
-    apply_lora(model, lora_settings(r=4, alpha=8, targets=["q", "v", "down"]))
-    for m in lora_modules(model).values():
-        torch.nn.init.normal_(m.lora_B.weight, std=0.05)
-    with torch.no_grad(), adapters_disabled(model):
-        assert torch.equal(answer_logps(model, batch)[0], expected)
-    terms, stats = DPO(beta=0.1).terms(model, batch)
-    terms[0].backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
-    assert stats["rewards/margins"] != 0
