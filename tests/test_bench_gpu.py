@@ -37,7 +37,7 @@ def test_model_flops_count_every_frozen_linear_lm_head_and_causal_attention(conf
 @pytest.mark.slow
 def test_the_bench_runs_end_to_end_on_the_cpu(tmp_path):
     """Every worker (matmul peak, lora-llama train on plain and nf4 bases, transformers+peft) and the report's rows."""
-    from bench.report import gpu_rows
+    from bench.training_rows import gpu_rows
 
     results = ROOT / "bench" / "results" / "gpu.jsonl"
     before = results.read_text() if results.is_file() else None

@@ -1,0 +1,133 @@
+"""Table rows of the benchmarks of the step's parts: products, the forward pass, LoRA's overhead, merging, int8 and
+nf4 bases, dequantization; each function takes one result line and gives (what, lora-llama, peer, ratio)."""
+
+from __future__ import annotations
+
+
+def forward_rows(r: dict) -> list[tuple]:
+    rows = [
+        (
+            f"forward, batch {k.split('_')[1][1:]} x 512",
+            f"{v['lora_llama']:.0f} ms",
+            f"{v['transformers']:.0f} ms",
+            f"{v['time_ratio']:.2f} (time)",
+        )
+        for k, v in r.items()
+        if k.startswith("forward_b")
+    ]
+    d = r["decode_tokens_per_s"]
+    return rows + [
+        (
+            "greedy decoding with the KV cache",
+            f"{d['lora_llama']:.1f} tok/s",
+            f"{d['transformers']:.1f} tok/s",
+            f"{d['time_ratio']:.2f} (time)",
+        )
+    ]
+
+
+def gemm_rows(r: dict) -> list[tuple]:
+    ours = [v["onednn"] for v in r["gflops"].values()]
+    peer = [v["F.linear"] for v in r["gflops"].values()]
+    return [
+        (
+            "float32 products of the step, GFLOP/s (oneDNN vs F.linear)",
+            f"{min(ours)}-{max(ours)}",
+            f"{min(peer)}-{max(peer)}",
+            f"{r['min_ratio']:.2f}-{r['max_ratio']:.2f}",
+        )
+    ]
+
+
+def lora_overhead_rows(r: dict) -> list[tuple]:
+    f = r["forward_ms"]
+    return [
+        (
+            "forward with LoRA r=8 on q,k,v,o, unmerged / merged, against the base",
+            f"{f['unmerged']:.0f} / {f['merged']:.0f} ms",
+            f"base {f['base']:.0f} ms",
+            f"{r['unmerged_ratio']:.2f} / {r['merged_ratio']:.2f}",
+        )
+    ]
+
+
+def merge_rows(r: dict) -> list[tuple]:
+    return [
+        (
+            "merge 4 shards + adapter (peer: peft merge_and_unload)",
+            f"{r['merge_s']['lora_llama']:.2f} s, {r['peak_growth_mb']['lora_llama']} MB",
+            f"{r['merge_s']['peft']:.2f} s, {r['peak_growth_mb']['peft']} MB",
+            f"{r['merge_time_ratio']:.2f} time, {r['merge_peak_memory_ratio']:.2f} memory",
+        )
+    ]
+
+
+def int8_rows(r: dict) -> list[tuple]:
+    return [
+        (
+            f"{kind} base, step batch 2 x 256 (peer: transformers+bitsandbytes)",
+            f"{v['step_s']['lora_llama']:.2f} s, {v['base_mb']['lora_llama']:.0f} MB",
+            f"{v['step_s']['transformers']:.2f} s, {v['base_mb']['transformers']:.0f} MB",
+            f"{v['step_s']['lora_llama'] / v['step_s']['transformers']:.2f} (time)",
+        )
+        for kind, v in r["rows"].items()
+    ]
+
+
+QUANT_MODELS = {"llama-1.1b": "1.1B", "smollm2-like": "default recipe, random weights"}
+
+
+def quant_rows(r: dict) -> list[tuple]:
+    """Speed and peak against no quantization; the eval loss at step 0 (not measured on the 1.1B model)."""
+    none, gpu = r["runs"]["none"], "gpu_peak_vs_none" in r  # on a GPU, the peak of GPU memory
+
+    def cell(v):
+        return f"{v['tokens_per_s']:.0f} tok/s, {v['gpu_peak_mb' if gpu else 'peak_mb']:.0f} MB"
+
+    mem = r["gpu_peak_vs_none" if gpu else "peak_memory_vs_none"]
+    named = next((a for a in r["args"] if a in QUANT_MODELS), None)  # --model
+    model = QUANT_MODELS.get(named, "default recipe")
+
+    def evals(v):
+        return (
+            f", eval {v['eval_loss_step_0']:.4f}"
+            if v.get("eval_loss_step_0") is not None and named != "smollm2-like"
+            else ""
+        )  # a random model's eval loss means nothing
+
+    return [
+        (
+            f"{model}, {kind} vs none",
+            cell(v),
+            cell(none),
+            f"{r['tokens_per_s_vs_none'][kind]:.2f}x, {mem[kind]:.2f} {'GPU ' if gpu else ''}mem{evals(v)}",
+        )
+        for kind, v in r["runs"].items()
+        if kind != "none"
+    ]
+
+
+def dequant_rows(r: dict) -> list[tuple]:
+    """Per format: the just-in-time dequantization of a 5632 x 2048 weight, and its share of the product it serves
+    (beside what a layer runs: on a GPU the eager and the compiled kernels' times, on the CPU the eager kernels'
+    into fresh memory)."""
+    rows, eager, compiled = list(r["product_ms"]), r.get("eager_dequantize_ms"), r.get("compiled_dequantize_ms")
+
+    def both(kind):
+        return (
+            f" on {r['device']} (eager {eager[kind]:.2f} ms, compiled {compiled[kind]:.2f})"
+            if compiled
+            else f" (whole, into fresh memory: {eager[kind]:.1f} ms)"
+            if eager
+            else ""
+        )
+
+    return [
+        (
+            f"dequantize a {r['shape'][0]} x {r['shape'][1]} {kind} weight into {r['dtype']}{both(kind)}",
+            f"{ms:.2f} ms" if compiled else f"{ms:.1f} ms",
+            ", ".join(f"{n}-row product {r['product_ms'][n]:.2f} ms" for n in rows),
+            " / ".join(f"{ms / r['product_ms'][n]:.2f}" for n in rows),
+        )
+        for kind, ms in r["dequantize_ms"].items()
+    ]
