@@ -6,10 +6,10 @@ writes one C++ loop per formula with the conversions in registers. On an AMD EPY
 plus backward): RMSNorm (4, 512, 576) 1.53 -> 0.28 ms, SwiGLU (2048, 1536) 3.4 -> 2.3 ms; the bf16 training step 6.8%
 faster (paired), the float32 one unchanged, so float32 and other devices keep the eager kernels and compile nothing.
 
-The formulas are the eager kernels' (kernels.py), float32 inside. Each compiles on first use (seconds; inductor keeps
-them on disk for later runs), with dynamic shapes (a new row count is no new compile). Where compiling fails (no C++
-compiler, an unsupported build), a warning says so once and the eager kernels run from then on. `compiled` also
-serves quant.py, whose dequantization compiles on CUDA.
+The formulas are the eager kernels' (elementwise.py), float32 inside. Each compiles on first use (seconds; inductor
+keeps them on disk for later runs), with dynamic shapes (a new row count is no new compile). Where compiling fails (no
+C++ compiler, an unsupported build), a warning says so once and the eager kernels run from then on. `compiled` also
+serves quant/linear.py, whose dequantization compiles on CUDA, and the model's compiled blocks.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lora_llama.errors import UserError
-from lora_llama.kernels.elementwise import low_rank_linears
 from lora_llama.kernels.gemm import run_linear
+from lora_llama.kernels.low_rank import low_rank_linears
 from lora_llama.lora.init import init_adapter, moves_w0, principal_init
 from lora_llama.lora.settings import lora_scale
 from lora_llama.quant.linear import QuantizedLinear

@@ -58,7 +58,7 @@ TARGET_MODULES = {
 HF_NAME = {t: path.rsplit(".", 1)[-1] for t, path in TARGET_MODULES.items()}  # q -> q_proj: PEFT's target_modules
 DECODER_TARGETS = tuple(t for t in TARGET_MODULES if t != "lm_head")  # the seven linears of a block ("all-linear")
 Target = Literal[tuple(TARGET_MODULES)]
-# frozen decoder linears held weight-only (quant.py): int8, nf4, or a GGUF base's own blocks (source)
+# frozen decoder linears held weight-only (quant/linear.py): int8, nf4, or a GGUF base's own blocks (source)
 QUANTIZE_KINDS = ("int8", "nf4", "source")
 DEVICE = r"auto|cpu|cuda(:\d+)?"  # model.device and --device, as a regular expression; what auto picks: precision.py
 PRECISIONS = ("fp32", "bf16-mixed", "auto")  # train.precision; what each means: precision.py

@@ -1,7 +1,7 @@
 """A native LLaMA in one file: RMSNorm pre-norm, RoPE, grouped-query attention, SwiGLU, KV cache.
 
-The architecture only: the hand-written backward passes live in kernels.py, attention's in
-attention.py, and nothing here knows about LoRA (`project` fuses any layers that offer a
+The architecture only: the hand-written backward passes live in kernels/elementwise.py and kernels/low_rank.py,
+attention's in kernels/attention.py, and nothing here knows about LoRA (`project` fuses any layers that offer a
 low-rank node).
 
 Module names follow Hugging Face's `LlamaForCausalLM` exactly
@@ -20,9 +20,10 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lora_llama.kernels.attention import attend, takes_segments
-from lora_llama.kernels.elementwise import apply_rope, project, recompute_when_saved, rms_norm, silu_mul, swiglu
+from lora_llama.kernels.elementwise import apply_rope, recompute_when_saved, rms_norm, silu_mul, swiglu
 from lora_llama.kernels.fused import compiled
 from lora_llama.kernels.gemm import run_linear
+from lora_llama.kernels.low_rank import project
 from lora_llama.model.config import ModelArgs, rope_inv_freq
 
 # attention's forward kernels (ours on the CPU, SDPA's flash / efficient / cuDNN): quadratic in the length to

@@ -1,13 +1,13 @@
 """Frozen base linears held in 8 or 4 bits, weight-only: activations are never quantized.
 
-    int8, nf4  as bitsandbytes lays them out (quant_formats.py)
+    int8, nf4  as bitsandbytes lays them out (formats.py)
     source  a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), kept byte for byte as
           the file has them, in rows of blocks (gguf_blocks.py)
 
 A `QuantizedLinear` keeps its codes and scales as plain buffers, so they move between devices, save to
 safetensors and shard on dim 0 like any tensor. Its weight is dequantized just in time, in the input's
 dtype, for each product: in forward, and again in backward for the input gradient, so nothing but the input
-is saved for backward. On the CPU a big weight is written into one reusable buffer (workspace.py), so no
+is saved for backward. On the CPU a big weight is written into one reusable buffer (kernels/workspace.py), so no
 product allocates weight-sized memory; on CUDA each weight is one kernel where one exists (bitsandbytes' own for
 nf4, compiled formulas for the K formats). Inside a torch.compile'd block the product is one opaque op. The
 model is quantized while it loads, one shard at a time, so the full-precision model never exists.
@@ -209,8 +209,8 @@ def nf4_by_bitsandbytes(codes: torch.Tensor, absmax: torch.Tensor, shape, dtype:
 
 def transient_weight(args: tuple, transposed: bool = False) -> torch.Tensor:
     """The weight `dequantize_args` describes (or, for gy·W, its transpose) for one product. On the CPU it is written
-    a few rows at a time into this thread's reusable buffer (workspace.py), valid until the next transient weight,
-    and a transpose is written row-major where `linear` would copy it so. Elsewhere (a GPU's caching allocator
+    a few rows at a time into this thread's reusable buffer (kernels/workspace.py), valid until the next transient
+    weight, and a transpose is written row-major where `linear` would copy it so. Elsewhere (a GPU's caching allocator
     reuses memory itself), for small weights and for nf4 laid out flat, it is a fresh tensor."""
     kind, codes, scales, shape, dtype, absmax2, offset = args
     if (

@@ -19,7 +19,7 @@ run to save. There every block over 1 MB gets its own mapping, returned when fre
 returned past 32 MB (1.1B Llama, 2 ranks: per-rank peak 4.7 GB with glibc's defaults, 3.4 GB so).
 Loading is the same case (a shard read whole, weights converted or quantized one at a time), so a process loads
 its model with these settings and keeps freed memory only from its first step on. A quantized base's products
-leave nothing weight-sized behind either: their weights are dequantized into one reusable buffer (workspace.py).
+leave nothing weight-sized behind either: their weights are dequantized into one reusable buffer (kernels/workspace.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ through the model as it stands (adapters active: no merge, no copy, no second en
 Each row draws its tokens from a generator of its own (a seed per row, on the CPU), by inverse transform
 sampling: a row's completion depends on its prompt, its seed and the weights, not on which rows share its
 batch, on which rank it runs or on a resume. Its uniforms are drawn up front and moved to the device once. On a
-GPU the decoding steps run over a cache of fixed shape as a replayed CUDA graph (decoding.py), and whether every
+GPU the decoding steps run over a cache of fixed shape as a replayed CUDA graph (model/decoding.py), and whether every
 row has stopped is asked every CHECK_EVERY tokens, not every token: the host never waits on the GPU mid-run."""
 
 from __future__ import annotations
