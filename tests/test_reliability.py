@@ -105,13 +105,13 @@ def test_sigterm_checkpoints_and_the_rerun_matches_bit_for_bit(tiny_ckpt, data, 
 @pytest.mark.slow
 def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tiny_ckpt, data, tmp_path):
     *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "full"))
-    kill_at_8 = """import lora_llama.training.run_folder as rf, lora_llama.training.trainer as t
+    kill_at_8 = """import lora_llama.training.run_folder as rf, lora_llama.training.checkpoints as c
 _save = rf.save_state
 def save_then_die(folder, state):
     _save(folder, state)
     if "step-8" in str(folder):
         os.kill(os.getpid(), signal.SIGKILL)  # the state is written, trainer_state.json and the rename are not
-t.save_state = save_then_die
+c.save_state = save_then_die
 """
     *_, code = run_cli(train_args(tiny_ckpt, data, tmp_path / "cut"), patch=kill_at_8)
     assert code == -signal.SIGKILL
