@@ -89,6 +89,34 @@ def test_recipe_reference_is_generated_from_the_schema():
     )
 
 
+def recipe_keys() -> set[str]:
+    """Every recipe key path: `lora.r`, `train.grpo.group_size`, ..."""
+    from pydantic import BaseModel
+
+    from lora_llama.recipe.schema import Recipe
+
+    def walk(model, prefix):
+        for name, field in model.model_fields.items():
+            yield prefix + name
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                yield from walk(field.annotation, prefix + name + ".")
+
+    return set(walk(Recipe, ""))
+
+
+def test_the_pages_name_only_recipe_keys_that_exist():
+    """A key path a page writes in backticks (`train.lr`, `lora.targets: [...]`) is a key of the schema."""
+    sections = "|".join(("model", "lora", "data", "train", "output"))
+    keys = recipe_keys()
+    wrong = [
+        (page.name, key)
+        for page in PAGES
+        for key in re.findall(rf"`((?:{sections})\.[a-z_.]*[a-z_])[`:= ]", page.read_text())
+        if key not in keys
+    ]
+    assert not wrong, wrong
+
+
 def test_every_recipe_key_is_in_the_reference():
     from lora_llama.recipe.schema import Recipe
 
@@ -243,7 +271,7 @@ def test_no_history_in_the_project():
         *PAGES,
         ROOT / "Makefile",
         *ROOT.glob("recipes/*.yaml"),
-        *ROOT.glob("lora_llama/*.py"),
+        *ROOT.glob("lora_llama/**/*.py"),
         *ROOT.glob("bench/*.py"),
         *ROOT.glob("tests/*.py"),
     ]

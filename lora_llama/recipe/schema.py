@@ -144,8 +144,12 @@ class TrainSection(Settings):
         description="LoRA+: B (and DoRA's magnitudes) learn at this "
         "many times lr (peft's create_loraplus_optimizer; 16 is its paper's pick)",
     )
-    max_steps: int | None = Field(300, gt=0, description="optimiser steps; null: train.epochs decides")
-    epochs: float | None = Field(None, gt=0, description="passes over the training data (used when max_steps is null)")
+    max_steps: int | None = Field(
+        300, gt=0, description="optimiser steps; with train.epochs set, a cap when given (else epochs decide alone)"
+    )
+    epochs: float | None = Field(
+        None, gt=0, description="passes over the training data; when set, they decide the length (capped by max_steps)"
+    )
     warmup_steps: int = Field(10, ge=0, description="linear warmup steps")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the gradients' global norm; null: no clipping")
