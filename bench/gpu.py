@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, record, scratch_dir
+from bench.common import ROOT, SMOLLM2_SHAPES, record, scratch_dir
 from bench.gpu_workers import ours, peer, synchronize
 
 LLAMA31_8B = dict(
@@ -66,20 +66,7 @@ LLAMA32_1B = dict(
     tie_word_embeddings=True,
     rope_scaling=dict(LLAMA31_8B["rope_scaling"], factor=32.0),
 )
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+SMOLLM2_135M = SMOLLM2_SHAPES  # the model bench.train_step measures on the CPU
 # name: (model shapes, batch, seq, quantize, seconds a run may take: load, compile and steps)
 # a smoke test of the bench itself on the CPU (`--device cpu --configs tiny`), not a measurement
 TINY = dict(

@@ -48,10 +48,11 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=Non
 def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, device: str) -> dict:
     """Inputs are all checked before the run folder is touched."""
     found = _check_run_folder(recipe, out, resume, force)
-    if ranks.main:  # a GGUF source is converted into its cached folder once, by rank 0, while the others wait
-        model_source(recipe.model.source)
+    # resolved once for the run and passed to every loader; a GGUF source is converted into its cached folder by
+    # rank 0 while the others wait, then found there
+    source = model_source(recipe.model.source) if ranks.main else None
     ranks.barrier()
-    source = model_source(recipe.model.source)  # resolved once for the run, passed to every loader
+    source = source or model_source(recipe.model.source)
     precision, why = resolve_precision(recipe.train.precision, device)
     recipe, quantize_why = _quantize_resolved(recipe, precision, device, source)
     strategy = _choose_strategy(recipe, ranks, device, source)

@@ -73,10 +73,11 @@ def mean_std(s: float, s2: float, n: float) -> tuple[float, float]:
     return mean, math.sqrt(max(s2 - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan
 
 
-def reward_moments(table: torch.Tensor, weights: torch.Tensor, names) -> dict[str, list[float]]:
-    """The moments of the weighted reward ("reward") and of each function's (by its name), to sum over ranks."""
+def reward_moments(table: torch.Tensor, total: torch.Tensor, names) -> dict[str, list[float]]:
+    """The moments of the weighted reward `total` ("reward") and of each function's column of `table` (by its
+    name), to sum over ranks."""
     per_function = {f"rewards/{name}": moments(table[:, j]) for j, name in enumerate(names)}
-    return {"reward": moments(weighted_rewards(table, weights)), **per_function}
+    return {"reward": moments(total), **per_function}
 
 
 def reward_means(sums: dict[str, list[float]], names) -> dict:
@@ -185,7 +186,7 @@ class GRPO(Objective):
             torch.cat([b[k] for b in rolled]) if rolled else torch.zeros(0) for k in ("lengths", "truncated")
         )
         sums = ranks.sum_named({
-            **reward_moments(table, self.reward_weights, self.reward_names),
+            **reward_moments(table, total, self.reward_names),
             "counts": [total.numel(), float(zero_std), float(lengths.sum()), float(truncated.sum())],
             "tokens": [sum(int(_targets(b).sum()) for b in rolled)],
         })  # fmt: skip
@@ -249,7 +250,8 @@ class GRPO(Objective):
             if batch:
                 tables.append(self.rollouts.rewards(rows, completions))
         table = torch.cat(tables) if tables else torch.zeros(0, len(self.reward_names))
-        sums = ranks.sum_named(reward_moments(table, self.reward_weights, self.reward_names))
+        total = weighted_rewards(table, self.reward_weights)
+        sums = ranks.sum_named(reward_moments(table, total, self.reward_names))
         return reward_means(sums, self.reward_names)
 
     def state(self) -> dict | None:

@@ -243,9 +243,10 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        for k, v in record.items() if self.events else ():
-            if k != "step":
-                self.events.add_scalar(k, v, record["step"])
+        if self.events:
+            for k, v in record.items():
+                if k != "step":
+                    self.events.add_scalar(k, v, record["step"])
 
     def close(self) -> None:
         if self.events:
@@ -254,9 +255,10 @@ class MetricsLog:
 
 def eval_at_start(metrics: Path) -> dict:
     """The eval figures logged at step 0, the base model's (`eval_loss_start`, `eval_reward_start`)."""
+    at_start = [r for r in read_metrics(metrics) if r["step"] == 0]
     start = {}
     for key in ("eval_loss", "eval_reward"):
-        found = [r[key] for r in read_metrics(metrics) if r["step"] == 0 and key in r]
+        found = [r[key] for r in at_start if key in r]
         start.update({f"{key}_start": found[0]} if found else {})
     return start
 

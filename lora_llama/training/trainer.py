@@ -18,9 +18,9 @@ from lora_llama.training.checkpoints import Checkpoints
 from lora_llama.training.grpo import GRPO
 from lora_llama.training.objectives import DPO, ORPO, SFT, Objective
 from lora_llama.training.run_folder import (
+    CHECKPOINTS,
     METRICS,
     MetricsLog,
-    checkpoint_dir,
     checkpoints,
     eval_at_start,
     stop_requests,
@@ -79,7 +79,7 @@ class Trainer:
         if self.ranks.any(bad):  # every rank stops before the update, together
             raise UserError(
                 f"non-finite loss ({local_loss if bad else 'on another rank'}) at step {self.step + 1}; "
-                f"stopped before the update. The last good checkpoint is kept in {checkpoint_dir(self.out, 0).parent}"
+                f"stopped before the update. The last good checkpoint is kept in {self.out / CHECKPOINTS}"
             )
         self.ranks.sum_gradients(replicated(self.params) if self.sharded else self.params)  # fsdp reduces its own
         if self.sharded:
