@@ -178,7 +178,8 @@ def test_broken_or_hostile_adapters_are_refused_before_allocating(tiny_ckpt, tmp
     cases = {
         "huge rank": ({**cfg, "r": 10**9}, tensors, "says r=1000000000, its tensors have rank 4"),
         "nan": (cfg, nan, "NaN, inf"),
-        "extra modules": ({**cfg, "modules_to_save": ["lm_head"]}, tensors, "modules_to_save"),
+        "unknown module to save": ({**cfg, "modules_to_save": ["norm"]}, tensors, "modules_to_save 'norm'"),
+        "module to save missing": ({**cfg, "modules_to_save": ["lm_head"]}, tensors, "'base_model.model.lm_head."),
         "truncated": (cfg, None, "adapter_model.safetensors"),
         "bad json": (None, tensors, "adapter_config.json"),
     }

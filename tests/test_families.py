@@ -315,7 +315,14 @@ def test_untrained_stop_token_warning(tmp_path, capsys, smollm2):
         )
 
     assert run(folder, tmp_path / "r1") == 0
-    assert "looks untrained" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "looks untrained" in out and "lora.trainable_token_indices: {embed_tokens: [2], lm_head: [2]}" in out
+    rows = "lora.trainable_token_indices={embed_tokens: [2], lm_head: [2]}"
+    assert run(folder, tmp_path / "r4", rows) == 0  # the setting the warning names: the rows train
+    assert "looks untrained" not in capsys.readouterr().out
+    trained = load_file(tmp_path / "r4" / "adapter" / "adapter_model.safetensors")
+    for module in ("model.embed_tokens", "lm_head"):
+        assert trained[f"base_model.model.{module}.token_adapter.trainable_tokens_delta"].abs().min() > 0
     assert run(folder, tmp_path / "r2", "lora.targets=[q,v,lm_head]") == 0  # lm_head adapted: it can learn the row
     assert "looks untrained" not in capsys.readouterr().out
     assert run("smollm2-135m-instruct", tmp_path / "r3") == 0

@@ -13,7 +13,7 @@ import torch
 
 from lora_llama.errors import UserError
 from lora_llama.files import atomic_dir, read_json, write_json
-from lora_llama.lora.adapted import adapter_settings, apply_lora, lora_modules, lora_state_dict
+from lora_llama.lora.adapted import ADAPTER_SUFFIXES, adapter_settings, apply_lora, lora_modules, lora_state_dict
 from lora_llama.lora.init import plain_adapter
 from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import DECODER_TARGETS, HF_NAME
@@ -66,9 +66,10 @@ def save_adapter(
         "fan_in_fan_out": False,
         "init_lora_weights": init,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": settings.modules_to_save,
+        "trainable_token_indices": settings.trainable_token_indices,
     }
-    tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    tensors = {PEFT_PREFIX + peft_name(k): v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     with atomic_dir(out, force=force) as tmp:
         write_json(tmp / ADAPTER_CONFIG, config)
         save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
@@ -89,7 +90,7 @@ def read_adapter_config(folder: str | os.PathLike):
     if cfg.get("bias", "none") != "none":
         raise UserError(f"{folder}: bias {cfg['bias']!r} is not supported (only 'none')")
     # options that change what the adapter computes or carries, which we do not implement: refused, not ignored
-    for key in ("modules_to_save", "fan_in_fan_out", "lora_bias", "layer_replication", "use_qalora"):
+    for key in ("fan_in_fan_out", "lora_bias", "layer_replication", "use_qalora"):
         if cfg.get(key):
             raise UserError(f"{folder}: {key}={cfg[key]!r} is not supported")
     targets = cfg.get("target_modules") or []
@@ -114,7 +115,36 @@ def read_adapter_config(folder: str | os.PathLike):
         use_dora=bool(cfg.get("use_dora", False)),
         init_lora_weights=cfg.get("init_lora_weights", True),
         layers=[layers] if isinstance(layers, int) else layers,
+        modules_to_save=modules_to_save(folder, cfg.get("modules_to_save")),
+        trainable_token_indices=cfg.get("trainable_token_indices"),
     ), cfg
+
+
+def modules_to_save(folder: Path, names) -> list[str] | None:
+    """peft's modules_to_save of an adapter, by the names this model has (peft matches a name's last part)."""
+    known = {"embed_tokens": "embed_tokens", "lm_head": "lm_head", "model.embed_tokens": "embed_tokens"}
+    unknown = [n for n in names or () if n not in known]
+    if unknown:
+        raise UserError(f"{folder}: modules_to_save {unknown[0]!r} is not supported (only embed_tokens and lm_head)")
+    return [known[n] for n in names] if names else None
+
+
+# native parameter names -> peft's file keys, for the tensors that are not LoRA's A and B
+PEFT_NAMES = {".modules_to_save.weight": ".weight", ".trainable_tokens_delta": ".token_adapter.trainable_tokens_delta"}
+WHOLE_MODULES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def peft_name(native: str) -> str:
+    for ours, theirs in PEFT_NAMES.items():
+        if native.endswith(ours):
+            return native.removesuffix(ours) + theirs
+    return native
+
+
+def native_name(peft: str) -> str:
+    if peft in WHOLE_MODULES:
+        return peft.removesuffix(".weight") + ".modules_to_save.weight"
+    return peft.replace(".token_adapter.trainable_tokens_delta", ".trainable_tokens_delta")
 
 
 def read_adapter_tensors(folder: str | os.PathLike) -> dict:
@@ -134,7 +164,9 @@ def read_adapter_tensors(folder: str | os.PathLike) -> dict:
         if not t.is_floating_point() or t.dim() != dims or not torch.isfinite(t).all():
             raise UserError(f"{path}: {key} is not a finite {dims}-D float tensor (NaN, inf or a wrong type)")
     # PEFT writes `...lora_A.weight`; some tools keep the adapter name: `...lora_A.default.weight`
-    return {k.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight"): v for k, v in loaded.items()}
+    return {
+        native_name(k.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight")): v for k, v in loaded.items()
+    }
 
 
 def load_adapter_weights(model, folder: str | os.PathLike) -> None:
@@ -144,15 +176,15 @@ def load_adapter_weights(model, folder: str | os.PathLike) -> None:
     own = lora_state_dict(model)
     for key, tensor in loaded.items():
         if key not in own:
-            raise UserError(f"adapter tensor {PEFT_PREFIX + key!r} has no place in the base model")
+            raise UserError(f"adapter tensor {PEFT_PREFIX + peft_name(key)!r} has no place in the base model")
         if tensor.shape != own[key].shape:
             raise UserError(
-                f"adapter tensor {PEFT_PREFIX + key!r} has shape {tuple(tensor.shape)}, "
+                f"adapter tensor {PEFT_PREFIX + peft_name(key)!r} has shape {tuple(tensor.shape)}, "
                 f"the base model needs {tuple(own[key].shape)}"
             )
     missing = sorted(set(own) - set(loaded))
     if missing:
-        raise UserError(f"{path} lacks {len(missing)} tensors, first {PEFT_PREFIX + missing[0]!r}")
+        raise UserError(f"{path} lacks {len(missing)} tensors, first {PEFT_PREFIX + peft_name(missing[0])!r}")
     with torch.no_grad():
         for key, tensor in loaded.items():
             own[key].copy_(tensor)
@@ -176,6 +208,8 @@ def adapter_deltas(folder: str | os.PathLike) -> tuple[dict, float, dict]:
     settings, cfg = read_adapter_config(folder)
     pairs: dict[str, dict] = {}
     for key, t in read_adapter_tensors(folder).items():
+        if key.endswith(ADAPTER_SUFFIXES[1:]):  # embedding rows or modules: `embedding_changes`
+            continue
         module, _, kind = key.rpartition(".lora_")  # e.g. model.layers.0.self_attn.q_proj, A.weight / magnitude_vector
         pairs.setdefault(module + ".weight", {})[kind[0]] = t
     want = {"A", "B", "m"} if settings.use_dora else {"A", "B"}
@@ -186,3 +220,29 @@ def adapter_deltas(folder: str | os.PathLike) -> tuple[dict, float, dict]:
             f"{', '.join(sorted(want - set(pairs[incomplete[0]]))) or 'its tensors'}"
         )
     return {k: (v["A"], v["B"], v.get("m")) for k, v in pairs.items()}, settings.scale, cfg
+
+
+def embedding_changes(folder: str | os.PathLike) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
+    """{base weight name: (row indices, their values)} of an adapter's modules_to_save (indices None: the whole
+    matrix) and trainable_token_indices, for merges. A tied lm_head's rows are the embedding's."""
+    settings, _ = read_adapter_config(folder)
+    tensors = read_adapter_tensors(folder)
+    rows = settings.trainable_token_indices
+    rows = {"embed_tokens": rows} if isinstance(rows, list) else rows or {}
+    changes = {}
+    for name in settings.modules_to_save or ():
+        weight = WHOLE_MODULES[name == "lm_head"]
+        changes[weight] = (None, _needed(folder, tensors, native_name(weight)))
+    for name, indices in rows.items():
+        weight = WHOLE_MODULES[name == "lm_head"]
+        values = _needed(folder, tensors, weight.removesuffix(".weight") + ".trainable_tokens_delta")
+        if values.shape[0] != len(indices):
+            raise UserError(f"{Path(folder) / ADAPTER_WEIGHTS}: {len(indices)} token ids, {values.shape[0]} rows")
+        changes[weight] = (torch.tensor(indices), values)
+    return changes
+
+
+def _needed(folder, tensors: dict, key: str) -> torch.Tensor:
+    if key not in tensors:
+        raise UserError(f"{Path(folder) / ADAPTER_WEIGHTS} lacks {PEFT_PREFIX + peft_name(key)!r}")
+    return tensors[key]

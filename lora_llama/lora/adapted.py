@@ -12,6 +12,7 @@ from lora_llama.errors import UserError
 from lora_llama.files import read_tensors
 from lora_llama.lora.layer import LoRALinear, fold
 from lora_llama.lora.settings import LoraSettings
+from lora_llama.lora.tokens import embedding_settings, embedding_wrappers, merge_embeddings, wrap_embeddings
 from lora_llama.model.config import TARGET_MODULES
 from lora_llama.quant.linear import QuantizedLinear
 
@@ -55,6 +56,7 @@ def apply_lora(model, settings: LoraSettings) -> dict:
                 settings.init_lora_weights,
             ),
         )
+    wrap_embeddings(model, settings.modules_to_save, settings.trainable_token_indices)
     return parameter_summary(model)
 
 
@@ -81,6 +83,7 @@ def adapter_settings(model) -> LoraSettings | None:
         init_lora_weights=m.init,
         targets=[t for t in TARGET_MODULES if t in targets],
         layers=None if every_layer else sorted(layers),
+        **embedding_settings(model),
     )
 
 
@@ -91,6 +94,7 @@ def adapters_disabled(model):
     modules = list(lora_modules(model).values())
     if any(m.merged for m in modules):
         raise UserError("cannot disable a merged adapter; unmerge it first")
+    modules += embedding_wrappers(model).values()
     for m in modules:
         m.disabled = True
     try:
@@ -110,13 +114,17 @@ def parameter_summary(model) -> dict:
     return {"trainable": trainable, "total": total, "percent": round(100 * trainable / total, 4)}
 
 
+ADAPTER_SUFFIXES = (".lora_magnitude_vector", ".modules_to_save.weight", ".trainable_tokens_delta")
+
+
 def lora_state_dict(model) -> dict[str, torch.Tensor]:
     """Native names of the adapter tensors, e.g. `model.layers.0.self_attn.q_proj.lora_A.weight` (and DoRA's
-    `...q_proj.lora_magnitude_vector`)."""
+    `...q_proj.lora_magnitude_vector`, modules_to_save's `model.embed_tokens.modules_to_save.weight`, trained rows'
+    `model.embed_tokens.trainable_tokens_delta`)."""
     return {
         k: v
         for k, v in model.state_dict().items()
-        if ".lora_A." in k or ".lora_B." in k or k.endswith(".lora_magnitude_vector")
+        if ".lora_A." in k or ".lora_B." in k or k.endswith(ADAPTER_SUFFIXES)
     }
 
 
@@ -157,3 +165,4 @@ def merge_lora(model) -> None:
             merged = m.base_layer
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, child, merged)
+    merge_embeddings(model)

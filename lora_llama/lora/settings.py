@@ -3,6 +3,8 @@ with one-line errors."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from lora_llama.errors import UserError
@@ -36,6 +38,17 @@ class LoraSettings(Settings):
         "pissa_niter_N (randomized SVD), olora: peft's names (docs/adapters.md)",
     )
 
+    modules_to_save: list[Literal["embed_tokens", "lm_head"]] | None = Field(
+        None,
+        description="embed_tokens and / or lm_head trained whole beside the adapters and saved in the adapter "
+        "(peft's modules_to_save): new chat tokens, an untrained end-of-turn token",
+    )
+    trainable_token_indices: list[int] | dict[Literal["embed_tokens", "lm_head"], list[int]] | None = Field(
+        None,
+        description="token ids whose embedding rows are trained (and a tied lm_head's), or {embed_tokens: [...], "
+        "lm_head: [...]}: peft's trainable_token_indices, a few rows instead of modules_to_save's whole matrices",
+    )
+
     @field_validator("init_lora_weights")
     @classmethod
     def _known_init(cls, v):
@@ -52,6 +65,24 @@ class LoraSettings(Settings):
         if moves_w0(self.init_lora_weights) and self.use_dora:
             raise ValueError(f"lora.init_lora_weights {self.init_lora_weights} with lora.use_dora is not supported")
         return self
+
+    @model_validator(mode="after")
+    def _embeddings_trained_once(self):
+        rows = self.trainable_token_indices
+        rows = {"embed_tokens": rows} if isinstance(rows, list) else rows or {}
+        if any(not ids or min(ids) < 0 or len(set(ids)) != len(ids) for ids in rows.values()):
+            raise ValueError("lora.trainable_token_indices takes distinct token ids >= 0, at least one")
+        both = sorted(set(self.modules_to_save or ()) & set(rows))
+        if both:
+            raise ValueError(f"{both[0]} is in lora.modules_to_save and lora.trainable_token_indices: pick one")
+        if "lm_head" in self.targets and "lm_head" in {*(self.modules_to_save or ()), *rows}:
+            raise ValueError("lm_head is in lora.targets and trained whole or by rows too: pick one")
+        return self
+
+    @field_validator("modules_to_save")
+    @classmethod
+    def _once_each(cls, v):
+        return list(dict.fromkeys(v)) if v else None
 
     @field_validator("targets")
     @classmethod

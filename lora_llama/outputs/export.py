@@ -272,6 +272,11 @@ def export_lora_gguf(
     if not Path(adapter).is_dir():
         raise UserError(f"adapter folder not found: {adapter}")
     deltas, scale, cfg = adapter_deltas(adapter)
+    if cfg.get("modules_to_save") or cfg.get("trainable_token_indices"):
+        raise UserError(
+            "an adapter that trains embedding or lm_head rows (modules_to_save, trainable_token_indices) has no "
+            "llama.cpp LoRA form; export the merged model instead"
+        )
     if cfg.get("use_dora"):
         raise UserError(
             "a DoRA adapter has no llama.cpp LoRA form (its magnitudes rescale whole rows); "

@@ -32,7 +32,7 @@ from lora_llama.files import (
     write_json,
     write_safetensors_streaming,
 )
-from lora_llama.loading.adapters import adapter_deltas
+from lora_llama.loading.adapters import adapter_deltas, embedding_changes
 from lora_llama.loading.models import resolve_source
 from lora_llama.lora.layer import fold
 from lora_llama.model.config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
@@ -52,6 +52,22 @@ def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
             raise UserError(
                 f"adapter for {name} has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}, "
                 f"which do not fit the base weight {(out_f, in_f)}"
+            )
+
+
+def check_rows_fit(rows: dict, shapes: dict, tied: bool) -> None:
+    """Every trained embedding or lm_head (whole or by rows) fits the base's matrix."""
+    for name, (indices, values) in rows.items():
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes and tied else name
+        vocab, dim = shapes[source]
+        if (
+            values.shape[1] != dim
+            or (indices is None and values.shape[0] != vocab)
+            or (indices is not None and int(indices.max()) >= vocab)
+        ):
+            raise UserError(
+                f"the adapter's {name.removesuffix('.weight')} ({tuple(values.shape)}) does not fit the base's "
+                f"{(vocab, dim)}"
             )
 
 
@@ -80,17 +96,20 @@ class Merger:
                 "--onto dequantized needs the quantisation the adapter was trained on: "
                 f"--quantize {' or '.join(QUANTIZE_KINDS)} (or a run folder's recipe.yaml next to the adapter)"
             )
-        self.deltas, self.scale = {}, 0.0
+        self.deltas, self.scale, self.rows = {}, 0.0, {}
         if adapter is not None:
             adapter = Path(adapter)
             if not adapter.is_dir():
                 raise UserError(f"adapter folder not found: {adapter}")
             self.deltas, self.scale, adapter_cfg = adapter_deltas(adapter)
+            self.rows = embedding_changes(adapter)
         self.folder = resolve_source(base)
         self.config = read_config(self.folder)
         self.files = shard_files(self.folder)
         tied = bool(self.config.get("tie_word_embeddings", False))
-        check_adapter_fits(self.deltas, tensor_shapes(self.files), tied)
+        shapes = tensor_shapes(self.files)
+        check_adapter_fits(self.deltas, shapes, tied)
+        check_rows_fit(self.rows, shapes, tied)
         named = adapter_cfg.get("base_model_name_or_path") if adapter is not None else None
         if (
             named
@@ -98,8 +117,11 @@ class Merger:
             and Path(str(named)).name != Path(str(base)).name
         ):
             warnings.warn(f"the adapter was trained on {named!r}, merging into {base!r}", stacklevel=2)
-        # a tied lm_head with its own adapter becomes a separate weight; the embedding stays as it was
-        self.untie = tied and "lm_head.weight" in self.deltas
+        # a tied lm_head with its own adapter or trained copy becomes a separate weight, and so does an embedding
+        # trained whole (peft's copy of one leaves the other as it was); trained rows of a tied pair stay tied
+        self.untie = tied and (
+            "lm_head.weight" in self.deltas or any(indices is None for indices, _ in self.rows.values())
+        )
         if self.untie:
             self.config["tie_word_embeddings"] = False
         self.config.pop("quantization_config", None)
@@ -133,6 +155,9 @@ class Merger:
             if out_key in self.deltas:
                 A, B, magnitude = self.deltas[out_key]
                 w = fold(w, A, B, self.scale, inplace=True, magnitude=magnitude)
+            if out_key in self.rows:
+                indices, values = self.rows[out_key]
+                w = values.to(w.dtype) if indices is None else w.index_copy(0, indices, values.to(w.dtype))
             yield out_key, w.to(target_dtype).contiguous()
 
 
