@@ -157,6 +157,11 @@ class TrainSection(Settings):
     save_every: int = Field(100, gt=0, description="steps between checkpoints (and at the last step)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept")
     log_every: int = Field(1, gt=0, description="steps between metric lines")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] | None = Field(
+        None,
+        description="trackers that get every metric line and the recipe (trl's names; each needs its library "
+        "installed); null: TensorBoard when installed",
+    )
     seed: int = Field(0, description="seeds the data order, the split, dropout and the adapter's init")
     gradient_checkpointing: Literal[False, True, "block", "selective"] = Field(
         False,

@@ -29,6 +29,7 @@ from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
 from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
 from lora_llama.runtime.precision import base_dtype, resolve_compile, resolve_precision, resolve_quantize
 from lora_llama.training.run_folder import ADAPTER, checkpoints, remove_leftovers, run_lock, write_run_recipe
+from lora_llama.training.trackers import check_trackers
 from lora_llama.training.trainer import Trainer
 
 
@@ -47,6 +48,7 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=Non
 
 def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, device: str) -> dict:
     """Inputs are all checked before the run folder is touched."""
+    check_trackers(recipe.train.report_to)
     found = _check_run_folder(recipe, out, resume, force)
     # resolved once for the run and passed to every loader; a GGUF source is converted into its cached folder by
     # rank 0 while the others wait, then found there
@@ -141,6 +143,11 @@ def _choose_strategy(recipe, ranks: Ranks, device: str, source: ModelSource) -> 
             raise UserError(
                 "train.distributed=fsdp with lora.targets lm_head is not supported; use ddp, or drop lm_head"
             )
+        if recipe.lora.modules_to_save or recipe.lora.trainable_token_indices:
+            raise UserError(
+                "train.distributed=fsdp with lora.modules_to_save or lora.trainable_token_indices is not supported; "
+                "use ddp"
+            )
     return strategy
 
 
@@ -225,11 +232,15 @@ def _describe_setup(
 
 
 def _warn_if_stop_untrained(log, recipe, model, tok) -> None:
-    if "lm_head" not in recipe.lora.targets and looks_untrained(model, stop := end_of_turn_id(tok)):
+    lora, stop = recipe.lora, end_of_turn_id(tok)
+    trained = lora.modules_to_save or lora.trainable_token_indices or "lm_head" in lora.targets
+    if not trained and looks_untrained(model, stop):
+        rows = f"[{stop}]" if model.args.tie_word_embeddings else f"{{embed_tokens: [{stop}], lm_head: [{stop}]}}"
         log(
-            f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(stop)}) "
+            f"warning: the token that ends an assistant turn ({tok.convert_ids_to_tokens(stop)}, id {stop}) "
             "looks untrained in this base (its embedding or lm_head row is near zero) and both stay frozen: "
-            "the model may never learn to stop; add lm_head to lora.targets or start from an instruct model"
+            f"the model may never learn to stop; set lora.trainable_token_indices: {rows} "
+            "(or lora.modules_to_save: [embed_tokens, lm_head]), or start from an instruct model"
         )
 
 

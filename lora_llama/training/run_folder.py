@@ -26,14 +26,7 @@ from lora_llama.errors import UserError
 from lora_llama.files import read_json, write_json
 
 # the run folder's names: every other module spells them through these
-ADAPTER, CHECKPOINTS, METRICS, LOSS_PLOT, RECIPE, TENSORBOARD = (
-    "adapter",
-    "checkpoints",
-    "metrics.jsonl",
-    "loss.png",
-    "recipe.yaml",
-    "tensorboard",
-)
+ADAPTER, CHECKPOINTS, METRICS, LOSS_PLOT, RECIPE = "adapter", "checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml"
 STATE_TENSORS, STATE_JSON, TRAINER_STATE = "state.safetensors", "state.json", "trainer_state.json"
 
 
@@ -222,35 +215,25 @@ def truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step))
 
 
-def tensorboard(out: Path, resumed_step: int):
-    """A SummaryWriter that drops the events written after the checkpoint we resume from."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
-        return None
-    return SummaryWriter(str(out / TENSORBOARD), purge_step=resumed_step + 1 if resumed_step else None)
-
-
 class MetricsLog:
-    """metrics.jsonl and, when tensorboard is installed, its events: a record per logged step (rank 0 writes)."""
+    """metrics.jsonl and the run's trackers (`trackers.py`): a record per logged step (rank 0 writes)."""
 
-    def __init__(self, out: Path, resumed_step: int, main: bool):
+    def __init__(self, out: Path, resumed_step: int, main: bool, trackers: list[str] = (), config: dict | None = None):
+        from lora_llama.training.trackers import Trackers
+
         self.path, self.main = Path(out) / METRICS, main
-        self.events = tensorboard(Path(out), resumed_step) if main else None
+        self.trackers = Trackers(list(trackers), Path(out), config or {}, resumed_step) if main else None
 
     def write(self, record: dict) -> None:
         if not self.main:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.events:
-            for k, v in record.items():
-                if k != "step":
-                    self.events.add_scalar(k, v, record["step"])
+        self.trackers.log(record)
 
     def close(self) -> None:
-        if self.events:
-            self.events.close()
+        if self.trackers:
+            self.trackers.close()
 
 
 def eval_at_start(metrics: Path) -> dict:

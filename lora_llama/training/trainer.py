@@ -26,6 +26,7 @@ from lora_llama.training.run_folder import (
     stop_requests,
 )
 from lora_llama.training.schedule import lr_lambda, total_steps
+from lora_llama.training.trackers import check_trackers
 
 
 class Trainer:
@@ -126,7 +127,8 @@ class Trainer:
 
         t = self.recipe.train
         self.model.train()
-        self.metrics = MetricsLog(self.out, self.step, self.ranks.main)
+        trackers = check_trackers(t.report_to)
+        self.metrics = MetricsLog(self.out, self.step, self.ranks.main, trackers, self.recipe.model_dump(mode="json"))
         last_eval = None
         if self.step == 0:
             last_eval = self.run_eval()  # the starting point of the eval curve

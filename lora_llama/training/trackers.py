@@ -1,0 +1,132 @@
+"""Where a run's metrics go besides metrics.jsonl: TensorBoard, Weights & Biases, MLflow and trackio, by trl's
+`report_to` names, each through its own library. Every tracker gets the run's resolved recipe as its config and
+the metrics under metrics.jsonl's names."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from lora_llama.errors import UserError
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+# the module each tracker needs, and the pip package that provides it
+NEEDS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+    "trackio": ("trackio", "trackio"),
+}
+
+
+def check_trackers(report_to: list[str] | None) -> list[str]:
+    """The trackers a run writes to: those named (each installed, or one line naming the package to install), or
+    TensorBoard when it is installed and none is named."""
+    if report_to is None:
+        return ["tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    missing = [t for t in report_to if importlib.util.find_spec(NEEDS[t][0]) is None]
+    if missing:
+        raise UserError(
+            f"train.report_to names {missing[0]}, which is not installed: pip install {NEEDS[missing[0]][1]} "
+            "(or take it out of train.report_to)"
+        )
+    return list(report_to)
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """{"train.lr": 1e-3, ...}: a nested recipe as the flat parameters MLflow takes."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class TensorBoard:
+    def __init__(self, out: Path, name: str, config: dict, resumed_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # a resumed run drops the events written after its checkpoint
+        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandB:
+    """A wandb run in the run folder (WANDB_MODE=offline writes it there without a network; `wandb sync` later)."""
+
+    def __init__(self, out: Path, name: str, config: dict, resumed_step: int):
+        import wandb
+
+        self.run = wandb.init(project="lora-llama", name=name, config=config, dir=str(out), reinit="create_new")
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflow:
+    """An MLflow run in the tracking store MLFLOW_TRACKING_URI names (a local ./mlruns file store by default)."""
+
+    def __init__(self, out: Path, name: str, config: dict, resumed_step: int):
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_experiment("lora-llama")
+        self.run = mlflow.start_run(run_name=name)
+        mlflow.log_params({k: str(v) for k, v in flat(config).items()})
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.mlflow.log_metrics(metrics, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class Trackio:
+    def __init__(self, out: Path, name: str, config: dict, resumed_step: int):
+        import trackio
+
+        self.trackio = trackio
+        trackio.init(project="lora-llama", name=name, config=config)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.trackio.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+KINDS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "trackio": Trackio}
+
+
+class Trackers:
+    """The run's trackers: each logged record goes to every one, under metrics.jsonl's names."""
+
+    def __init__(self, names: list[str], out: Path, config: dict, resumed_step: int):
+        name, self.trackers = Path(out).name, []
+        for n in names:
+            try:
+                self.trackers.append(KINDS[n](Path(out), name, config, resumed_step))
+            except Exception as e:  # a tracker's own setup error (a store it refuses, a login it needs): one line
+                self.close()
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise UserError(f"train.report_to {n} could not start: {reason}") from None
+
+    def log(self, record: dict) -> None:
+        metrics = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(metrics, record["step"])
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
