@@ -19,6 +19,11 @@ _EXPORTS = {
     "LoRALinear": "lora.layer",
     "apply_lora": "lora.adapted",
     "merge_lora": "lora.adapted",
+    "adapters_disabled": "lora.adapted",
+    "target_loss": "kernels.cross_entropy",
+    "generate": "model.generate",
+    "train_from_recipe": "training.from_recipe",
+    "merge_checkpoint": "outputs.merge",
 }
 __all__ = list(_EXPORTS)
 

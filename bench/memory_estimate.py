@@ -1,0 +1,115 @@
+"""GPU memory of a LoRA training step, computed from a model's shapes (not measured): the frozen base in its
+quantization, the adapter with its gradient and AdamW's two moments, and the activations a step keeps with
+`train.gradient_checkpointing: true` in bf16-mixed precision. Prints the markdown table docs/gpu.md shows
+(`python -m bench.memory_estimate`); the docs test checks that the page holds this table.
+
+Activations with block checkpointing: each decoder block's bf16 input is kept (dim a token per layer); one block
+is recomputed at a time in backward, keeping its norms' outputs, q, k, v, the attention output, and the MLP's
+gate, up and their product (6·dim + 2·kv_dim + 3·intermediate a token); the input gradients in flight take
+about three float32 hidden states a token. The loss is computed in chunks and adds little. CUDA's context and the
+allocator's slack come on top (CONTEXT_GB)."""
+
+from __future__ import annotations
+
+import argparse
+
+# Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B-Instruct)
+LLAMA_3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
+GPUS_GB = (16, 24, 48, 80)
+CONTEXT_GB = 1.5  # the CUDA context, cuBLAS workspaces and the caching allocator's slack
+HEADROOM = 0.9  # a GPU "fits" a step that needs at most 90% of its memory
+GB = 1e9
+
+
+def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(out, in) of each decoder linear of one layer."""
+    dim, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = dim // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    return {
+        "q": (dim, dim),
+        "k": (kv, dim),
+        "v": (kv, dim),
+        "o": (dim, dim),
+        "gate": (inter, dim),
+        "up": (inter, dim),
+        "down": (dim, inter),
+    }
+
+
+def quantized_bytes(out: int, inp: int, quantize: str | None, double_quant: bool = False) -> float:
+    """Bytes of one frozen (out, in) weight: bf16, int8 with a float32 scale a row, or nf4 with a float32 absmax a
+    block of 64 (8 bits and a float32 per 256 blocks with double quantization)."""
+    n = out * inp
+    if quantize == "int8":
+        return n + 4 * out
+    if quantize == "nf4":
+        return n / 2 + (n / 64 + 4 * n / 64 / 256 if double_quant else 4 * n / 64)
+    return 2 * n
+
+
+def base_bytes(cfg: dict, quantize: str | None, double_quant: bool = False) -> float:
+    """The frozen base: decoder linears in their quantization, the embedding and lm_head in bf16."""
+    layers = cfg["num_hidden_layers"] * sum(
+        quantized_bytes(o, i, quantize, double_quant) for o, i in linear_shapes(cfg).values()
+    )
+    embeddings = cfg["vocab_size"] * cfg["hidden_size"] * 2 * (1 if cfg["tie_word_embeddings"] else 2)
+    return layers + embeddings
+
+
+def lora_parameters(cfg: dict, r: int, targets: list[str]) -> int:
+    shapes = linear_shapes(cfg)
+    return cfg["num_hidden_layers"] * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+
+def activation_bytes(cfg: dict, tokens: int) -> float:
+    dim, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = dim // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    kept_inputs = cfg["num_hidden_layers"] * dim * 2
+    one_block = (6 * dim + 2 * kv + 3 * inter) * 2
+    gradients = 3 * dim * 4
+    return tokens * (kept_inputs + one_block + gradients)
+
+
+def step_gb(cfg: dict, quantize: str | None, batch: int, length: int, r: int = 16, targets=None) -> dict:
+    targets = targets or list(linear_shapes(cfg))
+    parts = {
+        "base": base_bytes(cfg, quantize),
+        "adapter": 16 * lora_parameters(cfg, r, targets),  # float32 A, B, their gradients, AdamW's two moments
+        "activations": activation_bytes(cfg, batch * length),
+    }
+    parts = {k: v / GB for k, v in parts.items()}
+    parts["total"] = sum(parts.values()) + CONTEXT_GB
+    return parts
+
+
+def table(cfg: dict = LLAMA_3_8B, r: int = 16) -> str:
+    rows = [
+        "| base | batch x length | base weights | adapter + AdamW | activations | total | smallest GPU it fits |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for quantize in ("nf4", "int8", None):
+        for batch, length in ((1, 2048), (4, 2048), (8, 2048), (2, 8192)):
+            gb = step_gb(cfg, quantize, batch, length, r)
+            fits = next((f"{g} GB" for g in GPUS_GB if gb["total"] <= HEADROOM * g), "none of these")
+            rows.append(
+                f"| {quantize or 'bf16'} | {batch} x {length} | {gb['base']:.1f} GB | {gb['adapter']:.1f} GB "
+                f"| {gb['activations']:.1f} GB | {gb['total']:.1f} GB | {fits} |"
+            )
+    return "\n".join(rows) + "\n"
+
+
+def main():
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    print(table(), end="")
+
+
+if __name__ == "__main__":
+    main()
