@@ -47,7 +47,7 @@ def step_bytes(model, rows: int, length: int) -> int:
 
 
 def timed(model, prompts, new: int, static: bool, device: str) -> float:
-    from lora_llama.training.rollout import sample_completions
+    from lora_llama.model.sampling import sample_completions
 
     seeds = list(range(len(prompts)))
     synchronize(device)

@@ -162,9 +162,21 @@ def _add_generate(sub):
 
 
 def _add_eval(sub):
-    e = sub.add_parser("eval", help="mean token loss and perplexity on a text or JSONL file")
+    e = sub.add_parser(
+        "eval",
+        help="loss and perplexity on documents (--data), or lm-evaluation-harness benchmarks (--tasks)",
+    )
     _model_args(e)
-    e.add_argument("--data", required=True, help="text file (one document per line) or JSON/JSONL with a 'text' field")
+    e.add_argument("--data", help="text file (one document per line) or JSON/JSONL with a 'text' field")
+    e.add_argument("--tasks", help="lm-eval task names, comma-separated (e.g. arc_easy,hellaswag)")
+    e.add_argument("--include-path", metavar="DIR", help="a folder of lm-eval task YAML files (local tasks)")
+    e.add_argument("--limit", type=POSITIVE, help="at most this many examples per task")
+    e.add_argument("--num-fewshot", type=NOT_NEGATIVE, help="examples shown before each question")
+    e.add_argument("--chat", action="store_true", help="prompts through the tokenizer's chat template")
+    e.add_argument("--compare", action="store_true", help="with --adapter: the base and the adapter side by side")
+    e.add_argument("--quantize", choices=["int8", "nf4"], help="hold the base in 8 or 4 bits, as in training")
+    e.add_argument("--output", metavar="FILE.json", help="lm-eval's results (default: lm-eval-DATE-TIME.json)")
+    e.add_argument("--force", action="store_true", help="overwrite --output")
     e.add_argument("--batch-size", type=POSITIVE, default=8)
     e.set_defaults(func=cmd_eval)
 

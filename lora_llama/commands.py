@@ -19,7 +19,8 @@ def _load(args):
     from lora_llama.loading.adapters import load_adapter
     from lora_llama.loading.models import load_model, load_tokenizer
 
-    model = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    quantize = getattr(args, "quantize", None)
+    model = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device, quantize=quantize)
     if args.adapter:
         load_adapter(model, args.adapter)
     return model, load_tokenizer(args.model)
@@ -208,6 +209,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if (args.data is None) == (args.tasks is None):
+        raise UserError("eval needs --data FILE (loss and perplexity) or --tasks t1,t2 (lm-eval's benchmarks)")
+    if args.tasks is not None:
+        return _eval_tasks(args)
     from lora_llama.data.sft import read_documents
     from lora_llama.training.evaluation import evaluate_documents
 
@@ -217,4 +222,39 @@ def cmd_eval(args) -> int:
         raise UserError(f"{args.data} holds no documents")
     result = evaluate_documents(model, tok, docs, batch_size=args.batch_size)
     print(json.dumps(result))
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    """lm-eval's tasks on the model (and with --compare, on the base too): its table printed, its JSON written."""
+    import time
+    from pathlib import Path
+
+    from lora_llama.files import refuse_existing, write_text_atomic
+    from lora_llama.harness.tasks import check_tasks, comparison_table, run_base_and_adapter, run_tasks, task_manager
+
+    tasks = [t for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("--tasks names no task")
+    if args.compare and not args.adapter:
+        raise UserError("--compare needs --adapter: it runs the base and the adapter")
+    out = Path(args.output or time.strftime("lm-eval-%Y%m%d-%H%M%S.json"))
+    refuse_existing(out, args.force)
+    manager = task_manager(args.include_path)
+    check_tasks(manager, tasks)  # before the model loads
+    model, tok = _load(args)
+    options = dict(limit=args.limit, num_fewshot=args.num_fewshot, chat=args.chat, batch_size=args.batch_size)
+    from lm_eval.utils import make_table
+
+    from lora_llama.harness.tasks import to_json
+
+    if args.compare:
+        both = run_base_and_adapter(model, tok, tasks, manager, **options)
+        print(comparison_table(both["base"], both["adapter"]))
+        write_text_atomic(out, "{" + ", ".join(f'"{k}": {to_json(v)}' for k, v in both.items()) + "}\n")
+    else:
+        results = run_tasks(model, tok, tasks, manager, **options)
+        print(make_table(results))
+        write_text_atomic(out, to_json(results) + "\n")
+    print(f"results: {out}")
     return 0

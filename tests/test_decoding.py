@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import ALL, build_checkpoint, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model
 from lora_llama.model.generate import filtered_logits
-from lora_llama.training.rollout import sample_completions
+from lora_llama.model.sampling import sample_completions
 
 
 def prompts_of(lengths, seed=0):

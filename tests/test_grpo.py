@@ -9,9 +9,9 @@ import torch
 from helpers import ALL, hf_model, make_tokenizer, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.kernels.cross_entropy import IGNORE_INDEX
+from lora_llama.model.sampling import sample_completions
 from lora_llama.recipe.schema import GRPOSettings
 from lora_llama.training.grpo import GRPO, group_advantages
-from lora_llama.training.rollout import sample_completions
 
 
 def prompts_of(lengths, seed=0):
