@@ -47,7 +47,8 @@ lint: setup
 
 # every benchmark (each appends a JSON line to bench/results/NAME.jsonl), then the tables in README.md and
 # docs/performance.md regenerated from those files; the whole set takes about two hours on 2 CPU cores
-BENCHES := gemm forward lora_overhead merge int8 dequant train_step quant grpo dora variants long_context distributed
+BENCHES := gemm forward lora_overhead merge int8 dequant train_step quant grpo dora variants long_context distributed \
+           lm_eval_speed
 bench: setup
 	$(PIP) -e ".[bench]"
 	for b in $(BENCHES); do $(PY) -m bench.$$b || exit 1; done

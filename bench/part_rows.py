@@ -131,3 +131,15 @@ def dequant_rows(r: dict) -> list[tuple]:
         )
         for kind, ms in r["dequantize_ms"].items()
     ]
+
+
+def lm_eval_speed_rows(r: dict) -> list[tuple]:
+    same = "same metrics" if r["same_metrics"] else "metrics differ"
+    return [
+        (
+            "lm-eval, chatterbot tasks, adapter (peer: lm-eval's hf backend with peft)",
+            f"{r['seconds']['lora_llama']:.1f} s",
+            f"{r['seconds']['hf_peft']:.1f} s",
+            f"{r['time_ratio']:.2f} time, {same}",
+        )
+    ]

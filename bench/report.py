@@ -13,7 +13,16 @@ import json
 import sys
 from pathlib import Path
 
-from bench.part_rows import dequant_rows, forward_rows, gemm_rows, int8_rows, lora_overhead_rows, merge_rows, quant_rows
+from bench.part_rows import (
+    dequant_rows,
+    forward_rows,
+    gemm_rows,
+    int8_rows,
+    lm_eval_speed_rows,
+    lora_overhead_rows,
+    merge_rows,
+    quant_rows,
+)
 from bench.training_rows import (
     decode_rows,
     distributed_rows,
@@ -29,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # which benchmarks each page shows, in this order
 PAGES = {
-    "README.md": ("train_step", "quant", "long_context", "merge"),
+    "README.md": ("train_step", "quant", "long_context", "merge", "lm_eval_speed"),
     "docs/performance.md": (
         "gpu",
         "train_step",
@@ -44,6 +53,7 @@ PAGES = {
         "gemm",
         "lora_overhead",
         "merge",
+        "lm_eval_speed",
         "int8",
         "dequant",
     ),
@@ -78,6 +88,7 @@ ROWS = {
     "gemm": gemm_rows,
     "lora_overhead": lora_overhead_rows,
     "merge": merge_rows,
+    "lm_eval_speed": lm_eval_speed_rows,
     "int8": int8_rows,
     "dequant": dequant_rows,
 }

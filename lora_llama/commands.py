@@ -52,12 +52,12 @@ def cmd_train(args) -> int:
     result = train_from_recipe(recipe, resume=args.resume, force=args.force)
     if not speaks_for_job():  # rank 0 reports for the job
         return 0
-    for what in ("loss", "reward"):
-        if f"eval_{what}_start" in result and f"eval_{what}" in result:
-            print(
-                f"eval {what} {result[f'eval_{what}_start']:.4f} (base model) -> {result[f'eval_{what}']:.4f} "
-                f"(adapter, step {result['step']})"
-            )
+    benchmarks = sorted(k for k in result if k.startswith("lm_eval/") and not k.endswith("_start"))
+    for key in ["eval_loss", "eval_reward", *benchmarks]:
+        if f"{key}_start" in result and key in result:
+            name = key.replace("_", " ", 1) if key.startswith("eval_") else key.removeprefix("lm_eval/")
+            step = result["step"]
+            print(f"{name} {result[f'{key}_start']:.4f} (base model) -> {result[key]:.4f} (adapter, step {step})")
     if recipe.output.push_to_hub:
         from lora_llama.outputs.hub import push
 

@@ -295,3 +295,31 @@ def one_error_line(err: str) -> bool:
     bar = re.compile(r"^[^|]*:\s+\d+%\|")  # tqdm's "train:  50%|..." lines
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not bar.match(line)]
     return len(lines) == 1 and lines[0].startswith("lora-llama ") and "Traceback" not in err
+
+
+# local lm-eval tasks over the tiny checkpoints' vocabulary (tests of the harness and of a recipe's eval.tasks)
+QUESTIONS = [
+    ("what is the capital of france?", ["paris", "rome", "lima"], 0),
+    ("the quick brown fox jumps over the", ["cat", "lazy dog", "moon"], 1),
+    ("to be or not to be, that is the", ["answer", "end", "question"], 2),
+    ("hello world, how are you", ["today?", "fine", "there"], 0),
+    ("what is up", ["the sky", "down", "left"], 0),
+]
+
+
+def local_tasks(folder):
+    """A multiple-choice task and a generation task (exact match, stopping at a newline), each a YAML over a JSONL."""
+    folder.mkdir()
+    rows = [{"question": q, "choices": c, "answer": a, "target": c[a]} for q, c, a in QUESTIONS]
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'rows.jsonl'}\ntest_split: test\n"
+    (folder / "mc.yaml").write_text(
+        "task: tiny_mc\n" + data + "output_type: multiple_choice\ndoc_to_text: question\n"
+        "doc_to_choice: choices\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n"
+    )
+    (folder / "gen.yaml").write_text(
+        "task: tiny_gen\n" + data + "output_type: generate_until\ndoc_to_text: question\n"
+        'doc_to_target: target\ngeneration_kwargs:\n  until: ["\\n", "?"]\n  max_gen_toks: 12\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    return folder

@@ -6,36 +6,34 @@ import json
 
 import pytest
 
-from helpers import make_adapter, one_error_line
+from helpers import RECIPE, ROOT, local_tasks, make_adapter, one_error_line
 from lora_llama.cli import main
 
 pytest.importorskip("lm_eval")
 
-QUESTIONS = [
-    ("what is the capital of france?", ["paris", "rome", "lima"], 0),
-    ("the quick brown fox jumps over the", ["cat", "lazy dog", "moon"], 1),
-    ("to be or not to be, that is the", ["answer", "end", "question"], 2),
-    ("hello world, how are you", ["today?", "fine", "there"], 0),
-    ("what is up", ["the sky", "down", "left"], 0),
-]
+
+def chatterbot_mc_rows() -> list[dict]:
+    """tasks/chatterbot's rows: the default recipe's held-out questions, each with its answer among three others."""
+    import random
+
+    from lora_llama.data.sft import load_records, split
+    from lora_llama.recipe.schema import load_recipe
+
+    recipe = load_recipe(RECIPE)
+    _, val = split(load_records("chatterbot-corpus"), recipe.data.val_size, recipe.train.seed)
+    qa = [(r["messages"][0]["content"], r["messages"][1]["content"]) for r in val]
+    rng, rows = random.Random(0), []
+    for q, a in qa:
+        others = list(dict.fromkeys(other for _, other in qa if other != a))
+        choices = [*rng.sample(others, 3), a]
+        rng.shuffle(choices)
+        rows.append({"question": q, "choices": choices, "answer": choices.index(a)})
+    return rows
 
 
-def local_tasks(folder):
-    """A multiple-choice task and a generation task (exact match, stopping at a newline), each a YAML over a JSONL."""
-    folder.mkdir()
-    rows = [{"question": q, "choices": c, "answer": a, "target": c[a]} for q, c, a in QUESTIONS]
-    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'rows.jsonl'}\ntest_split: test\n"
-    (folder / "mc.yaml").write_text(
-        "task: tiny_mc\n" + data + "output_type: multiple_choice\ndoc_to_text: question\n"
-        "doc_to_choice: choices\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n"
-    )
-    (folder / "gen.yaml").write_text(
-        "task: tiny_gen\n" + data + "output_type: generate_until\ndoc_to_text: question\n"
-        'doc_to_target: target\ngeneration_kwargs:\n  until: ["\\n", "?"]\n  max_gen_toks: 12\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n"
-    )
-    return folder
+def test_the_shipped_chatterbot_task_holds_the_default_recipes_held_out_questions(smollm2):
+    shipped = (ROOT / "tasks" / "chatterbot" / "chatterbot_mc.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in shipped] == chatterbot_mc_rows(), "regenerate: see chatterbot_mc_rows"
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +42,12 @@ def setup(tiny_ckpt, tmp_path_factory):
     return tiny_ckpt, make_adapter(tiny_ckpt, d / "adapter", std=0.3), local_tasks(d / "tasks")
 
 
-def evaluate(lm, tasks_dir):
+def evaluate(lm, tasks_dir, names=("tiny_mc", "tiny_gen")):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     return simple_evaluate(
-        model=lm, tasks=["tiny_mc", "tiny_gen"], task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True
+        model=lm, tasks=list(names), task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True
     )
 
 
@@ -102,3 +100,32 @@ def test_bad_eval_input_is_one_line(setup, tmp_path, capsys, extra, message):
     assert main(["eval", "--model", str(base), *include, *extra, "--output", str(tmp_path / "r.json")]) == 2
     err = capsys.readouterr().err
     assert one_error_line(err) and message in err and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_recipe_eval_tasks_run_before_and_after_and_reach_the_card(setup, chat_data, tmp_path, capsys):
+    """eval.tasks on the base at step 0 and on the adapter at the end, each equal to lm-eval's hf backend (with peft
+    for the adapter); in metrics.jsonl, the closing lines and the card's model-index; eval.prompts' answers logged."""
+    from lm_eval.models.huggingface import HFLM
+
+    base, _, tasks = setup
+    run = tmp_path / "run"
+    argv = ["train", RECIPE, f"model.source={base}", f"data.source={chat_data}", "data.packing=false"]
+    argv += ["train.max_steps=2", "train.eval_every=1", "train.lr=1e-2", f"output.dir={run}"]
+    argv += ["eval.tasks=[tiny_mc]", f"eval.include_path={tasks}", "eval.prompts=[what is up]"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tiny_mc/acc" in out and "(base model) ->" in out
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    acc = {r["step"]: r["lm_eval/tiny_mc/acc"] for r in lines if "lm_eval/tiny_mc/acc" in r}
+    assert set(acc) == {0, 2}  # before and after (eval.every unset)
+    for step, peft in ((0, None), (2, str(run / "adapter"))):
+        hf = HFLM(pretrained=str(base), peft=peft, device="cpu", dtype="float32", batch_size=8)
+        ref = evaluate(hf, tasks, ["tiny_mc"])
+        assert acc[step] == ref["results"]["tiny_mc"]["acc,none"]
+        assert json.loads((run / "eval" / f"lm-eval-step-{step}.json").read_text())["results"]["tiny_mc"]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0, 1, 2] and "what is up" in samples[-1]["samples"]
+    assert main(["push", str(run), "--repo-id", "me/tiny", "--dry-run"]) == 0
+    card = capsys.readouterr().out
+    assert "model-index" in card and "tiny_mc" in card and "| tiny_mc | acc,none |" in card

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from lora_llama.errors import UserError
+from lora_llama.harness.tasks import comparison_table
 from lora_llama.loading.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_model
 from lora_llama.training.run_folder import ADAPTER, LOSS_PLOT, RECIPE, last_eval, read_run_recipe
@@ -57,6 +58,9 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         meta["license"] = known.license
     if data_source and is_hub_id(data_source):
         meta["datasets"] = [data_source]
+    base_results, results = benchmark_results(run)
+    if results:
+        meta["model-index"] = model_index(repo_id.split("/")[-1], results)
     objective = (recipe.get("train") or {}).get("objective", "sft")
     if objective != "sft":
         meta["tags"].append(objective)
@@ -67,6 +71,7 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         f"A LoRA adapter for {base_link}, trained with [lora-llama](https://github.com/lora-llama/lora-llama).",
         *_settings(cfg, recipe, data_source),
         *_results(last_eval(run), run),
+        *_benchmark_lines(base_results, results),
         *_usage(shown, repo_id),
     ]
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(lines)
@@ -126,6 +131,42 @@ def _results(ev: dict | None, run: Path | None) -> list[str]:
     if run and (run / LOSS_PLOT).is_file():
         lines += ["", f"![training curve]({LOSS_PLOT})"]
     return lines
+
+
+def benchmark_results(run: Path | None) -> tuple[dict | None, dict | None]:
+    """lm-eval's results of a run's `eval.tasks` (RUN/eval/lm-eval-step-N.json): the base's (step 0) and the
+    adapter's (the last step after 0); None where there are none."""
+    files = (
+        sorted((run / "eval").glob("lm-eval-step-*.json"), key=lambda f: int(f.stem.rsplit("-", 1)[1])) if run else []
+    )
+    steps = {int(f.stem.rsplit("-", 1)[1]): f for f in files}
+    base, last = steps.get(0), max((k for k in steps if k > 0), default=None)
+    return (
+        json.loads(base.read_text()) if base else None,
+        json.loads(steps[last].read_text()) if last is not None else None,
+    )
+
+
+def model_index(name: str, results: dict) -> list[dict]:
+    """The Hub's `model-index` metadata: one entry per lm-eval task with its metrics."""
+    entries = []
+    for task, row in results["results"].items():
+        found = [
+            {"type": k.split(",")[0], "name": k.replace(",none", ""), "value": round(float(v), 4)}
+            for k, v in row.items()
+            if isinstance(v, (int, float)) and "_stderr" not in k
+        ]
+        if found:
+            entries.append(
+                {"task": {"type": "text-generation"}, "dataset": {"name": task, "type": task}, "metrics": found}
+            )
+    return [{"name": name, "results": entries}]
+
+
+def _benchmark_lines(base: dict | None, adapter: dict | None) -> list[str]:
+    if not adapter:
+        return []
+    return ["", "## Benchmarks (lm-evaluation-harness)", "", comparison_table(base or {"results": {}}, adapter)]
 
 
 def _usage(shown: str, repo_id: str) -> list[str]:

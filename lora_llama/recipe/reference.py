@@ -16,7 +16,7 @@ from lora_llama.recipe.schema import Recipe
 
 INTRO = """# Recipe reference
 
-A recipe is a YAML file of five sections; every key has a default, so a recipe names only what it
+A recipe is a YAML file of six sections; every key has a default, so a recipe names only what it
 changes. `lora-llama train RECIPE.yaml key.path=value ...` overrides any key from the command line
 (values are read as YAML: `train.max_steps=20`, `lora.targets=[q,v]`). A key that is not listed here
 is refused in one line that names the closest valid key.

@@ -1,4 +1,4 @@
-"""The recipe schema: the five sections of a `Recipe` (its `lora` section is `LoraSettings`), validated by pydantic.
+"""The recipe schema: the six sections of a `Recipe` (its `lora` section is `LoraSettings`), validated by pydantic.
 
 Everything a user writes (a recipe, overrides, LoRA settings) is validated here, so a typo
 fails before any model is loaded and the one-line error names the key path.
@@ -206,13 +206,32 @@ class OutputSection(Settings):
     push_to_hub: str | None = Field(None, description="USER/NAME: push the final adapter after a successful run")
 
 
+class EvalSection(Settings):
+    """What each eval adds to the held-out loss: benchmarks through lm-evaluation-harness and sample answers."""
+
+    tasks: list[str] = Field(
+        [], description="lm-eval tasks run on the base before training and on the adapter after it (docs/evaluation.md)"
+    )
+    include_path: str | None = Field(None, description="a folder of local lm-eval task YAML files")
+    limit: int | None = Field(None, gt=0, description="at most this many examples per task")
+    num_fewshot: int | None = Field(None, ge=0, description="examples shown before each question; null: the task's")
+    chat: bool = Field(False, description="the tasks' prompts through the tokenizer's chat template")
+    every: int | None = Field(None, gt=0, description="also run the tasks every N steps; null: before and after only")
+    batch_size: int = Field(8, gt=0, description="lm-eval's batch size")
+    prompts: list[str] = Field(
+        [], description="questions answered greedily at every eval, written to samples.jsonl and shown"
+    )
+    max_new_tokens: int = Field(40, gt=0, description="length of those answers")
+
+
 class Recipe(Settings):
-    """A training recipe: five sections, every key with a default."""
+    """A training recipe: six sections, every key with a default."""
 
     model: ModelSection = ModelSection()
     lora: LoraSettings = LoraSettings()
     data: DataSection = DataSection()
     train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
     output: OutputSection = OutputSection()
 
     @model_validator(mode="after")
@@ -272,7 +291,7 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
         except yaml.YAMLError as e:
             raise UserError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(tree, dict):
-            raise UserError(f"recipe {path} must be a mapping of sections (model, lora, data, train, output)")
+            raise UserError(f"recipe {path} must be a mapping of sections (model, lora, data, train, eval, output)")
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} must look like key.path=value")

@@ -1,7 +1,18 @@
-"""`lora-llama eval` on documents: the next-token loss per token and its perplexity."""
+"""Evaluation beyond the training loss: `lora-llama eval` on documents (the loss per token and its perplexity), and
+what a run's evals add (`RunEvals`: lm-eval's tasks and sample answers)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+from pathlib import Path
+
+from lora_llama.data.chat import stop_token_ids
+from lora_llama.data.prompts import prompt_ids
+from lora_llama.files import write_text_atomic
+from lora_llama.harness.tasks import metrics, run_tasks, task_manager, to_json
+from lora_llama.lora.adapted import adapters_disabled
+from lora_llama.model.sampling import sample_completions
 from lora_llama.runtime.distributed import Ranks
 from lora_llama.training.objectives import SFT
 
@@ -19,3 +30,52 @@ def evaluate_documents(model, tokenizer, docs: list[str], batch_size: int = 8) -
             {"input_ids": ids[i : i + window], "labels": ids[i : i + window]} for i in range(0, len(ids), window)
         ]
     return SFT().evaluate(model, examples, batch_size, tokenizer.pad_token_id, Ranks())
+
+
+def benchmark_metrics(results: dict) -> dict[str, float]:
+    """lm-eval's results as metric lines: {"lm_eval/arc_easy/acc": 0.41, ...} (a filter other than lm-eval's
+    default `none` stays in the name: `lm_eval/gsm8k/exact_match/strict-match`)."""
+    return {
+        f"lm_eval/{task}/{name.removesuffix(',none').replace(',', '/')}": value
+        for (task, name), value in metrics(results).items()
+    }
+
+
+class RunEvals:
+    """What a run's evals add to the held-out loss (the recipe's `eval` section): lm-eval's tasks on the base before
+    training, on the adapter at the last step and every `eval.every` steps, each result in RUN/eval/; greedy answers
+    to `eval.prompts` at every eval, in RUN/samples.jsonl and on the console. Every rank runs the tasks (under fsdp
+    a forward needs them all); rank 0 writes."""
+
+    def __init__(self, settings, tokenizer, out: Path, main: bool, report):
+        self.s, self.tokenizer, self.out, self.main, self.report = settings, tokenizer, Path(out), main, report
+        self.manager = task_manager(settings.include_path) if settings.tasks else None
+
+    def __call__(self, model, step: int, last: bool) -> dict:
+        due = step == 0 or last or (self.s.every and step % self.s.every == 0)
+        record = self.tasks(model, step) if self.s.tasks and due else {}
+        if self.s.prompts:
+            self.samples(model, step)
+        return record
+
+    def tasks(self, model, step: int) -> dict:
+        s = self.s
+        options = dict(limit=s.limit, num_fewshot=s.num_fewshot, chat=s.chat, batch_size=s.batch_size)
+        training = model.training
+        with adapters_disabled(model) if step == 0 else contextlib.nullcontext():  # step 0: the base model's
+            results = run_tasks(model, self.tokenizer, list(s.tasks), self.manager, **options)
+        model.train(training)
+        if self.main:
+            (self.out / "eval").mkdir(exist_ok=True)
+            write_text_atomic(self.out / "eval" / f"lm-eval-step-{step}.json", to_json(results) + "\n")
+        return benchmark_metrics(results)
+
+    def samples(self, model, step: int) -> None:
+        prompts = [prompt_ids(self.tokenizer, p, i) for i, p in enumerate(self.s.prompts)]  # chat template if any
+        stops = stop_token_ids(self.tokenizer, model.args.eos_token_id, model.folder)
+        answers = sample_completions(model, prompts, self.s.max_new_tokens, stops, self.tokenizer.pad_token_id, 0.0)
+        texts = [self.tokenizer.decode(a, skip_special_tokens=True).strip() for a in answers]
+        if self.main:
+            with open(self.out / "samples.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "samples": dict(zip(self.s.prompts, texts))}) + "\n")
+            self.report(f"step {step}: {self.s.prompts[0]!r} -> {texts[0]!r}")

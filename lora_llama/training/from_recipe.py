@@ -17,6 +17,7 @@ from lora_llama.data.prompts import build_prompts
 from lora_llama.data.sft import build_examples
 from lora_llama.errors import UserError
 from lora_llama.files import shard_files
+from lora_llama.harness.tasks import check_tasks, task_manager
 from lora_llama.kernels import fused
 from lora_llama.loading.adapters import load_adapter_weights
 from lora_llama.loading.models import ModelSource, load_model, load_tokenizer, model_source
@@ -28,6 +29,7 @@ from lora_llama.quant.linear import base_weight_bytes, quantize_loaded_linears
 from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
 from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
 from lora_llama.runtime.precision import base_dtype, resolve_compile, resolve_precision, resolve_quantize
+from lora_llama.training.evaluation import RunEvals
 from lora_llama.training.run_folder import ADAPTER, checkpoints, remove_leftovers, run_lock, write_run_recipe
 from lora_llama.training.trackers import check_trackers
 from lora_llama.training.trainer import Trainer
@@ -49,6 +51,8 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=Non
 def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, device: str) -> dict:
     """Inputs are all checked before the run folder is touched."""
     check_trackers(recipe.train.report_to)
+    if recipe.eval.tasks:  # an unknown task stops the run before the model loads
+        check_tasks(task_manager(recipe.eval.include_path), recipe.eval.tasks)
     found = _check_run_folder(recipe, out, resume, force)
     # resolved once for the run and passed to every loader; a GGUF source is converted into its cached folder by
     # rank 0 while the others wait, then found there
@@ -83,7 +87,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
             shard_model(model)
     if allocator and not sharded:
         allocator = keep_freed_memory()
-    trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log)
+    evals = _run_evals(recipe, tok, out, ranks, log)
+    trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log, evals=evals)
     log(
         f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
         f"({summary['percent']:.3f}%) on {device}"
@@ -105,6 +110,14 @@ def _say(message: str) -> None:
 
     tqdm.write(message)
     sys.stdout.flush()  # a line a supervisor (or a test) waits for is there at once
+
+
+def _run_evals(recipe, tok, out: Path, ranks: Ranks, log) -> RunEvals | None:
+    """The recipe's `eval` section as the trainer's extra evals (None when it asks for nothing)."""
+    e = recipe.eval
+    if not (e.tasks or e.prompts):
+        return None
+    return RunEvals(e, tok, out, ranks.main, log)
 
 
 def _check_run_folder(recipe, out: Path, resume: bool, force: bool) -> list[Path]:

@@ -218,11 +218,13 @@ def truncate_metrics(path: Path, step: int) -> None:
 class MetricsLog:
     """metrics.jsonl and the run's trackers (`trackers.py`): a record per logged step (rank 0 writes)."""
 
-    def __init__(self, out: Path, resumed_step: int, main: bool, trackers: list[str] = (), config: dict | None = None):
-        from lora_llama.training.trackers import Trackers
+    def __init__(self, out: Path, resumed_step: int, main: bool, report_to=None, recipe=None):
+        """report_to: train.report_to (null: TensorBoard when installed); recipe: what the trackers record."""
+        from lora_llama.training.trackers import Trackers, check_trackers
 
         self.path, self.main = Path(out) / METRICS, main
-        self.trackers = Trackers(list(trackers), Path(out), config or {}, resumed_step) if main else None
+        config = recipe.model_dump(mode="json") if recipe is not None else {}
+        self.trackers = Trackers(check_trackers(report_to), Path(out), config, resumed_step) if main else None
 
     def write(self, record: dict) -> None:
         if not self.main:
@@ -237,10 +239,11 @@ class MetricsLog:
 
 
 def eval_at_start(metrics: Path) -> dict:
-    """The eval figures logged at step 0, the base model's (`eval_loss_start`, `eval_reward_start`)."""
+    """The eval figures logged at step 0, the base model's (`eval_loss_start`, `eval_reward_start`, and each
+    benchmark's, `lm_eval/arc_easy/acc_start`)."""
     at_start = [r for r in read_metrics(metrics) if r["step"] == 0]
     start = {}
-    for key in ("eval_loss", "eval_reward"):
+    for key in ["eval_loss", "eval_reward", *(k for r in at_start for k in r if k.startswith("lm_eval/"))]:
         found = [r[key] for r in at_start if key in r]
         start.update({f"{key}_start": found[0]} if found else {})
     return start

@@ -26,15 +26,14 @@ from lora_llama.training.run_folder import (
     stop_requests,
 )
 from lora_llama.training.schedule import lr_lambda, total_steps
-from lora_llama.training.trackers import check_trackers
 
 
 class Trainer:
     """Fits a LoRA adapter on a recipe's data; checkpoints so that a resumed run continues bit for bit."""
 
     def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path,
-                 ranks: Ranks = Ranks(), report=None):  # fmt: skip
-        self.recipe, self.model, self.ranks = recipe, model, ranks
+                 ranks: Ranks = Ranks(), report=None, evals=None):  # fmt: skip
+        self.recipe, self.model, self.ranks, self.evals = recipe, model, ranks, evals  # evals: RunEvals or None
         self.report = report or (lambda message: None)  # one line per event (eval results, a stop)
         self.objective = make_objective(
             recipe.train, tokenizer, stop_token_ids(tokenizer, model.args.eos_token_id, model.folder), recipe.data
@@ -112,13 +111,14 @@ class Trainer:
         self.metrics.write(record)
 
     def run_eval(self) -> dict | None:
-        if not self.val_examples:
-            return None
-        batch_size = self.recipe.train.batch_size
-        r = self.objective.evaluate(self.model, self.val_examples, batch_size, self.pad_id, self.ranks)
+        """The held-out loss (or reward), and what the recipe's `eval` section adds; None when there is neither."""
+        batch_size, val = self.recipe.train.batch_size, self.val_examples
+        r = self.objective.evaluate(self.model, val, batch_size, self.pad_id, self.ranks) if val else {}
         record = {"step": self.step, **{f"eval_{k}": v for k, v in r.items() if k not in ("tokens", "pairs")}}
-        self.log(record)
-        return record
+        record.update(self.evals(self.model, self.step, self.step == self.total) if self.evals else {})
+        if len(record) > 1:
+            self.log(record)
+        return record if len(record) > 1 else None
 
     def fit(self) -> dict:
         """Train to the end. SIGTERM (preemption) or Ctrl-C stop at the next step boundary with a
@@ -127,8 +127,7 @@ class Trainer:
 
         t = self.recipe.train
         self.model.train()
-        trackers = check_trackers(t.report_to)
-        self.metrics = MetricsLog(self.out, self.step, self.ranks.main, trackers, self.recipe.model_dump(mode="json"))
+        self.metrics = MetricsLog(self.out, self.step, self.ranks.main, t.report_to, self.recipe)
         last_eval = None
         if self.step == 0:
             last_eval = self.run_eval()  # the starting point of the eval curve
