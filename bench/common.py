@@ -25,6 +25,29 @@ RESULTS = ROOT / "bench" / "results"
 # the CPU flags that decide the fast paths (oneDNN's kernels, native bf16, AMX tiles)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
+# Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B-Instruct)
+LLAMA31_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+
 SMOLLM2_SHAPES = dict(
     vocab_size=49152,
     hidden_size=576,

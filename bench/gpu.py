@@ -33,30 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, SMOLLM2_SHAPES, record, scratch_dir
+from bench.common import LLAMA31_8B, ROOT, SMOLLM2_SHAPES, record, scratch_dir
 from bench.gpu_workers import ours, peer, synchronize
 
-LLAMA31_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    rope_scaling={
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-)
 LLAMA32_1B = dict(
     LLAMA31_8B,
     hidden_size=2048,

@@ -13,16 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-# Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B-Instruct)
-LLAMA_3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-)
+from bench.common import LLAMA31_8B
+
 GPUS_GB = (16, 24, 48, 80)
 CONTEXT_GB = 1.5  # the CUDA context, cuBLAS workspaces and the caching allocator's slack
 HEADROOM = 0.9  # a GPU "fits" a step that needs at most 90% of its memory
@@ -90,7 +82,7 @@ def step_gb(cfg: dict, quantize: str | None, batch: int, length: int, r: int = 1
     return parts
 
 
-def table(cfg: dict = LLAMA_3_8B, r: int = 16) -> str:
+def table(cfg: dict = LLAMA31_8B, r: int = 16) -> str:
     rows = [
         "| base | batch x length | base weights | adapter + AdamW | activations | total | smallest GPU it fits |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -143,3 +143,15 @@ def lm_eval_speed_rows(r: dict) -> list[tuple]:
             f"{r['time_ratio']:.2f} time, {same}",
         )
     ]
+
+
+def demo_rows(r: dict) -> list[tuple]:
+    s = r["seconds"]
+    return [
+        (
+            "`make demo` after setup: the default recipe trained, then four answers compared",
+            f"{s['total'] / 60:.1f} min ({s['train'] / 60:.1f} training, {s['answers'] / 60:.1f} answering)",
+            "",
+            f"eval loss {r['eval_loss']['base']:.4f} -> {r['eval_loss']['adapter']:.4f}",
+        )
+    ]

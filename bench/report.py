@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from bench.part_rows import (
+    demo_rows,
     dequant_rows,
     forward_rows,
     gemm_rows,
@@ -38,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # which benchmarks each page shows, in this order
 PAGES = {
-    "README.md": ("train_step", "quant", "long_context", "merge", "lm_eval_speed"),
+    "README.md": ("demo", "train_step", "quant", "long_context", "merge", "lm_eval_speed"),
     "docs/performance.md": (
+        "demo",
         "gpu",
         "train_step",
         "quant",
@@ -88,6 +90,7 @@ ROWS = {
     "gemm": gemm_rows,
     "lora_overhead": lora_overhead_rows,
     "merge": merge_rows,
+    "demo": demo_rows,
     "lm_eval_speed": lm_eval_speed_rows,
     "int8": int8_rows,
     "dequant": dequant_rows,

@@ -148,3 +148,22 @@ def test_bad_uses_are_one_line(tiny_ckpt, tmp_path, capsys):
     assert main(["export", "--adapter", str(tmp_path / "a"), "--lora-gguf", str(tmp_path / "a.gguf")]) == 2
     err = capsys.readouterr().err
     assert one_error_line(err) and "export the merged model" in err and not (tmp_path / "a.gguf").exists()
+
+
+@pytest.mark.parametrize("case", ["embedding", "rows"])
+def test_export_writes_the_trained_embeddings(case, tmp_path, capsys):
+    """A GGUF export of base + adapter reads back (transformers' GGUF reader) as the merged checkpoint: the
+    untied copy of a tied embedding (modules_to_save), or its trained rows shared with lm_head."""
+    from test_export import assert_same_model
+
+    base = build_checkpoint(tmp_path / "base", tie_word_embeddings=True, seed=4)
+    model = load_model(base)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["q", "v"], **CASES[case]))
+    moved(model)
+    save_adapter(model, tmp_path / "a")
+    assert main(["merge", "--base", str(base), "--adapter", str(tmp_path / "a"), "--out", str(tmp_path / "m")]) == 0
+    out = tmp_path / "g" / "model.gguf"
+    out.parent.mkdir()
+    assert main(["export", "--base", str(base), "--adapter", str(tmp_path / "a"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert_same_model(out, tmp_path / "m", "f16", 300)

@@ -68,7 +68,8 @@ def native_lm(model, tokenizer, batch_size: int = 8, max_length: int | None = No
             """context (B, P) left-padded with its attention_mask; returns (B, P + new) as transformers' generate
             does: the context, then each row's tokens, padding after its EOS or stop string."""
             mask = kwargs.get("attention_mask")
-            rows = [c[m.bool()].tolist() if mask is not None else c.tolist() for c, m in zip(context, mask)]
+            mask = torch.ones_like(context) if mask is None else mask
+            rows = [c[m.bool()].tolist() for c, m in zip(context, mask)]
             temperature = float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0
             pad = self.tokenizer.pad_token_id
 

@@ -13,7 +13,7 @@ import torch
 
 from lora_llama.errors import UserError
 from lora_llama.files import atomic_dir, read_json, write_json
-from lora_llama.lora.adapted import ADAPTER_SUFFIXES, adapter_settings, apply_lora, lora_modules, lora_state_dict
+from lora_llama.lora.adapted import EMBEDDING_SUFFIXES, adapter_settings, apply_lora, lora_modules, lora_state_dict
 from lora_llama.lora.init import plain_adapter
 from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import DECODER_TARGETS, HF_NAME
@@ -208,7 +208,7 @@ def adapter_deltas(folder: str | os.PathLike) -> tuple[dict, float, dict]:
     settings, cfg = read_adapter_config(folder)
     pairs: dict[str, dict] = {}
     for key, t in read_adapter_tensors(folder).items():
-        if key.endswith(ADAPTER_SUFFIXES[1:]):  # embedding rows or modules: `embedding_changes`
+        if key.endswith(EMBEDDING_SUFFIXES):  # trained embedding rows or modules: `embedding_changes`
             continue
         module, _, kind = key.rpartition(".lora_")  # e.g. model.layers.0.self_attn.q_proj, A.weight / magnitude_vector
         pairs.setdefault(module + ".weight", {})[kind[0]] = t

@@ -1,1 +1,2 @@
-"""Low-rank adapters: their settings, how they start, and the layer that wraps a frozen linear."""
+"""Low-rank adapters: their settings, how they start, the layer that wraps a frozen linear, and the embedding
+rows trained beside them."""

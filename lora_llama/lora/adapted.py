@@ -114,7 +114,8 @@ def parameter_summary(model) -> dict:
     return {"trainable": trainable, "total": total, "percent": round(100 * trainable / total, 4)}
 
 
-ADAPTER_SUFFIXES = (".lora_magnitude_vector", ".modules_to_save.weight", ".trainable_tokens_delta")
+EMBEDDING_SUFFIXES = (".modules_to_save.weight", ".trainable_tokens_delta")  # lora/tokens.py's trained tensors
+ADAPTER_SUFFIXES = (".lora_magnitude_vector", *EMBEDDING_SUFFIXES)
 
 
 def lora_state_dict(model) -> dict[str, torch.Tensor]:
