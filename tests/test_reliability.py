@@ -290,3 +290,22 @@ t.Trainer.log = log
     warm, end = map(int, out.split("RSS ")[1].split()[:2])
     print(f"RSS after step 50: {warm} kB, after step 300: {end} kB ({100 * (end / warm - 1):+.2f}%)")
     assert end < 1.05 * warm, (warm, end)
+
+
+def test_a_resume_drops_the_logs_written_after_its_checkpoint(tiny_ckpt, tmp_path, capsys):
+    """metrics.jsonl and samples.jsonl (eval.prompts' answers) keep one line per step across a resume: what the
+    stopped run wrote after its checkpoint goes."""
+    data = chat_file(tmp_path / "d.jsonl", QA)
+    run = tmp_path / "run"
+    argv = ["train", RECIPE, f"model.source={tiny_ckpt}", f"data.source={data}", "data.packing=false"]
+    argv += ["train.eval_every=1", "train.save_every=2", "eval.prompts=[hi]", f"output.dir={run}"]
+    assert main([*argv, "train.max_steps=2"]) == 0
+    for name in ("metrics.jsonl", "samples.jsonl"):  # as if the run had gone on past step 2 and been killed
+        with open(run / name, "a") as f:
+            f.write(json.dumps({"step": 3, "samples": {"hi": "x"}, "loss": 9.0}) + "\n")
+    assert main([*argv, "train.max_steps=4", "--resume"]) == 0
+    capsys.readouterr()
+    samples = [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert samples == [0, 1, 2, 3, 4]
+    losses = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r.get("loss") != 9.0 for r in losses) and max(r["step"] for r in losses) == 4

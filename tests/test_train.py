@@ -305,6 +305,7 @@ def test_shipped_recipes_validate():
         "smollm2-shakespeare-cpu.yaml",
         "llama2-7b-alpaca-int8.yaml",
         "llama3-8b-chat-int8.yaml",
+        "llama3-8b-chat-nf4.yaml",
     } <= set(names)
     for name in names:
         r = load_recipe(str(ROOT / "recipes" / name))

@@ -203,11 +203,12 @@ def load_adapter(model, folder: str | os.PathLike) -> dict:
     return summary
 
 
-def adapter_deltas(folder: str | os.PathLike) -> tuple[dict, float, dict]:
-    """({base weight name: (A, B, DoRA magnitude or None)}, scale, adapter_config) of a PEFT adapter, for merges."""
+def adapter_deltas(folder: str | os.PathLike, tensors: dict | None = None) -> tuple[dict, float, dict]:
+    """({base weight name: (A, B, DoRA magnitude or None)}, scale, adapter_config) of a PEFT adapter, for merges.
+    tensors: `read_adapter_tensors(folder)` when the caller has read them already."""
     settings, cfg = read_adapter_config(folder)
     pairs: dict[str, dict] = {}
-    for key, t in read_adapter_tensors(folder).items():
+    for key, t in (tensors if tensors is not None else read_adapter_tensors(folder)).items():
         if key.endswith(EMBEDDING_SUFFIXES):  # trained embedding rows or modules: `embedding_changes`
             continue
         module, _, kind = key.rpartition(".lora_")  # e.g. model.layers.0.self_attn.q_proj, A.weight / magnitude_vector
@@ -222,11 +223,11 @@ def adapter_deltas(folder: str | os.PathLike) -> tuple[dict, float, dict]:
     return {k: (v["A"], v["B"], v.get("m")) for k, v in pairs.items()}, settings.scale, cfg
 
 
-def embedding_changes(folder: str | os.PathLike) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
+def embedding_changes(folder: str | os.PathLike, tensors: dict | None = None) -> dict:
     """{base weight name: (row indices, their values)} of an adapter's modules_to_save (indices None: the whole
     matrix) and trainable_token_indices, for merges. A tied lm_head's rows are the embedding's."""
     settings, _ = read_adapter_config(folder)
-    tensors = read_adapter_tensors(folder)
+    tensors = tensors if tensors is not None else read_adapter_tensors(folder)
     rows = settings.trainable_token_indices
     rows = {"embed_tokens": rows} if isinstance(rows, list) else rows or {}
     changes = {}

@@ -32,7 +32,7 @@ from lora_llama.files import (
     write_json,
     write_safetensors_streaming,
 )
-from lora_llama.loading.adapters import adapter_deltas, embedding_changes
+from lora_llama.loading.adapters import adapter_deltas, embedding_changes, read_adapter_tensors
 from lora_llama.loading.models import resolve_source
 from lora_llama.lora.layer import fold
 from lora_llama.model.config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
@@ -101,8 +101,9 @@ class Merger:
             adapter = Path(adapter)
             if not adapter.is_dir():
                 raise UserError(f"adapter folder not found: {adapter}")
-            self.deltas, self.scale, adapter_cfg = adapter_deltas(adapter)
-            self.rows = embedding_changes(adapter)
+            tensors = read_adapter_tensors(adapter)  # once: a trained embedding makes them gigabytes
+            self.deltas, self.scale, adapter_cfg = adapter_deltas(adapter, tensors)
+            self.rows = embedding_changes(adapter, tensors)
         self.folder = resolve_source(base)
         self.config = read_config(self.folder)
         self.files = shard_files(self.folder)

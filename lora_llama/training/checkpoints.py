@@ -16,6 +16,7 @@ from lora_llama.training.run_folder import (
     ADAPTER,
     LOSS_PLOT,
     METRICS,
+    SAMPLES,
     TRAINER_STATE,
     checkpoint_dir,
     checkpoints,
@@ -92,6 +93,7 @@ class Checkpoints:
             raise UserError(f"{folder}: the trainer state does not fit this run ({type(e).__name__}: {e})") from None
         if self.ranks.main:
             truncate_metrics(self.out / METRICS, step)
+            truncate_metrics(self.out / SAMPLES, step)
         return step
 
 

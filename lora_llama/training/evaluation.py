@@ -47,8 +47,9 @@ class RunEvals:
     to `eval.prompts` at every eval, in RUN/samples.jsonl and on the console. Every rank runs the tasks (under fsdp
     a forward needs them all); rank 0 writes."""
 
-    def __init__(self, settings, tokenizer, out: Path, main: bool, report):
+    def __init__(self, settings, tokenizer, out: Path, samples: Path, main: bool, report):
         self.s, self.tokenizer, self.out, self.main, self.report = settings, tokenizer, Path(out), main, report
+        self.samples_file = Path(samples)
         self.manager = task_manager(settings.include_path) if settings.tasks else None
 
     def __call__(self, model, step: int, last: bool) -> dict:
@@ -76,6 +77,6 @@ class RunEvals:
         answers = sample_completions(model, prompts, self.s.max_new_tokens, stops, self.tokenizer.pad_token_id, 0.0)
         texts = [self.tokenizer.decode(a, skip_special_tokens=True).strip() for a in answers]
         if self.main:
-            with open(self.out / "samples.jsonl", "a") as f:
+            with open(self.samples_file, "a") as f:
                 f.write(json.dumps({"step": step, "samples": dict(zip(self.s.prompts, texts))}) + "\n")
             self.report(f"step {step}: {self.s.prompts[0]!r} -> {texts[0]!r}")

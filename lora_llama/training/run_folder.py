@@ -27,6 +27,7 @@ from lora_llama.files import read_json, write_json
 
 # the run folder's names: every other module spells them through these
 ADAPTER, CHECKPOINTS, METRICS, LOSS_PLOT, RECIPE = "adapter", "checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml"
+SAMPLES = "samples.jsonl"  # eval.prompts' answers at each eval
 STATE_TENSORS, STATE_JSON, TRAINER_STATE = "state.safetensors", "state.json", "trainer_state.json"
 
 
@@ -210,7 +211,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from, so none is repeated."""
+    """Drop the lines of a JSONL log (metrics, samples) written after the checkpoint we resume from, so none is
+    repeated."""
     if path.is_file():
         path.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step))
 
