@@ -19,7 +19,7 @@ from lora_llama.errors import UserError
 from lora_llama.harness.tasks import comparison_table
 from lora_llama.loading.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_model
-from lora_llama.training.run_folder import ADAPTER, LOSS_PLOT, RECIPE, last_eval, read_run_recipe
+from lora_llama.training.run_folder import ADAPTER, LOSS_PLOT, RECIPE, benchmark_files, last_eval, read_run_recipe
 
 
 def find_adapter(path: str | os.PathLike) -> tuple[Path, Path | None]:
@@ -134,16 +134,13 @@ def _results(ev: dict | None, run: Path | None) -> list[str]:
 
 
 def benchmark_results(run: Path | None) -> tuple[dict | None, dict | None]:
-    """lm-eval's results of a run's `eval.tasks` (RUN/eval/lm-eval-step-N.json): the base's (step 0) and the
-    adapter's (the last step after 0); None where there are none."""
-    files = (
-        sorted((run / "eval").glob("lm-eval-step-*.json"), key=lambda f: int(f.stem.rsplit("-", 1)[1])) if run else []
-    )
-    steps = {int(f.stem.rsplit("-", 1)[1]): f for f in files}
-    base, last = steps.get(0), max((k for k in steps if k > 0), default=None)
+    """lm-eval's results of a run's `eval.tasks`: the base's (step 0) and the adapter's (the last step after 0);
+    None where there are none."""
+    files = benchmark_files(run)
+    last = max((step for step in files if step > 0), default=None)
     return (
-        json.loads(base.read_text()) if base else None,
-        json.loads(steps[last].read_text()) if last is not None else None,
+        json.loads(files[0].read_text()) if 0 in files else None,
+        json.loads(files[last].read_text()) if last is not None else None,
     )
 
 

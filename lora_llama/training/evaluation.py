@@ -43,13 +43,14 @@ def benchmark_metrics(results: dict) -> dict[str, float]:
 
 class RunEvals:
     """What a run's evals add to the held-out loss (the recipe's `eval` section): lm-eval's tasks on the base before
-    training, on the adapter at the last step and every `eval.every` steps, each result in RUN/eval/; greedy answers
-    to `eval.prompts` at every eval, in RUN/samples.jsonl and on the console. Every rank runs the tasks (under fsdp
+    training, on the adapter at the last step and every `eval.every` steps, each result in its file; greedy answers
+    to `eval.prompts` at every eval, in the samples file and on the console. Every rank runs the tasks (under fsdp
     a forward needs them all); rank 0 writes."""
 
-    def __init__(self, settings, tokenizer, out: Path, samples: Path, main: bool, report):
-        self.s, self.tokenizer, self.out, self.main, self.report = settings, tokenizer, Path(out), main, report
-        self.samples_file = Path(samples)
+    def __init__(self, settings, tokenizer, result_file, samples: Path, main: bool, report):
+        """result_file(step): where a step's lm-eval results go; samples: the answers' JSONL file."""
+        self.s, self.tokenizer, self.main, self.report = settings, tokenizer, main, report
+        self.result_file, self.samples_file = result_file, Path(samples)
         self.manager = task_manager(settings.include_path) if settings.tasks else None
 
     def __call__(self, model, step: int, last: bool) -> dict:
@@ -67,8 +68,8 @@ class RunEvals:
             results = run_tasks(model, self.tokenizer, list(s.tasks), self.manager, **options)
         model.train(training)
         if self.main:
-            (self.out / "eval").mkdir(exist_ok=True)
-            write_text_atomic(self.out / "eval" / f"lm-eval-step-{step}.json", to_json(results) + "\n")
+            self.result_file(step).parent.mkdir(exist_ok=True)
+            write_text_atomic(self.result_file(step), to_json(results) + "\n")
         return benchmark_metrics(results)
 
     def samples(self, model, step: int) -> None:

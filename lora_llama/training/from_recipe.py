@@ -7,6 +7,7 @@ import contextlib
 import random
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,7 +31,15 @@ from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
 from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
 from lora_llama.runtime.precision import base_dtype, resolve_compile, resolve_precision, resolve_quantize
 from lora_llama.training.evaluation import RunEvals
-from lora_llama.training.run_folder import ADAPTER, SAMPLES, checkpoints, remove_leftovers, run_lock, write_run_recipe
+from lora_llama.training.run_folder import (
+    ADAPTER,
+    SAMPLES,
+    benchmark_file,
+    checkpoints,
+    remove_leftovers,
+    run_lock,
+    write_run_recipe,
+)
 from lora_llama.training.trackers import check_trackers
 from lora_llama.training.trainer import Trainer
 
@@ -117,7 +126,7 @@ def _run_evals(recipe, tok, out: Path, ranks: Ranks, log) -> RunEvals | None:
     e = recipe.eval
     if not (e.tasks or e.prompts):
         return None
-    return RunEvals(e, tok, out, out / SAMPLES, ranks.main, log)
+    return RunEvals(e, tok, partial(benchmark_file, out), out / SAMPLES, ranks.main, log)
 
 
 def _check_run_folder(recipe, out: Path, resume: bool, force: bool) -> list[Path]:

@@ -27,7 +27,20 @@ from lora_llama.files import read_json, write_json
 
 # the run folder's names: every other module spells them through these
 ADAPTER, CHECKPOINTS, METRICS, LOSS_PLOT, RECIPE = "adapter", "checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml"
-SAMPLES = "samples.jsonl"  # eval.prompts' answers at each eval
+SAMPLES, TENSORBOARD, BENCHMARKS = "samples.jsonl", "tensorboard", "eval"  # eval.prompts' answers; eval.tasks' results
+
+
+def benchmark_file(run: Path, step: int) -> Path:
+    """Where lm-eval's results of a run's eval.tasks at `step` go (step 0: the base model's)."""
+    return Path(run) / BENCHMARKS / f"lm-eval-step-{step}.json"
+
+
+def benchmark_files(run: Path | None) -> dict[int, Path]:
+    """{step: file} of the benchmark results a run wrote."""
+    found = sorted((Path(run) / BENCHMARKS).glob("lm-eval-step-*.json")) if run else []
+    return {int(f.stem.rsplit("-", 1)[1]): f for f in found}
+
+
 STATE_TENSORS, STATE_JSON, TRAINER_STATE = "state.safetensors", "state.json", "trainer_state.json"
 
 
@@ -226,7 +239,8 @@ class MetricsLog:
 
         self.path, self.main = Path(out) / METRICS, main
         config = recipe.model_dump(mode="json") if recipe is not None else {}
-        self.trackers = Trackers(check_trackers(report_to), Path(out), config, resumed_step) if main else None
+        names = check_trackers(report_to)
+        self.trackers = Trackers(names, Path(out), Path(out) / TENSORBOARD, config, resumed_step) if main else None
 
     def write(self, record: dict) -> None:
         if not self.main:

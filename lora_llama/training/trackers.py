@@ -9,7 +9,6 @@ from pathlib import Path
 
 from lora_llama.errors import UserError
 
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 # the module each tracker needs, and the pip package that provides it
 NEEDS = {
     "tensorboard": ("tensorboard", "tensorboard"),
@@ -45,11 +44,13 @@ def flat(tree: dict, prefix: str = "") -> dict:
 
 
 class TensorBoard:
-    def __init__(self, out: Path, name: str, config: dict, resumed_step: int):
+    """Event files in `folder` (the run folder's tensorboard/)."""
+
+    def __init__(self, folder: Path, name: str, config: dict, resumed_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
         # a resumed run drops the events written after its checkpoint
-        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+        self.writer = SummaryWriter(str(folder), purge_step=resumed_step + 1 if resumed_step else None)
 
     def log(self, metrics: dict, step: int) -> None:
         for k, v in metrics.items():
@@ -112,11 +113,12 @@ KINDS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "trackio"
 class Trackers:
     """The run's trackers: each logged record goes to every one, under metrics.jsonl's names."""
 
-    def __init__(self, names: list[str], out: Path, config: dict, resumed_step: int):
+    def __init__(self, names: list[str], out: Path, tensorboard_dir: Path, config: dict, resumed_step: int):
         name, self.trackers = Path(out).name, []
         for n in names:
             try:
-                self.trackers.append(KINDS[n](Path(out), name, config, resumed_step))
+                folder = tensorboard_dir if n == "tensorboard" else Path(out)
+                self.trackers.append(KINDS[n](folder, name, config, resumed_step))
             except Exception as e:  # a tracker's own setup error (a store it refuses, a login it needs): one line
                 self.close()
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
