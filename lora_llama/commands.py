@@ -231,7 +231,14 @@ def _eval_tasks(args) -> int:
     from pathlib import Path
 
     from lora_llama.files import refuse_existing, write_text_atomic
-    from lora_llama.harness.tasks import check_tasks, comparison_table, run_base_and_adapter, run_tasks, task_manager
+    from lora_llama.harness.tasks import (
+        check_tasks,
+        comparison_table,
+        run_base_and_adapter,
+        run_tasks,
+        task_manager,
+        to_json,
+    )
 
     tasks = [t for t in args.tasks.split(",") if t.strip()]
     if not tasks:
@@ -244,17 +251,14 @@ def _eval_tasks(args) -> int:
     check_tasks(manager, tasks)  # before the model loads
     model, tok = _load(args)
     options = dict(limit=args.limit, num_fewshot=args.num_fewshot, chat=args.chat, batch_size=args.batch_size)
-    from lm_eval.utils import make_table
-
-    from lora_llama.harness.tasks import to_json
-
     if args.compare:
-        both = run_base_and_adapter(model, tok, tasks, manager, **options)
-        print(comparison_table(both["base"], both["adapter"]))
-        write_text_atomic(out, "{" + ", ".join(f'"{k}": {to_json(v)}' for k, v in both.items()) + "}\n")
+        results = run_base_and_adapter(model, tok, tasks, manager, **options)
+        print(comparison_table(results["base"], results["adapter"]))
     else:
+        from lm_eval.utils import make_table  # lm-eval is there: task_manager would have said otherwise
+
         results = run_tasks(model, tok, tasks, manager, **options)
         print(make_table(results))
-        write_text_atomic(out, to_json(results) + "\n")
+    write_text_atomic(out, to_json(results) + "\n")
     print(f"results: {out}")
     return 0

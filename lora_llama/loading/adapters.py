@@ -16,6 +16,7 @@ from lora_llama.files import atomic_dir, read_json, write_json
 from lora_llama.lora.adapted import EMBEDDING_SUFFIXES, adapter_settings, apply_lora, lora_modules, lora_state_dict
 from lora_llama.lora.init import plain_adapter
 from lora_llama.lora.settings import lora_settings
+from lora_llama.lora.tokens import EMBEDDING_PATHS
 from lora_llama.model.config import DECODER_TARGETS, HF_NAME
 from lora_llama.registry import base_model_id
 
@@ -122,7 +123,7 @@ def read_adapter_config(folder: str | os.PathLike):
 
 def modules_to_save(folder: Path, names) -> list[str] | None:
     """peft's modules_to_save of an adapter, by the names this model has (peft matches a name's last part)."""
-    known = {"embed_tokens": "embed_tokens", "lm_head": "lm_head", "model.embed_tokens": "embed_tokens"}
+    known = {**{name: name for name in EMBEDDING_PATHS}, **{path: name for name, path in EMBEDDING_PATHS.items()}}
     unknown = [n for n in names or () if n not in known]
     if unknown:
         raise UserError(f"{folder}: modules_to_save {unknown[0]!r} is not supported (only embed_tokens and lm_head)")
@@ -131,7 +132,7 @@ def modules_to_save(folder: Path, names) -> list[str] | None:
 
 # native parameter names -> peft's file keys, for the tensors that are not LoRA's A and B
 PEFT_NAMES = {".modules_to_save.weight": ".weight", ".trainable_tokens_delta": ".token_adapter.trainable_tokens_delta"}
-WHOLE_MODULES = ("model.embed_tokens.weight", "lm_head.weight")
+WHOLE_MODULES = {name: f"{path}.weight" for name, path in EMBEDDING_PATHS.items()}  # peft's module name -> weight
 
 
 def peft_name(native: str) -> str:
@@ -142,7 +143,7 @@ def peft_name(native: str) -> str:
 
 
 def native_name(peft: str) -> str:
-    if peft in WHOLE_MODULES:
+    if peft in WHOLE_MODULES.values():
         return peft.removesuffix(".weight") + ".modules_to_save.weight"
     return peft.replace(".token_adapter.trainable_tokens_delta", ".trainable_tokens_delta")
 
@@ -228,14 +229,12 @@ def embedding_changes(folder: str | os.PathLike, tensors: dict | None = None) ->
     matrix) and trainable_token_indices, for merges. A tied lm_head's rows are the embedding's."""
     settings, _ = read_adapter_config(folder)
     tensors = tensors if tensors is not None else read_adapter_tensors(folder)
-    rows = settings.trainable_token_indices
-    rows = {"embed_tokens": rows} if isinstance(rows, list) else rows or {}
     changes = {}
     for name in settings.modules_to_save or ():
-        weight = WHOLE_MODULES[name == "lm_head"]
+        weight = WHOLE_MODULES[name]
         changes[weight] = (None, _needed(folder, tensors, native_name(weight)))
-    for name, indices in rows.items():
-        weight = WHOLE_MODULES[name == "lm_head"]
+    for name, indices in settings.trainable_rows.items():
+        weight = WHOLE_MODULES[name]
         values = _needed(folder, tensors, weight.removesuffix(".weight") + ".trainable_tokens_delta")
         if values.shape[0] != len(indices):
             raise UserError(f"{Path(folder) / ADAPTER_WEIGHTS}: {len(indices)} token ids, {values.shape[0]} rows")

@@ -56,7 +56,7 @@ def apply_lora(model, settings: LoraSettings) -> dict:
                 settings.init_lora_weights,
             ),
         )
-    wrap_embeddings(model, settings.modules_to_save, settings.trainable_token_indices)
+    wrap_embeddings(model, settings.modules_to_save, settings.trainable_rows)
     return parameter_summary(model)
 
 

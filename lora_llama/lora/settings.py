@@ -68,8 +68,7 @@ class LoraSettings(Settings):
 
     @model_validator(mode="after")
     def _embeddings_trained_once(self):
-        rows = self.trainable_token_indices
-        rows = {"embed_tokens": rows} if isinstance(rows, list) else rows or {}
+        rows = self.trainable_rows
         if any(not ids or min(ids) < 0 or len(set(ids)) != len(ids) for ids in rows.values()):
             raise ValueError("lora.trainable_token_indices takes distinct token ids >= 0, at least one")
         both = sorted(set(self.modules_to_save or ()) & set(rows))
@@ -90,6 +89,12 @@ class LoraSettings(Settings):
         if not v:
             raise ValueError("at least one target is needed")
         return list(dict.fromkeys(v))
+
+    @property
+    def trainable_rows(self) -> dict[str, list[int]]:
+        """trainable_token_indices by module: a plain list is embed_tokens' rows (peft's reading); {} when unset."""
+        rows = self.trainable_token_indices
+        return {"embed_tokens": rows} if isinstance(rows, list) else dict(rows or {})
 
     @property
     def scale(self) -> float:

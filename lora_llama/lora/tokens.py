@@ -114,16 +114,16 @@ class TrainableTokens(nn.Module):
         return self.base_layer
 
 
-def wrap_embeddings(model, modules_to_save: list[str] | None, token_indices) -> None:
-    """Wrap the modules the settings name; call with every parameter already frozen. A tied lm_head is untied
-    for modules_to_save (peft's copy of one leaves the other as it was) and shares the embedding's trained rows."""
+def wrap_embeddings(model, modules_to_save: list[str] | None, by_module: dict[str, list[int]]) -> None:
+    """Wrap the modules the settings name (by_module: LoraSettings.trainable_rows); call with every parameter
+    already frozen. A tied lm_head is untied for modules_to_save (peft's copy of one leaves the other as it was)
+    and shares the embedding's trained rows."""
     if modules_to_save:
         model.untie_weights()
         for name in modules_to_save:
             _replace(model, EMBEDDING_PATHS[name], SavedModule(model.get_submodule(EMBEDDING_PATHS[name])))
-    if not token_indices:
+    if not by_module:
         return
-    by_module = {"embed_tokens": token_indices} if isinstance(token_indices, list) else dict(token_indices)
     tied = model.args.tie_word_embeddings
     if tied and "lm_head" in by_module:
         raise UserError(

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from lora_llama.errors import UserError
-from lora_llama.harness.tasks import comparison_table
+from lora_llama.harness.tasks import comparison_table, metrics
 from lora_llama.loading.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_model
 from lora_llama.training.run_folder import ADAPTER, LOSS_PLOT, RECIPE, benchmark_files, last_eval, read_run_recipe
@@ -146,17 +146,14 @@ def benchmark_results(run: Path | None) -> tuple[dict | None, dict | None]:
 
 def model_index(name: str, results: dict) -> list[dict]:
     """The Hub's `model-index` metadata: one entry per lm-eval task with its metrics."""
-    entries = []
-    for task, row in results["results"].items():
-        found = [
-            {"type": k.split(",")[0], "name": k.replace(",none", ""), "value": round(float(v), 4)}
-            for k, v in row.items()
-            if isinstance(v, (int, float)) and "_stderr" not in k
-        ]
-        if found:
-            entries.append(
-                {"task": {"type": "text-generation"}, "dataset": {"name": task, "type": task}, "metrics": found}
-            )
+    by_task: dict[str, list[dict]] = {}
+    for (task, metric), value in metrics(results).items():
+        entry = {"type": metric.split(",")[0], "name": metric.replace(",none", ""), "value": round(float(value), 4)}
+        by_task.setdefault(task, []).append(entry)
+    entries = [
+        {"task": {"type": "text-generation"}, "dataset": {"name": task, "type": task}, "metrics": found}
+        for task, found in by_task.items()
+    ]
     return [{"name": name, "results": entries}]
 
 

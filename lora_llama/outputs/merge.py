@@ -41,10 +41,15 @@ from lora_llama.registry import base_model_id
 from lora_llama.runtime.allocator import release_freed_memory
 
 
+def stored_as(name: str, shapes: dict, tied: bool) -> str:
+    """The checkpoint tensor that holds weight `name`: a tied lm_head without its own tensor is the embedding."""
+    return "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes and tied else name
+
+
 def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
     """Every adapted module exists in the base and every LoRA shape matches its weight."""
     for name, (A, B, _) in deltas.items():
-        source = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes and tied else name
+        source = stored_as(name, shapes, tied)
         if source not in shapes:
             raise UserError(f"the adapter targets {name.removesuffix('.weight')}, which the base model does not have")
         out_f, in_f = shapes[source]
@@ -58,8 +63,7 @@ def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
 def check_rows_fit(rows: dict, shapes: dict, tied: bool) -> None:
     """Every trained embedding or lm_head (whole or by rows) fits the base's matrix."""
     for name, (indices, values) in rows.items():
-        source = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in shapes and tied else name
-        vocab, dim = shapes[source]
+        vocab, dim = shapes[stored_as(name, shapes, tied)]
         if (
             values.shape[1] != dim
             or (indices is None and values.shape[0] != vocab)

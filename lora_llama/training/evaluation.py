@@ -10,7 +10,7 @@ from pathlib import Path
 from lora_llama.data.chat import stop_token_ids
 from lora_llama.data.prompts import prompt_ids
 from lora_llama.files import write_text_atomic
-from lora_llama.harness.tasks import metrics, run_tasks, task_manager, to_json
+from lora_llama.harness.tasks import metrics, run_tasks, to_json
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.model.sampling import sample_completions
 from lora_llama.runtime.distributed import Ranks
@@ -47,11 +47,13 @@ class RunEvals:
     to `eval.prompts` at every eval, in the samples file and on the console. Every rank runs the tasks (under fsdp
     a forward needs them all); rank 0 writes."""
 
-    def __init__(self, settings, tokenizer, result_file, samples: Path, main: bool, report):
-        """result_file(step): where a step's lm-eval results go; samples: the answers' JSONL file."""
-        self.s, self.tokenizer, self.main, self.report = settings, tokenizer, main, report
+    def __init__(self, settings, tokenizer, manager, result_file, samples: Path, main: bool, report):
+        """manager: lm-eval's TaskManager for eval.tasks; result_file(step): where a step's lm-eval results go;
+        samples: the answers' JSONL file."""
+        self.s, self.tokenizer, self.manager, self.main, self.report = settings, tokenizer, manager, main, report
         self.result_file, self.samples_file = result_file, Path(samples)
-        self.manager = task_manager(settings.include_path) if settings.tasks else None
+        # the prompts' ids, through the chat template when the tokenizer has one
+        self.prompts = [prompt_ids(tokenizer, p, i) for i, p in enumerate(settings.prompts)]
 
     def __call__(self, model, step: int, last: bool) -> dict:
         due = step == 0 or last or (self.s.every and step % self.s.every == 0)
@@ -73,10 +75,10 @@ class RunEvals:
         return benchmark_metrics(results)
 
     def samples(self, model, step: int) -> None:
-        prompts = [prompt_ids(self.tokenizer, p, i) for i, p in enumerate(self.s.prompts)]  # chat template if any
-        stops = stop_token_ids(self.tokenizer, model.args.eos_token_id, model.folder)
-        answers = sample_completions(model, prompts, self.s.max_new_tokens, stops, self.tokenizer.pad_token_id, 0.0)
-        texts = [self.tokenizer.decode(a, skip_special_tokens=True).strip() for a in answers]
+        tok = self.tokenizer
+        stops = stop_token_ids(tok, model.args.eos_token_id, model.folder)
+        answers = sample_completions(model, self.prompts, self.s.max_new_tokens, stops, tok.pad_token_id, 0.0)
+        texts = [tok.decode(a, skip_special_tokens=True).strip() for a in answers]
         if self.main:
             with open(self.samples_file, "a") as f:
                 f.write(json.dumps({"step": step, "samples": dict(zip(self.s.prompts, texts))}) + "\n")

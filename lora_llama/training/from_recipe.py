@@ -60,8 +60,9 @@ def train_from_recipe(recipe, resume: bool = False, force: bool = False, log=Non
 def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, device: str) -> dict:
     """Inputs are all checked before the run folder is touched."""
     check_trackers(recipe.train.report_to)
-    if recipe.eval.tasks:  # an unknown task stops the run before the model loads
-        check_tasks(task_manager(recipe.eval.include_path), recipe.eval.tasks)
+    tasks = task_manager(recipe.eval.include_path) if recipe.eval.tasks else None  # lm-eval's index, read once
+    if tasks:  # an unknown task stops the run before the model loads
+        check_tasks(tasks, recipe.eval.tasks)
     found = _check_run_folder(recipe, out, resume, force)
     # resolved once for the run and passed to every loader; a GGUF source is converted into its cached folder by
     # rank 0 while the others wait, then found there
@@ -96,7 +97,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
             shard_model(model)
     if allocator and not sharded:
         allocator = keep_freed_memory()
-    evals = _run_evals(recipe, tok, out, ranks, log)
+    evals = _run_evals(recipe, tok, tasks, out, ranks, log)
     trainer = Trainer(recipe, model, tok, train, val, out, ranks, report=log, evals=evals)
     log(
         f"model {recipe.model.source}: {summary['total']:,} parameters, {summary['trainable']:,} trainable "
@@ -121,12 +122,13 @@ def _say(message: str) -> None:
     sys.stdout.flush()  # a line a supervisor (or a test) waits for is there at once
 
 
-def _run_evals(recipe, tok, out: Path, ranks: Ranks, log) -> RunEvals | None:
-    """The recipe's `eval` section as the trainer's extra evals (None when it asks for nothing)."""
+def _run_evals(recipe, tok, tasks, out: Path, ranks: Ranks, log) -> RunEvals | None:
+    """The recipe's `eval` section as the trainer's extra evals (None when it asks for nothing); tasks: lm-eval's
+    TaskManager that checked eval.tasks."""
     e = recipe.eval
     if not (e.tasks or e.prompts):
         return None
-    return RunEvals(e, tok, partial(benchmark_file, out), out / SAMPLES, ranks.main, log)
+    return RunEvals(e, tok, tasks, partial(benchmark_file, out), out / SAMPLES, ranks.main, log)
 
 
 def _check_run_folder(recipe, out: Path, resume: bool, force: bool) -> list[Path]:
