@@ -139,6 +139,22 @@ def test_generate_on_cuda_matches_transformers_greedy(tiny_ckpt):
     assert out == want.tolist()
 
 
+def test_generate_on_cuda_replays_a_graph_and_samples_as_the_growing_cache(tiny_ckpt):
+    """`lora-llama generate` on a GPU: a captured decoding step, tokens read every few steps; greedy and seeded
+    (top-k, top-p, the device's generator) the tokens of the eager growing cache."""
+    from lora_llama.model.decoding import decoder_for
+    from lora_llama.model.generate import generate
+
+    model = load_model(tiny_ckpt, device="cuda")
+    torch.manual_seed(0)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ALL))
+    random_lora_b(model, seed=0)
+    prompt = ids(1, 7)[0].tolist()
+    for settings in ({}, dict(temperature=1.0, top_k=50, top_p=0.9, seed=5)):
+        assert generate(model, prompt, 21, **settings) == generate(model, prompt, 21, static=False, **settings)
+    assert decoder_for(model, 1, 7 + 21).graph is not None
+
+
 def test_offloaded_activations_leave_the_gpu_and_give_the_same_gradients(tiny_ckpt):
     held, grads = {}, {}
     x = torch.randint(3, 300, (4, 256), generator=torch.Generator().manual_seed(1)).cuda()

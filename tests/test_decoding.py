@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ALL, build_checkpoint, random_lora_b
+from helpers import ALL, build_checkpoint, hf_model, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model
 from lora_llama.model.generate import filtered_logits
 from lora_llama.model.sampling import sample_completions
@@ -93,6 +93,38 @@ def test_a_kept_decoder_serves_later_calls_and_the_weights_of_the_moment(tiny_ck
     got = sample_completions(model, short, 6, eos_ids=[], pad_id=0, temperature=1.0, seeds=[1, 2], static=True)
     assert decoder_for(model, 2, 2 + 6 + 1) is decoder and len(first) == 2
     assert got == [alone(model, p, 6, 1.0, s) for p, s in zip(short, [1, 2])]
+
+
+def test_generate_on_the_static_path_streams_the_tokens_of_the_growing_cache(tiny_ckpt):
+    """`lora-llama generate`'s loop over a StaticDecoder, tokens read every READ_EVERY steps: greedy equals
+    transformers; seeded with top-k and top-p equals the growing cache and no cache at all (one draw a step from the
+    same generator); an EOS inside a chunk of unread tokens ends the text there, and on_token saw exactly the
+    returned tokens; a second, shorter prompt reuses the decoder."""
+    from lora_llama.model.decoding import decoder_for
+    from lora_llama.model.generate import READ_EVERY, generate
+
+    prompt, short = prompts_of((7, 4), seed=9)
+    n = 2 * READ_EVERY + 5  # the last chunk is partial
+    want = hf_model(tiny_ckpt).generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :]
+    assert generate(load_model(tiny_ckpt), prompt, n, static=True) == want.tolist()
+    model = adapted(tiny_ckpt)
+    greedy = generate(model, prompt, n, static=True)
+    assert greedy == generate(model, prompt, n, static=False) == generate(model, prompt, n, use_cache=False)
+    seeded = dict(temperature=1.0, top_k=50, top_p=0.9, seed=5)
+    assert (
+        generate(model, prompt, n, static=True, **seeded)
+        == generate(model, prompt, n, static=False, **seeded)
+        == generate(model, prompt, n, use_cache=False, **seeded)
+    )
+    decoder = decoder_for(model, 1, len(prompt) + n)
+    free = generate(model, short, n, static=False, **seeded)
+    stop = next(t for t in free[READ_EVERY + 1 :] if free.index(t) > READ_EVERY)  # first seen inside the 2nd chunk
+    streamed = []
+    got = generate(model, short, n, eos_ids=[stop], static=True, on_token=streamed.append, **seeded)
+    assert got == streamed == free[: free.index(stop) + 1] and READ_EVERY < len(got) < n
+    assert decoder_for(model, 1, len(short) + n) is decoder
 
 
 def test_a_sliding_window_holds_in_the_static_cache(tmp_path):

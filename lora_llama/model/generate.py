@@ -6,6 +6,10 @@ from typing import Callable, Iterable
 
 import torch
 
+from lora_llama.model.decoding import decoder_for
+
+READ_EVERY = 8  # static decoding: tokens decoded between reads to the host (a read waits for the device)
+
 
 def sample_next(
     logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
@@ -43,27 +47,59 @@ def generate(
     eos_ids: Iterable[int] = (),
     use_cache: bool = True,
     on_token: Callable[[int], None] | None = None,
+    static: bool | None = None,
 ) -> list[int]:
-    """Continue one prompt; returns the new token ids (EOS included when it ends the text)."""
+    """Continue one prompt; returns the new token ids (EOS included when it ends the text). static: decode over a
+    cache of fixed shape, on CUDA a replayed graph (decoding.py), reading the tokens to the host every READ_EVERY
+    steps (None: on CUDA with the cache). on_token sees every token, in order, as it is read."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids)], device=device)  # (1, T)
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
+    static = use_cache and device.type == "cuda" if static is None else static
+    if static and not use_cache:
+        raise ValueError("static decoding needs the KV cache (use_cache=True)")
     eos = set(eos_ids)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    cache = model.new_cache(1, ids.shape[1] + max_new_tokens) if use_cache else None
+    steps = _static_steps(model, ids, max_new_tokens) if static else _steps(model, ids, max_new_tokens, use_cache)
+    read_every = READ_EVERY if static else 1
     out: list[int] = []
-    step_input = ids
-    for _ in range(max_new_tokens):
-        logits = model(step_input, cache=cache)[:, -1]  # (1, vocab)
-        nxt = sample_next(logits, temperature, top_k, top_p, gen)
-        token = int(nxt)
-        out.append(token)
-        if on_token:
-            on_token(token)
-        if token in eos:
-            break
-        step_input = nxt[:, None] if use_cache else torch.cat([step_input, nxt[:, None]], dim=1)
+    pending: list[torch.Tensor] = []  # tokens on the device, not yet read
+    logits = next(steps)
+    for step in range(max_new_tokens):
+        token = sample_next(logits, temperature, top_k, top_p, gen)  # (1,), on the device
+        pending.append(token)
+        if len(pending) == read_every or step == max_new_tokens - 1:
+            for read in torch.cat(pending).tolist():
+                out.append(read)
+                if on_token:
+                    on_token(read)
+                if read in eos:
+                    return out
+            pending = []
+        if step < max_new_tokens - 1:
+            logits = steps.send(token)
     return out
+
+
+def _steps(model, ids: torch.Tensor, max_new_tokens: int, use_cache: bool):
+    """Yields the last position's logits (1, V) of the prompt, then after each token sent (1,)."""
+    cache = model.new_cache(1, ids.shape[1] + max_new_tokens) if use_cache else None
+    step_input = ids
+    while True:
+        token = yield model(step_input, cache=cache)[:, -1]
+        step_input = token[:, None] if use_cache else torch.cat([step_input, token[:, None]], dim=1)
+
+
+def _static_steps(model, ids: torch.Tensor, max_new_tokens: int):
+    """As _steps, the prompt through the model eagerly, then each token a step of the model's StaticDecoder."""
+    width = ids.shape[1]
+    prompt = model.new_cache(1, width, torch.ones(1, width, dtype=torch.bool, device=ids.device))
+    logits = model(ids, cache=prompt)[:, -1]
+    decoder = decoder_for(model, 1, width + max_new_tokens)
+    decoder.load(prompt, 1, torch.full((1,), width, device=ids.device))
+    while True:
+        token = yield logits
+        logits = decoder.step(token)
