@@ -299,3 +299,34 @@ def test_selective_checkpointing_keeps_attention_and_recomputes_the_rest(tiny_ck
         grads.append({k: p.grad for k, p in model.named_parameters() if p.grad is not None})
     assert sum(calls) == reruns and len(calls) > 100  # the rest of each block was recomputed (and counted)
     assert all((grads[0][k] - grads[1][k]).abs().max() < 1e-6 for k in grads[0])
+
+
+@pytest.mark.parametrize("base", ["float32", "bfloat16", "int8", "nf4"])
+def test_a_layer_without_gradients_gives_the_autograd_nodes_output(base):
+    """Decoding and evals run no autograd: each LoRA layer's plain products (LoRALinear._inference) give what the
+    fused node gives with gradients on, and W0·x + scale·B·A·x by hand (the dequantized weight for a quantized
+    base; bf16 input with float32 A and B as bf16-mixed has them)."""
+    from helpers import quantized_layers
+    from lora_llama.lora.layer import LoRALinear, dense_weight
+
+    dtype = torch.bfloat16 if base == "bfloat16" else torch.float32
+    if base in ("int8", "nf4"):
+        frozen = quantized_layers(rows=48, in_features=64)[base]
+    else:
+        frozen = torch.nn.Linear(64, 48, bias=True, dtype=dtype).requires_grad_(False)
+    torch.manual_seed(0)
+    layer = LoRALinear(frozen, r=4, alpha=8)
+    torch.nn.init.normal_(layer.lora_B.weight, std=0.1)
+    x = torch.randn(5, 64, dtype=dtype)
+    with torch.inference_mode():
+        plain = layer(x)
+    with torch.enable_grad():
+        node = layer(x.requires_grad_())
+    w0 = dense_weight(frozen, torch.float32).float()
+    bias = 0 if frozen.bias is None else frozen.bias.float()
+    a, b = layer.lora_A.weight.to(dtype).float(), layer.lora_B.weight.to(dtype).float()
+    by_hand = x.detach().float() @ w0.t() + bias + 2.0 * (x.detach().float() @ a.t()) @ b.t()
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    assert plain.dtype == node.dtype == dtype
+    assert (plain.float() - node.detach().float()).abs().max() <= tol * by_hand.abs().max()
+    assert (plain.float() - by_hand).abs().max() <= tol * by_hand.abs().max()

@@ -90,7 +90,8 @@ def project(x: torch.Tensor, layers) -> list[torch.Tensor]:
     """
     x2 = x.reshape(-1, x.shape[-1])
     # compiled, each layer runs its plain formula and inductor writes the backward
-    fusable = len(layers) > 1 and not torch.compiler.is_compiling()
+    # without gradients, each layer's own plain products (LoRALinear._inference) cost less than the node
+    fusable = len(layers) > 1 and not torch.compiler.is_compiling() and torch.is_grad_enabled()
     nodes = [getattr(m, "low_rank_node", lambda _: None)(x2) for m in layers] if fusable else [None]
     if all(n is not None for n in nodes):
         return [y.view(*x.shape[:-1], y.shape[-1]) for y in low_rank_linears(x2, nodes)]
