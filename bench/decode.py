@@ -1,7 +1,8 @@
 """GRPO's sampling alone: `rollout.sample_completions` through an adapted model (LoRA r=16 on all seven linears),
 decoding with the growing cache (the CPU's path) and with the static one (on CUDA replayed as a CUDA graph), each
 timed in one process on the same rows: completion tokens/s, a decode step's time, and that step against its
-bandwidth floor (bytes of weights and cache a step reads over the device's copy bandwidth, measured first).
+bandwidth floor (bytes of weights and cache a step reads over the device's copy bandwidth, measured first); and
+`lora-llama generate`'s loop on one prompt, both paths (tokens/s).
 
 Random models of SmolLM2-135M and Llama-3.2-1B shapes (bench.gpu's), bf16 on a GPU, float32 on the CPU; `rows`
 completions (prompts x group) of `new` tokens from prompts of `prompt` tokens, no EOS, seeded sampling. A decode
@@ -57,6 +58,27 @@ def timed(model, prompts, new: int, static: bool, device: str) -> float:
     return time.perf_counter() - t
 
 
+def timed_generate(model, prompt, new: int, static: bool, device: str) -> float:
+    from lora_llama.model.generate import generate
+
+    synchronize(device)
+    t = time.perf_counter()
+    generate(model, prompt, new, temperature=1.0, seed=0, static=static)
+    synchronize(device)
+    return time.perf_counter() - t
+
+
+def generate_figures(model, prompt, a) -> dict:
+    """`lora-llama generate`'s loop, one prompt, `new` seeded tokens: tokens/s with the growing cache and the static
+    one."""
+    figures = {}
+    for static in (False, True):
+        timed_generate(model, prompt, a.new, static, a.device)  # warm-up
+        best = min(timed_generate(model, prompt, a.new, static, a.device) for _ in range(a.repeats))
+        figures[f"{'static' if static else 'growing'}_tokens_per_s"] = round(a.new / best, 1)
+    return figures
+
+
 def measure(name: str, a, folder, bandwidth: float) -> dict:
     from lora_llama import LoraSettings, apply_lora, load_model
 
@@ -82,6 +104,7 @@ def measure(name: str, a, folder, bandwidth: float) -> dict:
     figures["static_vs_growing_tokens_per_s"] = round(
         figures["static"]["completion_tokens_per_s"] / figures["growing"]["completion_tokens_per_s"], 3
     )
+    figures["generate"] = generate_figures(model, prompts[0], a)
     print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
     return figures
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU machine runs, from the repository root, with the wheels of bench/gpu_wheels.sh in .whl/:
 #   bash bench/gpu_call.sh bench [bench.gpu's options]   # bench.gpu: 8b, 8b-nf4, 1b, 135m (about 8 minutes)
-#   bash bench/gpu_call.sh rl                            # bench.decode, then bench.grpo against trl
+#   bash bench/gpu_call.sh rl                            # bench.grpo against trl, bench.decode's figures inside
 #   bash bench/gpu_call.sh tests                         # the CUDA tests and the compile / decoding tests there
 # Each figure line and log lands in $OUT (or ./gpu-out) as it is written, so a call cut short keeps what finished.
 set -uo pipefail
@@ -17,12 +17,11 @@ case "${1:-bench}" in
     shift || true
     timeout 540 python3 -m bench.gpu --out "$out" "$@" 2>&1 | tail -60 | tee "$out/bench-gpu.log" ;;
   rl)
-    timeout 150 python3 -m bench.decode --device cuda 2>&1 | tail -20 | tee "$out/bench-decode.log"
     python3 -c "from pathlib import Path; from transformers import AutoTokenizer; from bench.gpu import SMOLLM2_135M, \
 random_model; AutoTokenizer.from_pretrained('.whl/smol-tokenizer').save_pretrained(random_model(Path('/tmp/smol'), \
 SMOLLM2_135M, 'cuda'))"
-    timeout 300 python3 -m bench.grpo --device cuda --precision bf16-mixed --source /tmp/smol --data .whl/prompts.jsonl \
-      --steps 6 2>&1 | tail -20 | tee "$out/bench-grpo.log"
+    timeout 450 python3 -m bench.grpo --device cuda --precision bf16-mixed --source /tmp/smol --data .whl/prompts.jsonl \
+      --steps 6 2>&1 | tail -30 | tee "$out/bench-grpo.log"
     cp bench/results/decode.jsonl bench/results/grpo.jsonl "$out/" 2>/dev/null || true ;;
   tests)
     timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_compile.py \

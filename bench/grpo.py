@@ -1,7 +1,9 @@
 """GRPO through `lora-llama train` on recipes/smollm2-grpo-cpu.yaml's settings, and trl's GRPOTrainer with peft on
 the same model, prompts, reward and settings, each in its own process in one run: seconds per step (sampling
 and the update), completions/s, completion tokens/s and peak resident memory (VmHWM; on a GPU also the
-peak of CUDA memory). The first step (compilation, caches) is left out of the medians.
+peak of CUDA memory). The first step (compilation, caches) is left out of the medians. On a GPU it first runs
+bench.decode (GRPO's sampling alone at SmolLM2-135M and Llama-3.2-1B shapes: completion tokens/s, a decode step
+against its bandwidth floor) and keeps its figures beside the step's.
 The figures go to bench/results/grpo.jsonl.
 """
 
@@ -85,6 +87,19 @@ def peer(a) -> dict | None:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def decoding(a) -> dict | None:
+    """bench.decode's runs on this device, in a process of its own (its own line goes to decode.jsonl too)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.decode", "--device", a.device], cwd=ROOT, capture_output=True, text=True
+    )
+    lines = r.stdout.strip().splitlines()
+    if r.returncode or not lines:
+        print(f"bench.decode could not run: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        return None
+    print("\n".join(lines[:-1]), flush=True)  # its figures as it prints them; the last line is its record
+    return json.loads(lines[-1])["runs"]
+
+
 def figures(run: dict, completions: int) -> dict:
     steps = run["step_s"][1:] or run["step_s"]
     lengths = run["mean_length"][1:] or run["mean_length"]
@@ -113,6 +128,7 @@ def main():
 
     t = load_recipe(str(RECIPE)).train
     completions = t.batch_size * t.grpo.group_size
+    decoded = decoding(a) if a.device == "cuda" else None
     runs = {"lora-llama": figures(ours(a, scratch_dir("lora-llama-grpo-") / "run"), completions)}
     trl_run = None if a.no_peer else peer(a)
     if trl_run:
@@ -135,7 +151,7 @@ def main():
             "step_time_ratio": round(ours_f["step_s"] / trl_f["step_s"], 3),
             "peak_memory_ratio": round(ours_f[peak] / trl_f[peak], 3),
         }  # on a GPU, of GPU memory
-    record("grpo", {"runs": runs, **ratios})
+    record("grpo", {"runs": runs, **ratios, **({"decoding": decoded} if decoded else {})})
 
 
 if __name__ == "__main__":

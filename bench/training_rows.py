@@ -88,7 +88,8 @@ def gpu_rows(r: dict) -> list[tuple]:
 
 
 def decode_rows(r: dict) -> list[tuple]:
-    """bench.decode: GRPO's sampling, the static cache (a replayed CUDA graph on a GPU) against the growing one."""
+    """bench.decode: GRPO's sampling and `generate`'s loop, the static cache (a replayed CUDA graph on a GPU) against
+    the growing one."""
 
     def cell(v):
         return (
@@ -96,15 +97,27 @@ def decode_rows(r: dict) -> list[tuple]:
             f"({v['step_over_floor']:.1f}x its floor)"
         )
 
-    return [
-        (
-            f"{name}: decoding, static cache (peer: the growing cache)",
-            cell(v["static"]),
-            cell(v["growing"]),
-            f"{v['static_vs_growing_tokens_per_s']:.2f}x tokens/s",
+    rows = []
+    for name, v in r["runs"].items():
+        rows.append(
+            (
+                f"{name}: decoding, static cache (peer: the growing cache)",
+                cell(v["static"]),
+                cell(v["growing"]),
+                f"{v['static_vs_growing_tokens_per_s']:.2f}x tokens/s",
+            )
         )
-        for name, v in r["runs"].items()
-    ]
+        if "generate" in v:  # lora-llama generate's loop, one prompt
+            g = v["generate"]
+            rows.append(
+                (
+                    f"{name}: `generate`, one prompt, static cache (peer: the growing cache)",
+                    f"{g['static_tokens_per_s']:.1f} tok/s",
+                    f"{g['growing_tokens_per_s']:.1f} tok/s",
+                    f"{g['static_tokens_per_s'] / g['growing_tokens_per_s']:.2f}x tokens/s",
+                )
+            )
+    return rows
 
 
 def long_context_rows(r: dict) -> list[tuple]:
