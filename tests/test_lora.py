@@ -301,11 +301,12 @@ def test_selective_checkpointing_keeps_attention_and_recomputes_the_rest(tiny_ck
     assert all((grads[0][k] - grads[1][k]).abs().max() < 1e-6 for k in grads[0])
 
 
-@pytest.mark.parametrize("base", ["float32", "bfloat16", "int8", "nf4"])
+@pytest.mark.parametrize("base", ["float32", "bfloat16", "int8", "nf4", "float32 with dropout, eval mode"])
 def test_a_layer_without_gradients_gives_the_autograd_nodes_output(base):
     """Decoding and evals run no autograd: each LoRA layer's plain products (LoRALinear._inference) give what the
     fused node gives with gradients on, and W0·x + scale·B·A·x by hand (the dequantized weight for a quantized
-    base; bf16 input with float32 A and B as bf16-mixed has them)."""
+    base; bf16 input with float32 A and B as bf16-mixed has them; dropout switched off by eval mode, while in
+    training mode it still drops under no_grad)."""
     from helpers import quantized_layers
     from lora_llama.lora.layer import LoRALinear, dense_weight
 
@@ -315,7 +316,7 @@ def test_a_layer_without_gradients_gives_the_autograd_nodes_output(base):
     else:
         frozen = torch.nn.Linear(64, 48, bias=True, dtype=dtype).requires_grad_(False)
     torch.manual_seed(0)
-    layer = LoRALinear(frozen, r=4, alpha=8)
+    layer = LoRALinear(frozen, r=4, alpha=8, dropout=0.5 if "dropout" in base else 0.0).eval()
     torch.nn.init.normal_(layer.lora_B.weight, std=0.1)
     x = torch.randn(5, 64, dtype=dtype)
     with torch.inference_mode():
@@ -330,3 +331,6 @@ def test_a_layer_without_gradients_gives_the_autograd_nodes_output(base):
     assert plain.dtype == node.dtype == dtype
     assert (plain.float() - node.detach().float()).abs().max() <= tol * by_hand.abs().max()
     assert (plain.float() - by_hand).abs().max() <= tol * by_hand.abs().max()
+    if "dropout" in base:
+        with torch.no_grad():
+            assert (layer.train()(x) - plain).abs().max() > 1e-3

@@ -134,15 +134,15 @@ class LoRALinear(nn.Module):
         self.merged = False  # ΔW folded into the base weight
         self.disabled = False  # the base output only (see `adapters_disabled`)
 
-    def fused(self, x: torch.Tensor) -> bool:
+    def fused(self, x: torch.Tensor, dropout_off: bool = False) -> bool:
         """Whether the layer can run as one autograd node: a frozen base (plain in x's dtype, or quantized and
-        dequantized into it), no dropout, A and B in x's dtype or in float32 (bf16-mixed: float32 masters, cast
-        for the products)."""
+        dequantized into it), no dropout (or, with dropout_off, one switched off by eval mode), A and B in x's dtype
+        or in float32 (bf16-mixed: float32 masters, cast for the products)."""
         base = self.base_layer
         plain = type(base) is nn.Linear and not base.weight.requires_grad and x.dtype == base.weight.dtype
         return (
             (plain or type(base) is QuantizedLinear)
-            and type(self.lora_dropout) is nn.Identity
+            and (type(self.lora_dropout) is nn.Identity or (dropout_off and not self.lora_dropout.training))
             and (base.bias is None or (not base.bias.requires_grad and base.bias.dtype == x.dtype))
             and x.is_floating_point()
             and self.lora_A.weight.dtype == self.lora_B.weight.dtype
@@ -169,7 +169,7 @@ class LoRALinear(nn.Module):
             a = F.linear(x2, self.lora_A.weight.to(x2.dtype))  # (N, r)
             y = run_linear(self.base_layer, x2) + F.linear(a, self.lora_B.weight.to(x2.dtype)) * self.scale
             return y.view(*x.shape[:-1], self.out_features)
-        if not torch.is_grad_enabled() and self.fused(x2):
+        if not torch.is_grad_enabled() and self.fused(x2, dropout_off=True):
             return self._inference(x2).view(*x.shape[:-1], self.out_features)
         node = self.low_rank_node(x2)
         if node is not None:
