@@ -222,22 +222,52 @@ def parse_args():
     ap.add_argument("--warmup", type=int, default=3, help="steps before them (lora-llama's first compiles)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="a folder that also gets each line (default: $OUT)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the bench itself")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for the whole bench: a run gets at most what is left, and once under MIN_RUN_S is left the "
+        "rest are skipped, so every configuration's summary is written before a call's own limit cuts it",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--kw", help=argparse.SUPPRESS)
     return ap.parse_args()
 
 
-def run_config(a, config: str, folder: Path, tmp: Path, common: dict, timeout: float, out: Path | None) -> dict:
+class Budget:
+    """The seconds left of --budget (none: no limit), counted from the bench's start."""
+
+    def __init__(self, seconds: float | None):
+        self.deadline = None if seconds is None else time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
+
+    def spent(self) -> bool:
+        return self.left() < MIN_RUN_S
+
+
+MIN_RUN_S = 30  # a run given less could not load a model; it is skipped
+
+
+def budgeted(budget: Budget, kind: str, timeout: float, **kw) -> dict:
+    """run_worker within what is left of the budget; a run that cannot start is marked skipped."""
+    if budget.spent():
+        return {"error": "skipped: the bench's --budget is spent"}
+    return run_worker(kind, min(timeout, budget.left()), **kw)
+
+
+def run_config(a, config: str, folder: Path, tmp: Path, common: dict, timeout: float, out: Path | None,
+               budget: Budget) -> dict:  # fmt: skip
     """Ours, then each peer, on one configuration; every run's figures emitted as it ends."""
     name, shared = MODEL_OF[config], {"batch": common["batch"], "quantize": common["quantize"], "steps": a.steps,
                                       "warmup": a.warmup, "device": a.device}  # fmt: skip
-    runs = {"lora-llama": run_worker("ours", timeout, folder=str(folder), data=str(tmp / f"{name}.jsonl"),
-                                     out=str(tmp / f"run-{config}"), seq=common["seq"], **shared)}  # fmt: skip
+    runs = {"lora-llama": budgeted(budget, "ours", timeout, folder=str(folder), data=str(tmp / f"{name}.jsonl"),
+                                   out=str(tmp / f"run-{config}"), seq=common["seq"], **shared)}  # fmt: skip
     emit(out, {"kind": "run", "library": "lora-llama", **common, **runs["lora-llama"]}, keep=False)
     for p in [p for p in a.peers.split(",") if p]:
         rows_file = str(tmp / f"{name}-rows.json")
-        runs[p] = run_worker(
-            "peer", timeout, folder=str(folder), rows_file=rows_file, liger=p.endswith("liger"), **shared
+        runs[p] = budgeted(
+            budget, "peer", timeout, folder=str(folder), rows_file=rows_file, liger=p.endswith("liger"), **shared
         )
         emit(out, {"kind": "run", "library": p, **common, **runs[p]}, keep=False)
     return runs
@@ -256,12 +286,16 @@ def main():
     out = Path(a.out) if a.out else None
     tmp = scratch_dir("lora-llama-gpu-bench-")
     started, smoke = time.perf_counter(), a.device == "cpu"  # a smoke test records nothing in bench/results
+    budget = Budget(a.budget)
     peak = run_worker("peak", 120, device=a.device)
     emit(out, {"kind": "matmul_peak", **peak}, keep=False)
     models = {}
     for config in configs:
         shapes, batch, seq, quantize, timeout = CONFIGS[config]
         name = MODEL_OF[config]
+        if budget.spent():
+            print(f"bench.gpu: {config} skipped, the --budget is spent", flush=True)
+            continue
         if name not in models:
             folder = random_model(tmp / name, shapes, a.device)
             ids = documents(tmp / f"{name}.jsonl", folder, 2 * batch * (a.warmup + a.steps), seq)
@@ -277,7 +311,7 @@ def main():
             "warmup": a.warmup,
             "model_flops_per_step": model_flops(shapes, batch, seq),
         }
-        runs = run_config(a, config, models[name], tmp, common, timeout, out)
+        runs = run_config(a, config, models[name], tmp, common, timeout, out, budget)
         emit(out, summary(config, runs, peak, common), keep=not smoke)
     print(f"bench.gpu: {time.perf_counter() - started:.0f} s", flush=True)
 

@@ -17,7 +17,9 @@ export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 
 bench() {
-  timeout "${BENCH_S:-540}" python3 -m bench.gpu --out "$out" "$@" 2>&1 | tail -60 | tee "$out/bench-gpu.log"
+  # its own --budget ends the runs 30 s before the timeout, so the summaries of what ran are written
+  timeout "${BENCH_S:-540}" python3 -m bench.gpu --out "$out" --budget $(( ${BENCH_S:-540} - 30 )) "$@" 2>&1 \
+    | tail -60 | tee "$out/bench-gpu.log"
 }
 rl() {
   python3 -c "from pathlib import Path; from transformers import AutoTokenizer; from bench.gpu import SMOLLM2_135M, \

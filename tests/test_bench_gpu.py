@@ -34,6 +34,25 @@ def test_model_flops_count_every_frozen_linear_lm_head_and_causal_attention(conf
     assert model_flops(shapes, batch, seq) == want
 
 
+def test_a_budget_shortens_the_last_run_and_skips_the_rest(monkeypatch):
+    """--budget: a run gets at most what is left; once under MIN_RUN_S is left, runs are marked skipped, not
+    started, so the bench writes its summaries before the device call's own limit cuts it."""
+    import bench.gpu as gpu
+
+    given = []
+    monkeypatch.setattr(gpu, "run_worker", lambda kind, timeout, **kw: given.append(timeout) or {"step_s": 1.0})
+    clock = [1000.0]
+    monkeypatch.setattr(gpu.time, "perf_counter", lambda: clock[0])
+    budget = gpu.Budget(200)
+    assert gpu.budgeted(budget, "ours", 170) == {"step_s": 1.0} and given == [170]  # 200 s left: its own timeout
+    clock[0] += 100
+    gpu.budgeted(budget, "peer", 170)
+    assert given[-1] == pytest.approx(100)  # 100 s left: cut to them
+    clock[0] += 100 - gpu.MIN_RUN_S + 1
+    assert "skipped" in gpu.budgeted(budget, "peer", 170)["error"] and len(given) == 2
+    assert not gpu.Budget(None).spent() and gpu.Budget(None).left() == float("inf")
+
+
 @pytest.mark.slow
 def test_the_bench_runs_end_to_end_on_the_cpu(tmp_path):
     """Every worker (matmul peak, lora-llama train on plain and nf4 bases, transformers+peft) and the report's rows."""
@@ -58,6 +77,8 @@ def test_the_bench_runs_end_to_end_on_the_cpu(tmp_path):
             "1",
             "--out",
             str(tmp_path),
+            "--budget",
+            "850",
         ],
         cwd=ROOT,
         capture_output=True,
