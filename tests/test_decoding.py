@@ -127,6 +127,23 @@ def test_generate_on_the_static_path_streams_the_tokens_of_the_growing_cache(tin
     assert decoder_for(model, 1, len(short) + n) is decoder
 
 
+def test_calls_of_nearby_batch_sizes_share_one_decoder_and_keep_their_completions(tiny_ckpt):
+    """Rows are bucketed (1, 2, 4, then multiples of 8): 7 rows and then 5 share the decoder of 8, whose idle rows
+    (and the rows the first call left in its cache) change nothing; each row is what it gives decoded alone."""
+    from lora_llama.model.decoding import bucket_rows, decoder_for
+
+    assert [bucket_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 24, 32, 40]
+    model = adapted(tiny_ckpt)
+    seeds = list(range(7))
+    seven = prompts_of((6, 9, 4, 7, 8, 5, 3), seed=2)
+    got = sample_completions(model, seven, 6, eos_ids=[], pad_id=0, temperature=1.0, seeds=seeds, static=True)
+    decoder = decoder_for(model, 7, 9 + 6)
+    assert decoder.cache.k[0].shape[0] == 8 and got == [alone(model, p, 6, 1.0, s) for p, s in zip(seven, seeds)]
+    five = prompts_of((5, 2, 8, 4, 6), seed=3)
+    got = sample_completions(model, five, 6, eos_ids=[], pad_id=0, temperature=0.0, static=True)
+    assert decoder_for(model, 5, 8 + 6) is decoder and got == [alone(model, p, 6, 0.0, 0) for p in five]
+
+
 def test_a_sliding_window_holds_in_the_static_cache(tmp_path):
     """Mistral's window: a new token sees only the last `window` keys, masked on the device."""
     ckpt = build_checkpoint(tmp_path / "m", family="mistral", sliding_window=5)
