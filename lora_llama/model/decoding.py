@@ -32,7 +32,7 @@ class StaticDecoder:
     def __init__(self, model, batch: int, length: int):
         p = model.model.embed_tokens.weight
         self.model = model
-        self.rows = batch  # the rows of the call at hand (load), the first of the batch
+        self.rows = batch  # the call at hand uses the first `rows` of the batch (set by load)
         self.cache = model.new_cache(
             batch, length, torch.ones(batch, length, dtype=torch.bool, device=p.device), static=True
         )
