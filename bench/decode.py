@@ -24,17 +24,20 @@ from bench.gpu_workers import synchronize
 MODELS = {"135m": SMOLLM2_135M, "1b": LLAMA32_1B}
 
 
+def seconds(device: str, work) -> float:
+    """Wall time of work() with the device's queue drained before and after."""
+    synchronize(device)
+    t = time.perf_counter()
+    work()
+    synchronize(device)
+    return time.perf_counter() - t
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes read and written a second by a 1 GB device-to-device copy (the median of 5 after a warm-up)."""
     a = torch.empty(1 << 28, dtype=torch.float32, device=device)  # 1 GiB
     b = torch.empty_like(a)
-    times = []
-    for _ in range(6):
-        synchronize(device)
-        t = time.perf_counter()
-        b.copy_(a)
-        synchronize(device)
-        times.append(time.perf_counter() - t)
+    times = [seconds(device, lambda: b.copy_(a)) for _ in range(6)]
     return 2 * a.numel() * 4 / sorted(times[1:])[2]
 
 
@@ -51,21 +54,18 @@ def timed(model, prompts, new: int, static: bool, device: str) -> float:
     from lora_llama.model.sampling import sample_completions
 
     seeds = list(range(len(prompts)))
-    synchronize(device)
-    t = time.perf_counter()
-    sample_completions(model, prompts, new, eos_ids=[], pad_id=0, temperature=1.0, seeds=seeds, static=static)
-    synchronize(device)
-    return time.perf_counter() - t
+    return seconds(
+        device,
+        lambda: sample_completions(
+            model, prompts, new, eos_ids=[], pad_id=0, temperature=1.0, seeds=seeds, static=static
+        ),
+    )
 
 
 def timed_generate(model, prompt, new: int, static: bool, device: str) -> float:
     from lora_llama.model.generate import generate
 
-    synchronize(device)
-    t = time.perf_counter()
-    generate(model, prompt, new, temperature=1.0, seed=0, static=static)
-    synchronize(device)
-    return time.perf_counter() - t
+    return seconds(device, lambda: generate(model, prompt, new, temperature=1.0, seed=0, static=static))
 
 
 def generate_figures(model, prompt, a) -> dict:

@@ -63,38 +63,26 @@ def ours(a, out) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def peer(a) -> dict | None:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.grpo_trl",
-            "--steps",
-            str(a.steps),
-            "--precision",
-            a.precision,
-            "--device",
-            a.device,
-            *overrides(a),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode:
-        print(f"trl GRPOTrainer could not run: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+def module_output(args: list[str], name: str) -> list[str] | None:
+    """The stdout lines of `python -m ARGS` run from the repository root, or None, said in one line, when it fails."""
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode or not lines:
+        print(f"{name} could not run: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
         return None
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return lines
+
+
+def peer(a) -> dict | None:
+    args = ["bench.grpo_trl", "--steps", str(a.steps), "--precision", a.precision, "--device", a.device]
+    lines = module_output([*args, *overrides(a)], "trl GRPOTrainer")
+    return json.loads(lines[-1]) if lines else None
 
 
 def decoding(a) -> dict | None:
     """bench.decode's runs on this device, in a process of its own (its own line goes to decode.jsonl too)."""
-    r = subprocess.run(
-        [sys.executable, "-m", "bench.decode", "--device", a.device], cwd=ROOT, capture_output=True, text=True
-    )
-    lines = r.stdout.strip().splitlines()
-    if r.returncode or not lines:
-        print(f"bench.decode could not run: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    lines = module_output(["bench.decode", "--device", a.device], "bench.decode")
+    if not lines:
         return None
     print("\n".join(lines[:-1]), flush=True)  # its figures as it prints them; the last line is its record
     return json.loads(lines[-1])["runs"]
