@@ -14,8 +14,8 @@ from two_processes import (
     QA,
     RECIPE,
     args,
+    assert_close_adapters,
     assert_same_runs,
-    close_adapters,
     patched_script,
     rows,
     torchrun,
@@ -69,12 +69,12 @@ t.Trainer.train_step = step
     shutil.copytree(tmp_path / "cut", tmp_path / "cut1")
     code, _, err = torchrun(args_2(tmp_path / "cut"))  # the same command again
     assert code == 0, err[-3000:]
-    assert close_adapters(tmp_path / "full" / "adapter", tmp_path / "cut" / "adapter")
+    assert_close_adapters(tmp_path / "full", tmp_path / "cut")
     # one process continues the same global batch with batch_size 4; with 2 it would change the data order
     assert main(args(tiny_ckpt, chat_data, tmp_path / "cut1", 2)) == 2
     assert "resume with train.batch_size=4" in capsys.readouterr().err
     assert main(args(tiny_ckpt, chat_data, tmp_path / "cut1", 4)) == 0
-    assert close_adapters(tmp_path / "full" / "adapter", tmp_path / "cut1" / "adapter")
+    assert_close_adapters(tmp_path / "full", tmp_path / "cut1")
 
 
 def test_nan_on_one_rank_stops_every_rank_before_the_update(tiny_ckpt, chat_data, tmp_path):

@@ -101,16 +101,38 @@ def rows(out):
 
 
 def assert_same_runs(one, two, keys):
-    """The same steps logged in both run folders, each key within 1e-5, and adapters within 1e-5."""
+    """The same steps logged in both run folders, each key within 1e-5, and the adapters as close as rounding
+    lets Adam keep them (`assert_close_adapters`)."""
     a_rows, b_rows = rows(one), rows(two)
     assert [r["step"] for r in a_rows] == [r["step"] for r in b_rows]
     for a, b in zip(a_rows, b_rows):
         for key in keys:
             if key in a:
                 assert abs(a[key] - b[key]) < 1e-5, (key, a, b)
-    assert close_adapters(one / "adapter", two / "adapter")
+    assert_close_adapters(one, two)
 
 
-def close_adapters(a, b, tol=1e-5):
-    x, y = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
-    return x.keys() == y.keys() and max(float((x[k] - y[k]).abs().max()) for k in x) < tol
+# the share of an update that rounding may leave different between two runs (the docstring below argues it)
+UPDATE_SHARE = 1e-2
+
+
+def assert_close_adapters(one: Path, two: Path) -> None:
+    """Two runs' final adapters differ by at most UPDATE_SHARE of how far the first run moved them since its
+    oldest kept checkpoint, in norm over all tensors.
+
+    Two runs that sum the same gradients in another order (other process counts, reduction trees, kernels) get
+    gradients equal to about 1e-7 relative, and the losses they log agree to 1e-5. The weights need another
+    bound: Adam divides each gradient entry by its own running RMS, so an entry whose gradient is within
+    rounding of zero steps by up to lr in either direction, in a run of any size and on any CPU. Those entries
+    barely move the loss (their gradient is ~0) and are few, so their share of the update's norm is small;
+    a real fault (a row seen twice or missed, a rank's gradient left out, a wrong normalisation) changes every
+    entry's step and gives a share of order one."""
+    since = sorted((one / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert since, f"{one} keeps no checkpoint to measure its update from (set train.save_every)"
+    x, y = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (one, two))
+    start = load_file(since[0] / "adapter" / "adapter_model.safetensors")
+    assert x.keys() == y.keys() == start.keys()
+    differ = sum(float((x[k].double() - y[k].double()).square().sum()) for k in x) ** 0.5
+    moved = sum(float((x[k].double() - start[k].double()).square().sum()) for k in x) ** 0.5
+    assert moved > 0, f"the adapter did not move after {since[0].name}: nothing to compare"
+    assert differ <= UPDATE_SHARE * moved, (differ, moved)
