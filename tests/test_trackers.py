@@ -74,15 +74,13 @@ def test_mlflow_file_store_holds_the_recipe_and_every_metric(tiny_ckpt, chat_dat
         assert same(history, series), name
 
 
-def test_wandb_offline_run_holds_the_recipe_and_every_metric(tiny_ckpt, chat_data, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+def wandb_run(folder):
+    """The history ({name: [(step, value)]}), config and run header (project, name, entity) of the one offline run
+    under `folder`, read from its .wandb file."""
     from wandb.proto import wandb_internal_pb2
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    assert train(tiny_ckpt, chat_data, tmp_path / "run", "train.report_to=[wandb]") == 0
-    (events,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    history, config = {}, {}
+    (events,) = folder.glob("offline-run-*/run-*.wandb")
+    history, config, header = {}, {}, None
     for data in wandb_records(events.read_bytes()):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
@@ -93,9 +91,56 @@ def test_wandb_offline_run_holds_the_recipe_and_every_metric(tiny_ckpt, chat_dat
                     history.setdefault(k, []).append((row["_step"], v))
         if record.WhichOneof("record_type") == "run":  # the run's header record carries the config
             config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+            header = record.run
+    return history, config, header
+
+
+def test_wandb_offline_run_holds_the_recipe_and_every_metric(tiny_ckpt, chat_data, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for variable in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_DIR", "WANDB_ENTITY"):
+        monkeypatch.delenv(variable, raising=False)
+    extra = ["train.report_to=[wandb]", "train.run_name=first-try", "train.project=chat-bots"]
+    assert train(tiny_ckpt, chat_data, tmp_path / "run", *extra) == 0
+    history, config, header = wandb_run(tmp_path / "run" / "wandb")
     assert config["train"]["max_steps"] == 3 and config["model"]["source"] == str(tiny_ckpt)
+    assert (header.project, header.display_name) == ("chat-bots", "first-try")  # the recipe's names
     for name, series in logged(tmp_path / "run").items():
         assert same(sorted(history[name]), series), name
+
+
+def test_wandb_variables_win_over_the_recipe(tiny_ckpt, chat_data, tmp_path, monkeypatch):
+    """WANDB_PROJECT, WANDB_NAME, WANDB_DIR and WANDB_ENTITY decide as under transformers' integration."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "team-project")
+    monkeypatch.setenv("WANDB_NAME", "from-the-shell")
+    monkeypatch.setenv("WANDB_ENTITY", "my-team")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-home"))
+    (tmp_path / "wandb-home").mkdir()
+    extra = ["train.report_to=[wandb]", "train.run_name=first-try", "train.project=chat-bots"]
+    assert train(tiny_ckpt, chat_data, tmp_path / "run", *extra) == 0
+    assert not (tmp_path / "run" / "wandb").exists()
+    history, _, header = wandb_run(tmp_path / "wandb-home" / "wandb")
+    assert (header.project, header.display_name, header.entity) == ("team-project", "from-the-shell", "my-team")
+    assert same(sorted(history["loss"]), logged(tmp_path / "run")["loss"])
+
+
+def test_mlflow_experiment_from_the_recipe_or_its_variable(tiny_ckpt, chat_data, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    extra = ["train.report_to=[mlflow]", "train.max_steps=1", "train.run_name=first-try"]
+    assert train(tiny_ckpt, chat_data, tmp_path / "a", *extra, "train.project=chat-bots") == 0
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-experiment")
+    assert train(tiny_ckpt, chat_data, tmp_path / "b", *extra, "train.project=chat-bots") == 0
+    client = mlflow.tracking.MlflowClient()
+    for experiment in ("chat-bots", "team-experiment"):
+        (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+        assert run.info.run_name == "first-try"
 
 
 def test_a_tracker_not_installed_is_one_line_before_the_run(tiny_ckpt, chat_data, tmp_path, capsys, monkeypatch):

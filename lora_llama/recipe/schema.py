@@ -162,6 +162,16 @@ class TrainSection(Settings):
         description="trackers that get every metric line and the recipe (trl's names; each needs its library "
         "installed); null: TensorBoard when installed",
     )
+    run_name: str | None = Field(
+        None,
+        description="the run's name in the trackers (transformers' run_name; WANDB_NAME wins for wandb); "
+        "null: the run folder's name",
+    )
+    project: str = Field(
+        "lora-llama",
+        description="the trackers' project (transformers' project): trackio's project, wandb's project unless "
+        "WANDB_PROJECT is set, MLflow's experiment unless MLFLOW_EXPERIMENT_NAME is set",
+    )
     seed: int = Field(0, description="seeds the data order, the split, dropout and the adapter's init")
     gradient_checkpointing: Literal[False, True, "block", "selective"] = Field(
         False,

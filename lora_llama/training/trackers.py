@@ -5,6 +5,7 @@ the metrics under metrics.jsonl's names."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from lora_llama.errors import UserError
@@ -46,7 +47,7 @@ def flat(tree: dict, prefix: str = "") -> dict:
 class TensorBoard:
     """Event files in `folder` (the run folder's tensorboard/)."""
 
-    def __init__(self, folder: Path, name: str, config: dict, resumed_step: int):
+    def __init__(self, folder: Path, name: str, project: str, config: dict, resumed_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
         # a resumed run drops the events written after its checkpoint
@@ -61,12 +62,22 @@ class TensorBoard:
 
 
 class WandB:
-    """A wandb run in the run folder (WANDB_MODE=offline writes it there without a network; `wandb sync` later)."""
+    """A wandb run in the run folder (WANDB_MODE=offline writes it there without a network; `wandb sync` later).
+    wandb's own variables win over the recipe, as under transformers' integration: WANDB_PROJECT, WANDB_NAME and
+    WANDB_DIR replace train.project, train.run_name and the run folder; WANDB_ENTITY names the team."""
 
-    def __init__(self, out: Path, name: str, config: dict, resumed_step: int):
+    def __init__(self, out: Path, name: str, project: str, config: dict, resumed_step: int):
         import wandb
 
-        self.run = wandb.init(project="lora-llama", name=name, config=config, dir=str(out), reinit="create_new")
+        # read here rather than left to wandb, whose settings outlive a run in the same process
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or project,
+            entity=os.environ.get("WANDB_ENTITY") or None,
+            name=os.environ.get("WANDB_NAME") or name,
+            dir=os.environ.get("WANDB_DIR") or str(out),
+            config=config,
+            reinit="create_new",
+        )
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
@@ -76,13 +87,14 @@ class WandB:
 
 
 class MLflow:
-    """An MLflow run in the tracking store MLFLOW_TRACKING_URI names (a local ./mlruns file store by default)."""
+    """An MLflow run in the tracking store MLFLOW_TRACKING_URI names (a local ./mlruns file store by default), in
+    the experiment MLFLOW_EXPERIMENT_NAME names, else train.project."""
 
-    def __init__(self, out: Path, name: str, config: dict, resumed_step: int):
+    def __init__(self, out: Path, name: str, project: str, config: dict, resumed_step: int):
         import mlflow
 
         self.mlflow = mlflow
-        mlflow.set_experiment("lora-llama")
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or project)
         self.run = mlflow.start_run(run_name=name)
         mlflow.log_params({k: str(v) for k, v in flat(config).items()})
 
@@ -94,11 +106,13 @@ class MLflow:
 
 
 class Trackio:
-    def __init__(self, out: Path, name: str, config: dict, resumed_step: int):
+    """A trackio run in train.project (transformers passes its `project` the same way)."""
+
+    def __init__(self, out: Path, name: str, project: str, config: dict, resumed_step: int):
         import trackio
 
         self.trackio = trackio
-        trackio.init(project="lora-llama", name=name, config=config)
+        trackio.init(project=project, name=name, config=config)
 
     def log(self, metrics: dict, step: int) -> None:
         self.trackio.log(metrics, step=step)
@@ -114,11 +128,14 @@ class Trackers:
     """The run's trackers: each logged record goes to every one, under metrics.jsonl's names."""
 
     def __init__(self, names: list[str], out: Path, tensorboard_dir: Path, config: dict, resumed_step: int):
-        name, self.trackers = Path(out).name, []
+        """config: the resolved recipe as a dict; its train.run_name (else the folder's name) and train.project
+        name the run."""
+        train = config.get("train", {})
+        name, project, self.trackers = train.get("run_name") or Path(out).name, train.get("project", "lora-llama"), []
         for n in names:
             try:
                 folder = tensorboard_dir if n == "tensorboard" else Path(out)
-                self.trackers.append(KINDS[n](folder, name, config, resumed_step))
+                self.trackers.append(KINDS[n](folder, name, project, config, resumed_step))
             except Exception as e:  # a tracker's own setup error (a store it refuses, a login it needs): one line
                 self.close()
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
