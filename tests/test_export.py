@@ -80,7 +80,7 @@ def test_exported_gguf_reads_back_as_the_merged_model(family, out_type, tmp_path
     assert "wrote" in capsys.readouterr().out
     assert_same_model(out, tmp_path / "merged", out_type, 300)
     assert_same_tokenizer(out, tmp_path / "merged")
-    assert (out.parent / "Modelfile").read_text() == 'FROM ./model.gguf\nPARAMETER stop "<|im_end|>"\n'
+    assert (out.parent / "model.Modelfile").read_text() == 'FROM ./model.gguf\nPARAMETER stop "<|im_end|>"\n'
     from gguf import GGUFReader
 
     fields = GGUFReader(out).fields
@@ -88,7 +88,7 @@ def test_exported_gguf_reads_back_as_the_merged_model(family, out_type, tmp_path
     assert arch == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family]
     assert fields[f"{arch}.attention.key_length"].contents() == (128 if family == "qwen3" else 16)
     assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
-    assert sorted(p.name for p in out.parent.iterdir()) == ["Modelfile", "model.gguf"]  # no temporary left
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.Modelfile", "model.gguf"]  # no temporary left
 
 
 def tokenizer_with(pre_tokenizer, normalizer=None):
@@ -201,6 +201,33 @@ def test_lora_gguf_holds_the_adapter_in_the_model_files_layout(tmp_path):
         assert torch.allclose(merged[name] - plain[name], delta, atol=2e-3 * float(delta.abs().max()) + 1e-3), name
 
 
+def test_four_exports_share_a_folder_each_with_its_modelfile(tmp_path):
+    """f16 and q8_0 of the merged model, the base alone and the adapter as a LoRA GGUF over that base, in one folder:
+    each GGUF has FILE.Modelfile, and the LoRA file's names its base (FROM) and itself (ADAPTER), as Ollama reads."""
+    base = build_checkpoint(tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "adapter")
+    out = tmp_path / "out"
+    out.mkdir()
+    merged = ["export", "--base", str(base), "--adapter", str(adapter)]
+    assert main([*merged, "--out", str(out / "chat-f16.gguf")]) == 0
+    assert main([*merged, "--out", str(out / "chat-q8_0.gguf"), "--type", "q8_0"]) == 0
+    assert main(["export", "--base", str(base), "--out", str(out / "base.gguf")]) == 0
+    lora = ["export", "--base", str(out / "base.gguf"), "--adapter", str(adapter), "--lora-gguf"]
+    assert main([*lora, str(out / "chat-lora.gguf")]) == 0
+    stem = {"f16": "chat-f16", "q8_0": "chat-q8_0", "base": "base", "lora": "chat-lora"}
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"{s}.{ext}" for s in stem.values() for ext in ("gguf", "Modelfile")
+    )
+    stop = 'PARAMETER stop "<|im_end|>"\n'
+    for name in ("chat-f16", "chat-q8_0", "base"):
+        assert (out / f"{name}.Modelfile").read_text() == f"FROM ./{name}.gguf\n" + stop
+    assert (out / "chat-lora.Modelfile").read_text() == "FROM ./base.gguf\nADAPTER ./chat-lora.gguf\n" + stop
+    # a second export under a taken name is refused whole, the first file's Modelfile untouched
+    assert main([*merged, "--out", str(out / "chat-f16.gguf")]) == 2
+    assert main([*lora, str(out / "chat-lora.gguf")]) == 2
+    assert (out / "chat-lora.Modelfile").read_text().startswith("FROM ./base.gguf")
+
+
 @pytest.mark.slow
 def test_smollm2_with_adapter(smollm2, tmp_path):
     """A GGUF base: its tokenizer is copied; the merged model, in f16 and q8_0 (size within 2% of the tensors' own)."""
@@ -233,7 +260,7 @@ def test_smollm2_with_adapter(smollm2, tmp_path):
         if out_type == "f16":
             assert_same_model(out, tmp_path / "merged", out_type, 49152)
             assert_same_tokenizer(out, tmp_path / "merged")
-            assert 'PARAMETER stop "<|im_end|>"' in (out.parent / "Modelfile").read_text()
+            assert 'PARAMETER stop "<|im_end|>"' in out.with_suffix(".Modelfile").read_text()
         else:
             reader = GGUFReader(out)
             expected = sum(t.n_elements * (34 / 32 if len(t.shape) > 1 else 4) for t in reader.tensors)

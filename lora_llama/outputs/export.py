@@ -196,7 +196,7 @@ def export_gguf(
     progress: bool = True,
     double_quant: bool = False,
 ) -> dict:
-    """Write base (+ adapter, merged) as one GGUF file, and an Ollama Modelfile beside it."""
+    """Write base (+ adapter, merged) as one GGUF file, and its Ollama Modelfile beside it (`modelfile_for`)."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -205,7 +205,7 @@ def export_gguf(
         raise UserError(f"unknown --type {out_type!r} (use {', '.join(GGUF_TYPES)})")
     out = Path(out)
     _check_out(out, force)
-    modelfile = out.with_name("Modelfile")
+    modelfile = modelfile_for(out)
     refuse_existing(modelfile, force)
     merger = Merger(base, adapter, onto, quantize, double_quant)
     args = ModelArgs.from_hf_config(merger.config)
@@ -231,7 +231,7 @@ def export_gguf(
                         bar.update(1)
 
     size = _atomic_gguf(writer, out, write_tensors)
-    write_modelfile(modelfile, out, merger.folder, args)
+    write_modelfile(modelfile, [f"FROM ./{out.name}"], merger.folder, args)
     return {
         "out": str(out),
         "bytes": size,
@@ -241,20 +241,32 @@ def export_gguf(
     }
 
 
-def write_modelfile(path: Path, gguf_path: Path, folder: Path, args: ModelArgs) -> None:
-    """FROM the file, and a stop for every token that ends a turn (Ollama reads the chat template from the
-    GGUF's tokenizer.chat_template)."""
+def modelfile_for(gguf_path: Path) -> Path:
+    """FILE.Modelfile beside FILE.gguf: one per exported file, so several exports share a folder
+    (`ollama create NAME -f FILE.Modelfile`)."""
+    return gguf_path.with_suffix(".Modelfile")
+
+
+def write_modelfile(path: Path, head: list[str], folder: Path, args: ModelArgs) -> None:
+    """The head (FROM, and ADAPTER for a LoRA file), then a stop for every token that ends a turn (Ollama reads
+    the chat template from the GGUF's tokenizer.chat_template)."""
     tok = load_tokenizer(folder)
-    lines = [f"FROM ./{gguf_path.name}"]
 
     def quoted(t):
         return t.replace("\\", "\\\\").replace('"', '\\"')  # Modelfile strings are double-quoted
 
-    lines += [
+    lines = head + [
         f'PARAMETER stop "{quoted(tok.convert_ids_to_tokens(i))}"'
         for i in stop_token_ids(tok, args.eos_token_id, folder)
     ]
     write_text_atomic(path, "\n".join(lines) + "\n")
+
+
+def ollama_base(base: str, out: Path) -> str:
+    """What a LoRA file's Modelfile takes as FROM: the base's GGUF (relative when it sits beside the LoRA file)
+    or its HF folder, which Ollama imports too."""
+    path = (gguf_file(base) or resolve_source(base)).resolve()
+    return f"./{path.name}" if path.parent == out.resolve().parent else str(path)
 
 
 def export_lora_gguf(
@@ -269,6 +281,8 @@ def export_lora_gguf(
     gguf = _gguf()
     out = Path(out)
     _check_out(out, force)
+    modelfile = modelfile_for(out)
+    refuse_existing(modelfile, force)
     if not Path(adapter).is_dir():
         raise UserError(f"adapter folder not found: {adapter}")
     deltas, scale, cfg = adapter_deltas(adapter)
@@ -304,4 +318,11 @@ def export_lora_gguf(
     for name, t in tensors:
         writer.add_tensor_info(name, tuple(t.shape), np.float32, t.numel() * 4, raw_dtype=gguf.GGMLQuantizationType.F32)
     size = _atomic_gguf(writer, out, lambda: [writer.write_tensor_data(t.contiguous().numpy()) for _, t in tensors])
-    return {"out": str(out), "bytes": size, "tensors": len(tensors), "seconds": time.perf_counter() - start}
+    write_modelfile(modelfile, [f"FROM {ollama_base(base, out)}", f"ADAPTER ./{out.name}"], resolve_source(base), args)
+    return {
+        "out": str(out),
+        "bytes": size,
+        "tensors": len(tensors),
+        "modelfile": str(modelfile),
+        "seconds": time.perf_counter() - start,
+    }
