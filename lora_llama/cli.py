@@ -212,8 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def check_combinations(args) -> None:
+    """Options that only work together, refused before any work (the docs test checks documented commands too)."""
+    if args.command == "export":
+        if args.lora_gguf and (not args.adapter or args.out):
+            raise UserError("--lora-gguf writes the adapter alone: give --adapter and no --out")
+        if not args.lora_gguf and (not args.base or not args.out):
+            raise UserError("export needs --base and --out FILE.gguf (or --adapter and --lora-gguf FILE.gguf)")
+    if args.command in ("generate", "eval") and args.compare and not args.adapter:
+        raise UserError("--compare needs --adapter: it shows the base model's answers beside the adapter's")
+    if args.command == "eval" and (args.data is None) == (args.tasks is None):
+        raise UserError("eval needs --data FILE (loss and perplexity) or --tasks t1,t2 (lm-eval's benchmarks)")
+
+
 def _run(args) -> int:
     try:
+        check_combinations(args)
         return args.func(args)
     except UserError as e:
         if speaks_for_job():  # one line for the job: every rank meets the same error together

@@ -112,16 +112,12 @@ def cmd_merge(args) -> int:
 def cmd_export(args) -> int:
     from lora_llama.outputs.export import export_gguf, export_lora_gguf
 
-    if args.lora_gguf:
-        if not args.adapter or args.out:
-            raise UserError("--lora-gguf writes the adapter alone: give --adapter and no --out")
+    if args.lora_gguf:  # cli.check_combinations: --adapter without --out
         r = _warnings_to_stderr(
             lambda: export_lora_gguf(args.adapter, args.lora_gguf, base=args.base, force=args.force)
         )
         print(f"wrote {r['out']}: {r['tensors']} LoRA tensors, {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f} s")
         return 0
-    if not args.base or not args.out:
-        raise UserError("export needs --base and --out FILE.gguf (or --adapter and --lora-gguf FILE.gguf)")
     r = _warnings_to_stderr(
         lambda: export_gguf(
             args.base,
@@ -180,8 +176,6 @@ def cmd_generate(args) -> int:
     from lora_llama.lora.adapted import adapters_disabled
     from lora_llama.model.generate import generate
 
-    if args.compare and not args.adapter:
-        raise UserError("--compare needs --adapter (it shows the base model's answer beside the adapter's)")
     model, tok = _load(args)
     settings = dict(
         max_new_tokens=args.max_new_tokens,
@@ -209,8 +203,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    if (args.data is None) == (args.tasks is None):
-        raise UserError("eval needs --data FILE (loss and perplexity) or --tasks t1,t2 (lm-eval's benchmarks)")
     if args.tasks is not None:
         return _eval_tasks(args)
     from lora_llama.data.sft import read_documents
@@ -243,8 +235,6 @@ def _eval_tasks(args) -> int:
     tasks = [t for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise UserError("--tasks names no task")
-    if args.compare and not args.adapter:
-        raise UserError("--compare needs --adapter: it runs the base and the adapter")
     out = Path(args.output or time.strftime("lm-eval-%Y%m%d-%H%M%S.json"))
     refuse_existing(out, args.force)
     manager = task_manager(args.include_path)
