@@ -60,6 +60,43 @@ def test_compiled_blocks_are_whole_graphs_that_train_as_the_eager_kernels(tiny_c
     assert all(rel(grads[k], eager[k]) < tol for k in grads), max((rel(grads[k], eager[k]), k) for k in grads)
 
 
+def test_a_backward_that_fails_to_compile_falls_back_in_the_forward(tiny_ckpt):
+    """Inductor compiles a backward lazily, inside backward(), where nothing could fall back: the blocks compile it
+    with the forward, so its failure is one warning in the forward and the step trains as the eager blocks do."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def broken_backward(gm, example_inputs):
+        raise RuntimeError("backward lowering failed (injected)")
+
+    torch._dynamo.reset()
+    eager_loss, eager = loss_and_grads(adapted(tiny_ckpt))
+    model = adapted(tiny_ckpt)
+    model.compile_blocks(backend=aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=broken_backward))
+    with pytest.warns(UserWarning, match="torch.compile unavailable .*injected.*decoder blocks run eager") as said:
+        loss, grads = loss_and_grads(model)
+    assert len([w for w in said if "torch.compile" in str(w.message)]) == 1
+    assert fused._broken and loss == eager_loss and all(torch.equal(grads[k], eager[k]) for k in eager)
+
+
+def test_a_recompile_past_the_limit_says_so_once_and_runs_eager(monkeypatch):
+    """Past dynamo's recompile limit a new shape runs the eager formula, with one warning for the process; the
+    shapes compiled before keep their graphs."""
+    monkeypatch.setattr(fused, "_past_limit_said", False)
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(tuple(example_inputs[0].shape))
+        return gm.forward
+
+    formula = fused.compiled(lambda t: t * 2 + 1, "slower", graphs=2, dynamic=False, backend=backend)
+    with pytest.warns(UserWarning, match="recompile limit") as said:
+        for n in (3, 4, 5, 3, 6):
+            assert torch.equal(formula(torch.ones(n)), torch.full((n,), 3.0))
+    assert len([w for w in said if "recompile limit" in str(w.message)]) == 1
+    assert seen == [(3,), (4,)] and fused._broken is None  # 5 and 6 ran eager; 3 replayed its graph
+
+
 def test_decoding_and_eval_keep_the_eager_blocks(tiny_ckpt):
     """A KV cache's growing length would make each token a new graph, and no-grad graphs would compile again beside
     the training ones: generation and passes without gradients run the eager blocks."""

@@ -14,6 +14,7 @@ serves quant/linear.py, whose dequantization compiles on CUDA, and the model's c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -47,12 +48,57 @@ def made_once(make):
     return get
 
 
+_strict = False  # whether strict_compiling() holds
+
+
+@contextlib.contextmanager
+def strict_compiling():
+    """torch.compile's failures raised where `compiled` can fall back from them: the backward compiled together with
+    the forward (inductor otherwise compiles it lazily, inside backward(), past any fallback), and a recompile past
+    dynamo's limit raised (otherwise that call runs eager without a word from us). A forward pass enters it once
+    for all the compiled calls inside it; a call outside one enters it alone (~6 µs)."""
+    global _strict
+    if _strict:
+        yield
+        return
+    import torch._dynamo  # imported by torch.compile anyway; by now the first compile has done it
+    import torch._functorch.config as functorch
+
+    saved = functorch.force_non_lazy_backward_lowering, torch._dynamo.config.fail_on_recompile_limit_hit
+    functorch.force_non_lazy_backward_lowering = torch._dynamo.config.fail_on_recompile_limit_hit = True
+    _strict = True
+    try:
+        yield
+    finally:
+        _strict = False
+        functorch.force_non_lazy_backward_lowering, torch._dynamo.config.fail_on_recompile_limit_hit = saved
+
+
+_past_limit_said = False  # whether a recompile past the limit has been reported
+
+
+def _past_recompile_limit(e: Exception, slower: str) -> bool:
+    """Whether e is dynamo's recompile limit (said once: that call, and each new shape after it, runs eager)."""
+    global _past_limit_said
+    if type(e).__name__ != "FailOnRecompileLimitHit":
+        return False
+    if not _past_limit_said:
+        _past_limit_said = True
+        warnings.warn(
+            "torch.compile reached its recompile limit (more input shapes than graphs it keeps); calls of new "
+            f"shapes run PyTorch's eager kernels ({slower})",
+            stacklevel=3,
+        )
+    return True
+
+
 def compiled(fn, slower: str, graphs: int | None = None, **compile_args):
     """fn (a function, or a module such as a decoder block) through torch.compile(**compile_args), compiled on first
-    use; on a compile failure, a warning once (saying what runs `slower`) and fn itself, then and from then on, for
-    everything compiled here. `graphs`: how many graphs fn may compile (dynamo's recompile limit, 8, raised for
-    each call: the patch costs ~40 µs a call, so only a formula that needs more, one graph per format and dtype,
-    asks for it)."""
+    use (forward and backward together, under strict_compiling); on a compile failure, a warning once (saying what
+    runs `slower`) and fn itself, then and from then on, for everything compiled here; past dynamo's recompile
+    limit, a warning once and fn for the calls of new shapes. `graphs`: how many graphs fn may compile (dynamo's
+    recompile limit, 8, raised for each call: the patch costs ~40 µs a call, so only a formula that needs more,
+    one graph per format and dtype, asks for it)."""
     compiled_fn = None
 
     def run(*args, **kwargs):
@@ -62,11 +108,14 @@ def compiled(fn, slower: str, graphs: int | None = None, **compile_args):
             try:
                 if compiled_fn is None:  # torch.compile imports dynamo (~2 s): only once a formula is needed
                     compiled_fn = torch.compile(fn, **compile_args)
-                if graphs is None:
-                    return compiled_fn(*args, **kwargs)
-                with torch._dynamo.config.patch(recompile_limit=graphs):
-                    return compiled_fn(*args, **kwargs)
+                with strict_compiling():
+                    if graphs is None:
+                        return compiled_fn(*args, **kwargs)
+                    with torch._dynamo.config.patch(recompile_limit=graphs):
+                        return compiled_fn(*args, **kwargs)
             except Exception as e:  # inductor's compiler errors have no common base; a real error repeats in fn
+                if _past_recompile_limit(e, slower):
+                    return fn(*args, **kwargs)
                 # dynamo's wrapper reads "backend='inductor' raised:" and then the cause
                 lines = [line for line in str(e).splitlines() if line.strip() and not line.endswith("raised:")]
                 _broken = lines[0][:200] if lines else type(e).__name__

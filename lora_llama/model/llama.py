@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lora_llama.kernels.attention import attend, takes_segments
 from lora_llama.kernels.elementwise import apply_rope, recompute_when_saved, rms_norm, silu_mul, swiglu
-from lora_llama.kernels.fused import compiled
+from lora_llama.kernels.fused import compiled, strict_compiling
 from lora_llama.kernels.gemm import run_linear
 from lora_llama.kernels.low_rank import project
 from lora_llama.model.config import ModelArgs, rope_inv_freq
@@ -267,28 +267,30 @@ class Llama(nn.Module):
         # no-grad graphs would be compiled again beside the training ones
         compiled = self._compiled_blocks and cache is None and torch.is_grad_enabled()
         blocks = self._compiled_blocks if compiled else self.model.layers
-        for i, layer in enumerate(blocks):
-            # the last block's output projection and MLP run at the kept positions only (a loss's targets)
-            rows = keep if i == last else None
-            with offloaded(self.offload_activations and self.training, x.device):
-                if self.gradient_checkpointing and self.training:
-                    selective = (
-                        {"context_fn": _selective_contexts} if self.gradient_checkpointing == "selective" else {}
-                    )
-                    x = checkpoint(
-                        layer, x, cos, sin, mask, keep=rows, segments=segments, use_reentrant=False, **selective
-                    )
-                else:
-                    x = layer(
-                        x,
-                        cos,
-                        sin,
-                        mask,
-                        cache,
-                        lean=self.training and torch.is_grad_enabled(),
-                        keep=rows,
-                        segments=segments,
-                    )
+        # compile errors of forward and backward surface here, where the compiled blocks fall back to eager
+        with strict_compiling() if compiled else contextlib.nullcontext():
+            for i, layer in enumerate(blocks):
+                # the last block's output projection and MLP run at the kept positions only (a loss's targets)
+                rows = keep if i == last else None
+                with offloaded(self.offload_activations and self.training, x.device):
+                    if self.gradient_checkpointing and self.training:
+                        selective = (
+                            {"context_fn": _selective_contexts} if self.gradient_checkpointing == "selective" else {}
+                        )
+                        x = checkpoint(
+                            layer, x, cos, sin, mask, keep=rows, segments=segments, use_reentrant=False, **selective
+                        )
+                    else:
+                        x = layer(
+                            x,
+                            cos,
+                            sin,
+                            mask,
+                            cache,
+                            lean=self.training and torch.is_grad_enabled(),
+                            keep=rows,
+                            segments=segments,
+                        )
         if cache is not None:
             cache.advance(T)
         return self.model.norm(x)
