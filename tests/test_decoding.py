@@ -62,6 +62,35 @@ def test_static_decoding_gives_the_completions_of_each_row_alone(tiny_ckpt, temp
     assert runs[True] == runs[False] == want
 
 
+def test_a_failed_capture_decodes_eagerly_with_the_same_tokens(tiny_ckpt, monkeypatch):
+    """A CUDA graph capture that raises (a compile or a host sync inside it) leaves the step to the eager forward:
+    one warning for the process, the same completions, and the decoder stays eager."""
+    import lora_llama.model.decoding as decoding
+
+    model = adapted(tiny_ckpt)
+    prompts, seeds = prompts_of((3, 7, 1), seed=4), [10, 11, 12]
+    want = sample_completions(model, prompts, 9, eos_ids=[], pad_id=0, temperature=1.0, seeds=seeds, static=True)
+    model.__dict__.pop("_static_decoders", None)
+    made, tries = decoding.StaticDecoder.__init__, []
+
+    def capturing(self, *a):  # as on CUDA, warmed up: the next step captures
+        made(self, *a)
+        self.graphed = self.warm = True
+
+    def failing_capture(self):
+        tries.append(self)
+        raise RuntimeError("operation not permitted when stream is capturing (injected)")
+
+    monkeypatch.setattr(decoding.StaticDecoder, "__init__", capturing)
+    monkeypatch.setattr(decoding.StaticDecoder, "_capture", failing_capture)
+    monkeypatch.setattr(decoding, "_capture_failed", False)
+    with pytest.warns(UserWarning, match="CUDA graph capture failed .*injected") as said:
+        got = sample_completions(model, prompts, 9, eos_ids=[], pad_id=0, temperature=1.0, seeds=seeds, static=True)
+        again = sample_completions(model, prompts, 9, eos_ids=[], pad_id=0, temperature=1.0, seeds=seeds, static=True)
+    assert got == again == want and len(tries) == 1
+    assert len([w for w in said if "CUDA graph capture" in str(w.message)]) == 1
+
+
 def test_static_decoding_stops_rows_at_their_eos_between_checks(tiny_ckpt):
     """A GPU asks whether every row has stopped every CHECK_EVERY tokens: the steps past a row's EOS change nothing."""
     model = adapted(tiny_ckpt)

@@ -12,12 +12,15 @@ switched off or merged): a change of any captures anew.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from lora_llama.model.llama import KVCache
 
 LENGTH_BUCKET = 128  # cache lengths are rounded up to a multiple: calls of nearby prompt lengths share a graph
 KEPT = 2  # decoders kept per model (GRPO's sampling and its greedy eval), the oldest dropped first
+_capture_failed = False  # whether a capture has failed in this process (said once)
 
 
 def bucket_rows(rows: int) -> int:
@@ -64,9 +67,11 @@ class StaticDecoder:
             self.graph.replay()
             return self.logits[: self.rows]
         if self.graphed and self.warm:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):  # records the step's kernels, runs none: replayed right after
-                self.logits = self._forward()
+            try:
+                self._capture()
+            except Exception as e:  # a capture that fails (a compile or a host sync inside it): the eager step
+                self._eager_from_now_on(e)
+                return self._forward()[: self.rows]
             self.graph.replay()
             return self.logits[: self.rows]
         self.warm = True  # the first step eagerly: lazy initialisations (cuBLAS, compiled kernels) stay out of graphs
@@ -78,6 +83,28 @@ class StaticDecoder:
             logits = self._forward()
         torch.cuda.current_stream().wait_stream(side)
         return logits[: self.rows]
+
+    def _capture(self) -> None:
+        """Record one step as a CUDA graph (its kernels recorded, none run: replayed right after)."""
+        pos, graph = self.cache.pos, torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self._forward()
+        except BaseException:
+            self.cache.pos = pos  # the host's count advanced, the device ran nothing: the step is still to run
+            raise
+        self.graph = graph
+
+    def _eager_from_now_on(self, error: Exception) -> None:
+        """The step's eager form for this decoder from now on, said once for the process."""
+        global _capture_failed
+        self.graphed, self.graph = False, None
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # whatever the failed capture left queued is done before eager steps
+        if not _capture_failed:
+            _capture_failed = True
+            reason = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)[:200]
+            warnings.warn(f"CUDA graph capture failed ({reason}); decoding steps run eagerly (slower)", stacklevel=3)
 
     def _forward(self) -> torch.Tensor:
         logits = self.model(self.token[:, None], position_ids=self.position[:, None], cache=self.cache)[:, -1]
