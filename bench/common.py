@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+# BENCH_RESULTS: another folder for the lines (bench/gpu_call.sh's CPU rehearsal keeps them out of the repository)
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")
 # the CPU flags that decide the fast paths (oneDNN's kernels, native bf16, AMX tiles)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -170,8 +171,9 @@ def _commit() -> str:
 
 
 def _gpu() -> dict:
-    """The GPU's name where a run used one (`--device cuda`)."""
-    return {"gpu": torch.cuda.get_device_name()} if "cuda" in sys.argv and torch.cuda.is_available() else {}
+    """The GPU's name where a run used one: this process worked on it, or sent its work there (`--device cuda`)."""
+    used = torch.cuda.is_available() and (torch.cuda.is_initialized() or "cuda" in sys.argv)
+    return {"gpu": torch.cuda.get_device_name()} if used else {}
 
 
 def record(name: str, figures: dict) -> dict:

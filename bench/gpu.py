@@ -1,7 +1,8 @@
 """One GPU, one call: the LoRA / QLoRA training step of lora-llama against transformers+peft (SDPA) and
 transformers+peft with liger-kernel's Llama kernels, at the sizes people fine-tune on one GPU.
 
-Random Llama-shaped models in bf16 (each written once as an HF folder), rows of `seq` tokens every one a target,
+Random Llama-shaped models in bf16 (each written once as an HF folder), the same rows of `seq` tokens on both sides
+(random words, each row one document as lora-llama reads it: BOS, words, EOS), every token a target,
 LoRA r=16 alpha=32 dropout 0 on all seven linears, AdamW, no activation checkpointing:
 
     8b       Llama-3.1-8B shapes, 2 x 2048, bf16 base
@@ -110,23 +111,32 @@ def random_model(folder: Path, shapes: dict, device: str) -> Path:
 
 
 def documents(path: Path, folder: Path, rows: int, seq: int) -> list[list[int]]:
-    """`rows` documents of random words, each longer than `seq` tokens, as a JSONL `text` file for lora-llama; and the
-    first `seq` token ids of each (BOS first, as lora-llama's text rows begin) for the peers."""
+    """`rows` documents of random words, each cut so that lora-llama reads it as one full row of `seq` tokens (BOS,
+    the words, EOS: no short tail window), as a JSONL `text` file for lora-llama; and those rows' token ids for the
+    peers, so both sides train on the same tokens."""
     import random
 
-    from transformers import AutoTokenizer
+    from lora_llama import load_tokenizer
+    from lora_llama.data.sft import Tokenize
 
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = load_tokenizer(folder)
+    as_text_rows = Tokenize(tok, "text", seq).text
     rng = random.Random(0)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "paris", "question", "world", "fine"]
     texts, ids = [], []
     for _ in range(rows):
-        text = " ".join(rng.choice(words) for _ in range(seq * 2))
+        words_ids = tok(" ".join(rng.choice(words) for _ in range(seq * 2)), add_special_tokens=False)["input_ids"]
+        for k in range(seq, seq - 8, -1):  # the longest prefix that reads back as exactly one full row
+            text = tok.decode(words_ids[:k])
+            windows = as_text_rows(text)
+            if len(windows) == 1 and len(windows[0]["input_ids"]) == seq:
+                break
+        else:
+            raise SystemExit(f"bench.gpu: no prefix of a document reads back as one row of {seq} tokens")
         texts.append(text)
-        row = tok(text)["input_ids"]
-        ids.append(([tok.bos_token_id] if tok.bos_token_id is not None and row[0] != tok.bos_token_id else []) + row)
+        ids.append(windows[0]["input_ids"])
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return [row[:seq] for row in ids]
+    return ids
 
 
 def model_flops(shapes: dict, batch: int, seq: int) -> float:
@@ -228,6 +238,9 @@ def parse_args():
         help="seconds for the whole bench: a run gets at most what is left, and once under MIN_RUN_S is left the "
         "rest are skipped, so every configuration's summary is written before a call's own limit cuts it",
     )
+    ap.add_argument("--make-model", choices=list(MODEL_OF.values()), help="only write that random model (to --to)")
+    ap.add_argument("--to", help="--make-model's folder")
+    ap.add_argument("--tokenizer", help="--make-model: a tokenizer folder to save beside it (bench.grpo's chat one)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--kw", help=argparse.SUPPRESS)
     return ap.parse_args()
@@ -278,6 +291,13 @@ def main():
     if a.worker:
         fn = {"peak": matmul_peak, "peer": peer, "ours": ours}[a.worker]
         print(json.dumps(fn(**json.loads(a.kw))), flush=True)
+        return
+    if a.make_model:  # bench.grpo's random model of these shapes (bench/gpu_call.sh's grpo part)
+        folder = random_model(Path(a.to), CONFIGS[a.make_model][0], a.device)
+        if a.tokenizer:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(a.tokenizer).save_pretrained(folder)
         return
     configs = [c for c in a.configs.split(",") if c]
     unknown = [c for c in configs if c not in CONFIGS]

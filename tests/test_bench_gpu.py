@@ -1,7 +1,9 @@
-"""bench.gpu, the GPU benchmark, kept runnable: its FLOP count against the model's own parameter count, and the
-whole bench on the CPU (a smoke test: a tiny model, one measured step a run) writing the lines the report reads."""
+"""bench.gpu and the device call, kept runnable: the FLOP count against the model's own parameter count, the call's
+time budget, and the whole call rehearsed on the CPU (tiny models, one measured step a run) writing the lines the
+report reads."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -53,48 +55,50 @@ def test_a_budget_shortens_the_last_run_and_skips_the_rest(monkeypatch):
     assert not gpu.Budget(None).spent() and gpu.Budget(None).left() == float("inf")
 
 
+def call(tmp_path, *parts, **env):
+    """bash bench/gpu_call.sh on the CPU (DEVICE=cpu: tiny shapes, this checkout's .venv) into tmp_path/out."""
+    out = tmp_path / "out"
+    settings = {**os.environ, "DEVICE": "cpu", "OUT": str(out), "PY": sys.executable, **env}
+    r = subprocess.run(["bash", "bench/gpu_call.sh", *parts], cwd=ROOT, env=settings, capture_output=True, text=True)
+    return r, out
+
+
+def test_a_part_that_would_not_fit_is_left_for_the_next_call(tmp_path):
+    r, out = call(tmp_path, "tests", "8b-nf4", CALL_S="30")  # under MIN_S (45 s) for any part
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "left.txt").read_text().split() == ["tests", "8b-nf4"]
+    assert "not started" in (out / "call.log").read_text()
+    r, _ = call(tmp_path, "8x")
+    assert r.returncode == 2 and "unknown part 8x" in r.stdout
+
+
 @pytest.mark.slow
-def test_the_bench_runs_end_to_end_on_the_cpu(tmp_path):
-    """Every worker (matmul peak, lora-llama train on plain and nf4 bases, transformers+peft) and the report's rows."""
+def test_the_device_call_rehearses_on_the_cpu(tmp_path):
+    """Call 1 as a GPU machine runs it, every part, on tiny shapes: the CUDA tests listed with their outcomes (all
+    skipped here), each bench.gpu configuration's run and summary lines (lora-llama train on plain and nf4 bases,
+    transformers+peft), bench.grpo on a model the script makes; bench/results untouched."""
     from bench.training_rows import gpu_rows
 
-    results = ROOT / "bench" / "results" / "gpu.jsonl"
-    before = results.read_text() if results.is_file() else None
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.gpu",
-            "--device",
-            "cpu",
-            "--configs",
-            "tiny,tiny-nf4",
-            "--peers",
-            "transformers+peft",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--out",
-            str(tmp_path),
-            "--budget",
-            "850",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    before = {p.name: p.read_text() for p in (ROOT / "bench" / "results").glob("*.jsonl")}
+    r, out = call(tmp_path, CALL_S="900")
     assert r.returncode == 0, r.stderr[-2000:]
-    lines = [json.loads(line) for line in (tmp_path / "gpu.jsonl").read_text().splitlines()]
-    assert [line["kind"] for line in lines] == ["matmul_peak"] + ["run", "run", "summary"] * 2
+    log = (out / "call.log").read_text()
+    for part in ("tests", "135m", "8b", "8b-nf4", "1b", "grpo"):
+        assert f"gpu_call: {part}: exit 0" in log, log[-3000:]
+    assert (out / "left.txt").read_text() == ""
+    tests = (out / "tests.txt").read_text()
+    assert "SKIPPED" in tests and "skipped" in tests.splitlines()[-1]
+    lines = [json.loads(line) for line in (out / "gpu.jsonl").read_text().splitlines()]
+    assert [line["kind"] for line in lines] == ["matmul_peak", "run", "run", "summary"] * 4
     runs = [line for line in lines if line["kind"] == "run"]
     assert all(run["tokens_per_s"] > 0 and run["gpu_peak_mb"] > 0 for run in runs), runs
-    assert [run["quantize"] for run in runs] == [None, None, "nf4", "nf4"]
+    assert [run["quantize"] for run in runs] == [None, None, None, None, "nf4", "nf4", None, None]
     for summary in (line for line in lines if line["kind"] == "summary"):
         ours, peer = summary["runs"]["lora-llama"], summary["runs"]["transformers+peft"]
         assert summary["tokens_per_s_vs_transformers+peft"] == round(ours["tokens_per_s"] / peer["tokens_per_s"], 3)
         assert 0 < summary["mfu"] and summary["args"] == ["--configs", summary["config"]]
         (row,) = gpu_rows(summary)
         assert row[0].startswith(f"{summary['config']}, 2 x 64") and "tok/s" in row[1] and "MFU" in row[1]
-    assert (results.read_text() if results.is_file() else None) == before  # a smoke test records nothing
+    grpo = json.loads((out / "grpo-results.jsonl").read_text().splitlines()[-1])
+    assert grpo["runs"]["lora-llama"]["step_s"] > 0 and "--no-peer" in grpo["args"]
+    assert {p.name: p.read_text() for p in (ROOT / "bench" / "results").glob("*.jsonl")} == before
