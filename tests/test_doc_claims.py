@@ -58,3 +58,39 @@ def test_commands_written_inline_use_options_that_work_together():
                 check_combinations(given)
             except UserError as e:
                 raise AssertionError(f"{page.name}: {span}: {e}") from None
+
+
+def test_every_module_and_name_architecture_names_exists():
+    """`training/trainer.Trainer.fit`, `data/sft.pack`, `model/llama.py`, `data/prompts` in ARCHITECTURE.md's prose,
+    tables and diagram: the module is a file of the package and each name after it is defined there (a top-level
+    function, class or constant, then a member of that class), so the page cannot drift from the code."""
+    import ast
+
+    from helpers import ROOT
+
+    package = ROOT / "lora_llama"
+    folders = "|".join(p.name for p in package.iterdir() if p.is_dir() and not p.name.startswith("__"))
+    missing = []
+    for folder, module, dotted in re.findall(
+        rf"\b({folders})/(\w+)((?:\.\w+)*)", (ROOT / "ARCHITECTURE.md").read_text()
+    ):
+        path = package / folder / f"{module}.py"
+        names = [n for n in dotted.split(".") if n and n != "py"]
+        if not path.is_file():
+            missing.append(f"{folder}/{module}")
+            continue
+        scope = ast.parse(path.read_text()).body
+        for name in names:
+            found = [
+                node
+                for node in scope
+                if getattr(node, "name", None) == name
+                or any(
+                    getattr(t, "id", None) == name for t in getattr(node, "targets", [getattr(node, "target", None)])
+                )
+            ]
+            if not found:
+                missing.append(f"{folder}/{module}{dotted}")
+                break
+            scope = getattr(found[0], "body", [])
+    assert not missing, missing
