@@ -45,13 +45,10 @@ tests() {
   cat "$out/tests.txt"
 }
 config() {  # one bench.gpu configuration; its own --budget writes the summary before the part's time is up
-  local name=$1 seconds=$2
-  if [ "$device" = cuda ]; then
-    $PY -m bench.gpu --configs "$name" --out "$out" --budget $((seconds - 15)) 2>&1 | tee -a "$out/call.log" | tail -5
-  else
-    $PY -m bench.gpu --device cpu --configs "tiny${name#*[0-9][bm]}" --peers transformers+peft --steps 1 --warmup 1 \
-      --out "$out" --budget $((seconds - 15)) 2>&1 | tee -a "$out/call.log" | tail -5
-  fi
+  local name=$1 seconds=$2 args=(--configs "$1")
+  [ "$device" = cuda ] \
+    || args=(--device cpu --configs "tiny${name#*[0-9][bm]}" --peers transformers+peft --steps 1 --warmup 1)
+  $PY -m bench.gpu "${args[@]}" --out "$out" --budget $((seconds - 15)) 2>&1 | tee -a "$out/call.log" | tail -5
 }
 grpo() {
   local model=/tmp/lora-llama-grpo-model

@@ -262,10 +262,10 @@ def write_modelfile(path: Path, head: list[str], folder: Path, args: ModelArgs) 
     write_text_atomic(path, "\n".join(lines) + "\n")
 
 
-def ollama_base(base: str, out: Path) -> str:
+def ollama_base(base: str, folder: Path, out: Path) -> str:
     """What a LoRA file's Modelfile takes as FROM: the base's GGUF (relative when it sits beside the LoRA file)
-    or its HF folder, which Ollama imports too."""
-    path = (gguf_file(base) or resolve_source(base)).resolve()
+    or its HF folder (`folder`, resolved from it), which Ollama imports too."""
+    path = (gguf_file(base) or folder).resolve()
     return f"./{path.name}" if path.parent == out.resolve().parent else str(path)
 
 
@@ -299,7 +299,8 @@ def export_lora_gguf(
     base = base or (cfg.get("base_model_name_or_path") and local_model_name(cfg["base_model_name_or_path"]))
     if not base:
         raise UserError(f"{adapter}: adapter_config.json names no base model; pass --base")
-    args = ModelArgs.from_hf_config(read_config(resolve_source(base)))
+    folder = resolve_source(base)
+    args = ModelArgs.from_hf_config(read_config(folder))
     names = TensorNames(args)
     if "lm_head.weight" in deltas and args.tie_word_embeddings:
         raise UserError(
@@ -318,7 +319,7 @@ def export_lora_gguf(
     for name, t in tensors:
         writer.add_tensor_info(name, tuple(t.shape), np.float32, t.numel() * 4, raw_dtype=gguf.GGMLQuantizationType.F32)
     size = _atomic_gguf(writer, out, lambda: [writer.write_tensor_data(t.contiguous().numpy()) for _, t in tensors])
-    write_modelfile(modelfile, [f"FROM {ollama_base(base, out)}", f"ADAPTER ./{out.name}"], resolve_source(base), args)
+    write_modelfile(modelfile, [f"FROM {ollama_base(base, folder, out)}", f"ADAPTER ./{out.name}"], folder, args)
     return {
         "out": str(out),
         "bytes": size,
