@@ -39,14 +39,16 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
     from lora_llama.data.prompts import build_prompts
     from lora_llama.loading.models import resolve_source
     from lora_llama.model.config import HF_NAME
-    from lora_llama.training.rewards import load_reward
+    from lora_llama.objectives.rewards import load_reward
 
     source = resolve_source(r.model.source)  # the installed SmolLM2 GGUF is read by transformers' own loader
     where = dict(gguf_file=source.name) if source.suffix == ".gguf" else {}
     folder = source.parent if source.suffix == ".gguf" else source
     tok = AutoTokenizer.from_pretrained(folder, **where)
     model = AutoModelForCausalLM.from_pretrained(folder, **where, dtype=torch.float32)
-    train, _ = build_prompts(r.data, tok, r.train.seed, r.train.grpo.max_new_tokens, log=lambda *_: None)
+    train, _ = build_prompts(
+        r.data, tok, r.train.seed, r.data.max_seq_len - r.train.grpo.max_new_tokens, log=lambda *_: None
+    )
     entries = [p["columns"].get("entry") for p in train] if "entry" in train[0]["columns"] else None
     rewards = [_reward(load_reward(spec)[1], entries) for spec in r.train.grpo.rewards]
     g, t = r.train.grpo, r.train

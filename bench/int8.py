@@ -11,7 +11,7 @@ import torch
 
 from bench.common import cpu_line, median_time, random_checkpoint, record
 from lora_llama import LoraSettings, apply_lora, load_model
-from lora_llama.kernels.cross_entropy import target_loss
+from lora_llama.objectives.token_losses import target_loss
 from lora_llama.quant.linear import base_weight_bytes
 
 TARGETS = ["q", "k", "v", "o"]

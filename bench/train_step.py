@@ -68,7 +68,7 @@ def build(kind: str, ckpt: str, opts):
     bf16 = opts.precision == "bf16-mixed" and variant != "fp32"
     if kind == "lora-llama":
         from lora_llama import LoraSettings, apply_lora, load_model
-        from lora_llama.kernels.cross_entropy import target_loss
+        from lora_llama.objectives.token_losses import target_loss
         from lora_llama.runtime.allocator import keep_freed_memory
 
         if opts.device == "cpu":  # as `lora-llama train` does (process-wide: in --paired runs the peer's steps too)

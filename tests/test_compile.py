@@ -10,7 +10,8 @@ from helpers import ALL, random_lora_b, rel
 from helpers import token_ids as ids
 from lora_llama import LoraSettings, apply_lora, load_model
 from lora_llama.kernels import fused
-from lora_llama.kernels.cross_entropy import target_loss, where_targets
+from lora_llama.labels import where_targets
+from lora_llama.objectives.token_losses import target_loss
 
 
 @pytest.fixture(autouse=True)

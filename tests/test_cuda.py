@@ -7,7 +7,7 @@ import torch
 import helpers
 from helpers import ALL, hf_model, random_lora_b, rel, token_ids
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-from lora_llama.kernels.cross_entropy import target_loss
+from lora_llama.objectives.token_losses import target_loss
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 QA = [

@@ -78,7 +78,7 @@ t.Trainer.train_step = step
 
 
 def test_nan_on_one_rank_stops_every_rank_before_the_update(tiny_ckpt, chat_data, tmp_path):
-    nan_on_rank_1 = """import lora_llama.training.objectives as t
+    nan_on_rank_1 = """import lora_llama.objectives.sft as t
 _loss = t.target_loss
 calls = [0]
 def loss(*a, **k):
@@ -180,10 +180,16 @@ def test_fsdp_on_a_quantized_base_equals_one_process(tiny_ckpt, chat_data, tmp_p
 
 @pytest.mark.parametrize(
     "objective, strategy",
-    [pytest.param("dpo", "ddp", marks=SLOW), ("dpo", "fsdp"), pytest.param("orpo", "fsdp", marks=SLOW)],
+    [
+        pytest.param("dpo", "ddp", marks=SLOW),
+        ("dpo", "fsdp"),
+        pytest.param("orpo", "fsdp", marks=SLOW),
+        ("kto", "ddp"),
+    ],
 )
 def test_preference_objectives_on_two_processes_equal_one(tiny_ckpt, tmp_path, objective, strategy):
-    """The reference pass (adapter off, no grad) and the per-pair loss over the global batch on two ranks."""
+    """The reference pass (adapter off, no grad) and the per-pair loss over the global batch on two ranks; KTO's
+    KL estimate over the global batch too."""
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(
         "".join(
@@ -195,9 +201,9 @@ def test_preference_objectives_on_two_processes_equal_one(tiny_ckpt, tmp_path, o
     assert main(args(tiny_ckpt, pairs, tmp_path / "one", 4, *dpo)) == 0
     code, _, err = torchrun(args(tiny_ckpt, pairs, tmp_path / "two", 2, f"train.distributed={strategy}", *dpo))
     assert code == 0, err[-3000:]
-    assert_same_runs(
-        tmp_path / "one",
-        tmp_path / "two",
-        ("loss", "rewards/margins", "rewards/accuracies", "eval_loss", "eval_rewards/margins"),
-    )
+    compared = ("loss", "rewards/margins", "eval_loss", "eval_rewards/margins")
+    compared += ("kl",) if objective == "kto" else ("rewards/accuracies",)
+    assert_same_runs(tmp_path / "one", tmp_path / "two", compared)
     assert any(abs(r.get("rewards/margins", 0)) > 1e-3 for r in rows(tmp_path / "one"))  # the adapter did move
+    if objective == "kto":
+        assert any(r.get("kl", 0) > 0 for r in rows(tmp_path / "one"))  # an estimate that is not clamped away

@@ -6,10 +6,10 @@ import torch
 from helpers import ALL, hf_model, rel
 from helpers import token_ids as ids
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.loading.adapters import load_adapter
 from lora_llama.lora.adapted import lora_modules, merge_lora
 from lora_llama.lora.layer import row_norms
+from lora_llama.objectives.token_losses import target_loss
 
 
 def dora_model(ckpt, quantize=None, seed=1):
@@ -138,7 +138,8 @@ def test_loraplus_first_step_moves_b_by_ratio_times_lr(tiny_ckpt, tmp_path):
     from test_train import chat_file, recipe
 
     from lora_llama.loading.models import load_tokenizer
-    from lora_llama.training.from_recipe import _adapted_model, _examples
+    from lora_llama.objectives.catalog import objective_named
+    from lora_llama.training.from_recipe import _adapted_model
     from lora_llama.training.trainer import Trainer
 
     moved = {}
@@ -153,7 +154,7 @@ def test_loraplus_first_step_moves_b_by_ratio_times_lr(tiny_ckpt, tmp_path):
         )
         model, _ = _adapted_model(r, "fp32", "cpu")
         tok = load_tokenizer(r.model.source)
-        train, val = _examples(r, tok, lambda *_: None)
+        train, val = objective_named(r.train.objective).examples(r, tok, lambda *_: None)
         trainer = Trainer(r, model, tok, train, val, tmp_path / str(ratio))
         before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
         trainer.train_step()

@@ -8,9 +8,9 @@ import torch
 from helpers import ALL, ROOT, build_checkpoint, hf_model, make_tokenizer, token_ids
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
 from lora_llama.cli import main
-from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.lora.adapted import lora_modules
 from lora_llama.model.generate import generate
+from lora_llama.objectives.token_losses import target_loss
 
 LLAMA32_ROPE = {
     "rope_type": "llama3",

@@ -8,10 +8,9 @@ import torch
 
 from helpers import ALL, hf_model, make_tokenizer, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
-from lora_llama.kernels.cross_entropy import IGNORE_INDEX
+from lora_llama.labels import IGNORE_INDEX
 from lora_llama.model.sampling import sample_completions
-from lora_llama.recipe.schema import GRPOSettings
-from lora_llama.training.grpo import GRPO, group_advantages
+from lora_llama.objectives.grpo import GRPO, GRPOSettings, group_advantages
 
 
 def prompts_of(lengths, seed=0):
@@ -205,7 +204,7 @@ def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, corr
     ours = GRPO(settings, make_tokenizer(), [2], seed=0)
     batch = _rollout_batch(prompts, completions, advantages)
     # an older policy: the ratio moves off 1 and both clips engage
-    from lora_llama.kernels.cross_entropy import token_logps
+    from lora_llama.objectives.token_losses import token_logps
 
     with torch.no_grad():
         now = token_logps(model, batch["input_ids"], batch["labels"], 0.7)[0]

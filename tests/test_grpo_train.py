@@ -8,9 +8,9 @@ import torch
 
 from lora_llama.cli import main
 from lora_llama.errors import UserError
+from lora_llama.objectives.rewards import extract_answer, format_reward, load_reward, score
 from lora_llama.recipe.schema import load_recipe
 from lora_llama.training.from_recipe import train_from_recipe
-from lora_llama.training.rewards import extract_answer, format_reward, load_reward, score
 
 # rewards completions for token ids in the lower half of the tiny tokenizer's 300: learnable in a few steps
 LOW_IDS = (
@@ -120,7 +120,7 @@ def test_rewards_load_from_files_modules_and_built_ins(tmp_path):
     f = tmp_path / "r.py"
     f.write_text(LOW_IDS)
     assert load_reward(f"{f}:low_ids")[0] == "low_ids"
-    assert load_reward("lora_llama.training.rewards:format_reward")[1] is format_reward
+    assert load_reward("lora_llama.objectives.rewards:format_reward")[1] is format_reward
     assert load_reward("format")[1] is format_reward
     for spec, words in (
         (f"{tmp_path}/none.py:x", "no such file"),
@@ -138,7 +138,7 @@ def test_built_in_rewards():
     assert extract_answer("so <answer> 3 </answer> or <answer>4</answer>") == "4" and extract_answer(" 7 ") == "7"
     import reasoning_gym
 
-    from lora_llama.training.rewards import reasoning_gym_reward
+    from lora_llama.objectives.rewards import reasoning_gym_reward
 
     entries = list(reasoning_gym.create_dataset("basic_arithmetic", size=3, seed=0))
     right = [f"<answer>{e['answer']}</answer>" for e in entries]
@@ -210,8 +210,8 @@ def test_a_reward_that_raises_stops_the_run_with_exit_2_and_keeps_checkpoints(ti
 @pytest.mark.parametrize(
     "overrides,words",
     [
-        (["train.objective=grpo", "data.format=chat"], "train.objective grpo needs data.format prompt"),
-        (["data.format=prompt"], "train.objective grpo needs data.format prompt"),
+        (["train.objective=grpo", "data.format=chat"], "train.objective grpo reads data.format prompt"),
+        (["data.format=prompt"], r"not prompt \(which train.objective grpo reads\)"),
         (
             [
                 "train.objective=grpo",

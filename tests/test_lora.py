@@ -8,8 +8,8 @@ import torch
 from helpers import ALL, hf_model, random_lora_b
 from helpers import token_ids as ids
 from lora_llama import LoraSettings, UserError, apply_lora, load_adapter, load_model, merge_lora, save_adapter
-from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.lora.adapted import lora_modules
+from lora_llama.objectives.token_losses import target_loss
 
 
 def adapted_model(folder):

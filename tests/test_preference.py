@@ -13,7 +13,8 @@ from lora_llama.loading.models import load_tokenizer
 from lora_llama.lora.adapted import adapters_disabled, apply_lora, lora_modules
 from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import DECODER_TARGETS, HF_NAME
-from lora_llama.training.objectives import DPO, ORPO
+from lora_llama.objectives.dpo import DPO, DPOSettings
+from lora_llama.objectives.orpo import ORPO, ORPOSettings
 
 
 def ours_with_random_adapter(folder, tmp_path):
@@ -94,7 +95,7 @@ def test_dpo_first_step_equals_trl(preference_ckpt, tmp_path):
     their_loss.backward()
     theirs = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
-    objective = DPO(beta=0.1)
+    objective = DPO(DPOSettings(beta=0.1))
     ours_batch = collate_pairs(pairs, tok.pad_token_id)
     (n_pairs,) = objective.counts(ours_batch)
     terms, stats = objective.terms(model, ours_batch)
@@ -164,7 +165,7 @@ def test_orpo_first_step_equals_trl(preference_ckpt, tmp_path):
     ours_batch = collate_pairs(
         [{"chosen": c, "rejected": r} for c, r in zip(rows[:half], rows[half:])], tok.pad_token_id
     )
-    objective = ORPO(beta=0.25)
+    objective = ORPO(ORPOSettings(beta=0.25))
     counts = objective.counts(ours_batch)
     terms, stats = objective.terms(model, ours_batch)
     loss = sum(t / n for t, n in zip(terms, counts))
@@ -197,7 +198,7 @@ def test_ipo_is_the_squared_per_token_margin(preference_ckpt, tmp_path):
             ref, _ = logps_by_hand()
     c, r = ((policy - ref) / n).chunk(2)
     expected = ((c - r - 1 / (2 * 0.5)) ** 2).sum()
-    terms, _ = DPO(beta=0.5, loss="ipo").terms(model, batch)
+    terms, _ = DPO(DPOSettings(beta=0.5, loss="ipo")).terms(model, batch)
     assert torch.allclose(terms[0], expected, rtol=1e-5, atol=1e-6)
 
 
@@ -214,7 +215,7 @@ def test_reference_pass_keeps_no_graph_and_no_gradient_buffers(preference_ckpt, 
         saved.append(t.numel() * t.element_size())
         return t
 
-    from lora_llama.training.objectives import answer_logps
+    from lora_llama.objectives.token_losses import answer_logps
 
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         with torch.no_grad(), adapters_disabled(model):

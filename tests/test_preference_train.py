@@ -13,8 +13,8 @@ from lora_llama.data.preference import collate_pairs, tokenize_pairs
 from lora_llama.loading.models import load_tokenizer
 from lora_llama.lora.adapted import adapters_disabled, apply_lora, lora_modules
 from lora_llama.lora.settings import lora_settings
+from lora_llama.objectives.dpo import DPO, DPOSettings
 from lora_llama.recipe.schema import load_recipe
-from lora_llama.training.objectives import DPO
 
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo"])
@@ -62,9 +62,9 @@ def test_trainer_raises_reward_accuracy_and_margin(objective, preference_ckpt, t
 @pytest.mark.parametrize(
     "override, message",
     [
-        (["train.objective=dpo"], "needs data.format preference"),
+        (["train.objective=dpo"], "train.objective dpo reads data.format preference"),
         (["train.objective=dpo", "data.format=preference", "data.packing=true"], "packing is not supported"),
-        (["data.format=preference"], "needs train.objective dpo or orpo"),
+        (["data.format=preference"], "not preference (which train.objective dpo, orpo, kto reads)"),
     ],
 )
 def test_bad_preference_recipes_exit_2(override, message, preference_ckpt, tmp_path, capsys):
@@ -81,7 +81,7 @@ def test_bad_preference_recipes_exit_2(override, message, preference_ckpt, tmp_p
 def test_dpo_on_an_int8_base_uses_the_int8_base_as_reference(preference_ckpt, tmp_path):
     from datasets import Dataset
 
-    from lora_llama.training.objectives import answer_logps
+    from lora_llama.objectives.token_losses import answer_logps
 
     tok = load_tokenizer(str(preference_ckpt))
     pairs, _ = tokenize_pairs(Dataset.from_list(preference_records(False)), tok, 128)
@@ -95,7 +95,7 @@ def test_dpo_on_an_int8_base_uses_the_int8_base_as_reference(preference_ckpt, tm
         torch.nn.init.normal_(m.lora_B.weight, std=0.05)
     with torch.no_grad(), adapters_disabled(model):
         assert torch.equal(answer_logps(model, batch)[0], expected)
-    terms, stats = DPO(beta=0.1).terms(model, batch)
+    terms, stats = DPO(DPOSettings(beta=0.1)).terms(model, batch)
     terms[0].backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
     assert stats["rewards/margins"] != 0

@@ -8,8 +8,8 @@ import torch
 
 from helpers import ALL, ROOT, hf_model, peak_growth, random_lora_b, rel, sharded_checkpoint, token_ids
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, merge_lora, save_adapter
-from lora_llama.kernels.cross_entropy import target_loss
 from lora_llama.lora.adapted import lora_modules
+from lora_llama.objectives.token_losses import target_loss
 from lora_llama.quant.formats import (
     NF4_CODE,
     dequantize_int8,

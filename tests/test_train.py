@@ -157,7 +157,7 @@ def test_interrupt_and_resume_continue_exactly(tiny_ckpt, tmp_path, monkeypatch)
 
 
 def test_nan_loss_stops_with_exit_2_and_keeps_last_checkpoint(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    import lora_llama.training.objectives as objectives
+    import lora_llama.objectives.sft as objectives
 
     data = chat_file(tmp_path / "d.jsonl")
     real = objectives.target_loss

@@ -101,8 +101,8 @@ def test_peft_adapter_opens_here(base, case, tmp_path):
 
 def test_training_changes_only_the_named_rows(tmp_path):
     """One optimizer step through the chunked loss: the listed rows move, every other row and the base stay."""
-    from lora_llama.kernels.cross_entropy import target_loss
     from lora_llama.lora.tokens import TrainableTokens
+    from lora_llama.objectives.token_losses import target_loss
 
     folder = build_checkpoint(tmp_path / "b", tie_word_embeddings=True)
     model = load_model(folder)

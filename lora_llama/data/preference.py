@@ -13,20 +13,20 @@ from collections import Counter
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat
 from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, load_splits, rename_fields, tokenize_splits
 from lora_llama.errors import UserError
-from lora_llama.kernels.cross_entropy import IGNORE_INDEX
+from lora_llama.labels import IGNORE_INDEX
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 EMPTY_PAIR = {"chosen": {**EMPTY_EXAMPLE, "prompt_len": 0}, "rejected": {**EMPTY_EXAMPLE, "prompt_len": 0}}
 
 
-def _messages(value, role: str, field: str, index: int) -> list[dict]:
+def as_messages(value, role: str, field: str, index: int) -> list[dict]:
     """A string becomes one message of `role`; a list of {role, content} messages is taken as it is."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         return normalise_messages(value)
     raise UserError(
-        f"preference record {index}: {field!r} must be a string or a list of chat messages, not {type(value).__name__}"
+        f"record {index}: {field!r} must be a string or a list of chat messages, not {type(value).__name__}"
     )
 
 
@@ -37,24 +37,31 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def tokenize_pair(tokenize: Tokenize, record: dict, index: int) -> dict | str:
-    """A pair, or the reason it is skipped (an empty answer, a prompt that leaves no room for one)."""
-    prompt = _messages(record["prompt"], "user", "prompt", index)
-    answers = {k: _messages(record[k], "assistant", k, index) for k in ("chosen", "rejected")}
-    if any(not "".join(m["content"] for m in a).strip() for a in answers.values()):
-        return "an empty chosen or rejected answer"
+def tokenize_answers(tokenize: Tokenize, prompt: list[dict], answers: dict[str, list[dict]]) -> dict | str:
+    """{name: example} for each answer to the same prompt, the prompt's tokens counted once for all (the tokens
+    the prompt alone and prompt + each answer share, as trl counts them), or the reason they are skipped (an empty
+    answer, a prompt that leaves no room for one)."""
+    if any(not "".join(str(m["content"]) for m in a).strip() for a in answers.values()):
+        return f"an empty {' or '.join(answers)} answer"
     tok = tokenize.tok
     prompt_ids, _ = encode_rendered(tok, render_chat(tok, prompt, add_generation_prompt=True))
     full = {k: encode_rendered(tok, render_chat(tok, prompt + a))[0] for k, a in answers.items()}
     start = min(_common_prefix(prompt_ids, ids) for ids in full.values())
     if start >= tokenize.max_len:
         return f"a prompt of data.max_seq_len ({tokenize.max_len}) tokens or more"
-    pair = {}
+    examples = {}
     for k, ids in full.items():
         labels = (ids[:start] if tokenize.train_on_prompt else [IGNORE_INDEX] * start) + ids[start:]
         ids, labels = close_with_eos(ids, labels, tokenize.eos, tokenize.special_ids)
-        pair[k] = {**tokenize.truncate(ids, labels), "prompt_len": start}
-    return pair
+        examples[k] = {**tokenize.truncate(ids, labels), "prompt_len": start}
+    return examples
+
+
+def tokenize_pair(tokenize: Tokenize, record: dict, index: int) -> dict | str:
+    """A pair, or the reason it is skipped."""
+    prompt = as_messages(record["prompt"], "user", "prompt", index)
+    answers = {k: as_messages(record[k], "assistant", k, index) for k in ("chosen", "rejected")}
+    return tokenize_answers(tokenize, prompt, answers)
 
 
 def tokenize_pairs(

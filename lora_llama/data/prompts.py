@@ -72,9 +72,9 @@ def prompt_examples(
     return examples, skipped
 
 
-def build_prompts(data, tokenizer, seed: int, max_new_tokens: int, log=print) -> tuple[list[dict], list[dict]]:
-    """(train, val) prompt examples for a recipe's `data` section. A prompt keeps data.max_seq_len -
-    max_new_tokens tokens at most, so that prompt and completion fit one row."""
+def build_prompts(data, tokenizer, seed: int, max_prompt_len: int, log=print) -> tuple[list[dict], list[dict]]:
+    """(train, val) prompt examples for a recipe's `data` section; a prompt keeps max_prompt_len tokens at most
+    (the room its completion leaves in a row)."""
     if data.source.startswith(REASONING_GYM):
         records = reasoning_gym_records(
             data.source.removeprefix(REASONING_GYM), data.max_examples or DEFAULT_TASK_SIZE, seed, data.task_args
@@ -82,13 +82,7 @@ def build_prompts(data, tokenizer, seed: int, max_new_tokens: int, log=print) ->
         train_records, val_records = split(records, data.val_size, seed)
     else:
         train_records, val_records = load_splits(data, seed)
-    room = data.max_seq_len - max_new_tokens
-    if room < 1:
-        raise UserError(
-            f"data.max_seq_len ({data.max_seq_len}) leaves no room for a prompt before "
-            f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens"
-        )
-    kw = dict(tokenizer=tokenizer, max_prompt_len=room, fields=data.fields, system_prompt=data.system_prompt)
+    kw = dict(tokenizer=tokenizer, max_prompt_len=max_prompt_len, fields=data.fields, system_prompt=data.system_prompt)
     return tokenize_splits(
         train_records, val_records, lambda records: prompt_examples(records, **kw), data.source, "prompt", log
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
 from lora_llama.errors import UserError
-from lora_llama.kernels.cross_entropy import IGNORE_INDEX
+from lora_llama.labels import IGNORE_INDEX
 from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_data_dir
 
 # Stanford Alpaca's prompt, used for alpaca data when the tokenizer has no chat template
@@ -213,7 +213,10 @@ def tokenize_records(
     if fmt == "auto":
         fmt = detect_format([*records.column_names, *fields])
     if fmt == "preference":
-        raise UserError("preference data (prompt, chosen, rejected) needs train.objective dpo or orpo")
+        raise UserError(
+            "the data holds preference pairs (prompt, chosen, rejected): "
+            "set train.objective to one that reads data.format preference"
+        )
     need = {"text": ["text"], "alpaca": ["instruction", "output"], "chat": ["messages"]}[fmt]
     tokenize = Tokenize(tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template)
     examples = []

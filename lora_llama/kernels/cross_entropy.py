@@ -1,25 +1,21 @@
-"""Cross-entropy on target positions only, chunked over the vocabulary projection.
+"""Cross-entropy and log-probabilities of target tokens from hidden states, chunked over the vocabulary projection.
 
-Full (batch, seq, vocab) logits are never built: only positions whose label is
-not -100 are projected, a chunk of rows at a time. For a plain (frozen or not)
-lm_head the gradient of each chunk is computed right away in the forward pass,
-so neither the logits nor their gradient are kept for backward (the idea of
-Liger's fused linear cross-entropy).
+Full (N, vocab) logits are never built: the caller passes only the hidden states of the positions that predict a
+target, and they are projected a chunk of rows at a time. With a plain output weight the gradient of each chunk is
+computed right away in the forward pass, so neither the logits nor their gradient are kept for backward (the idea
+of Liger's fused linear cross-entropy); any other projection is given as a function of a chunk, whose logits are
+recomputed in backward.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lora_llama.kernels.blocked_attention import LOG2E
 from lora_llama.kernels.gemm import linear
 
-IGNORE_INDEX = -100
 # logits per chunk, whatever the vocabulary size: 24 MB in float32, under glibc's 32 MB mmap limit, so a chunk's
 # buffers are reused from the heap instead of being page-faulted in afresh (64 MB chunks: ~15% slower)
 CHUNK_ELEMENTS = 6 << 20
@@ -109,105 +105,38 @@ class _LinearLogProbs(torch.autograd.Function):
         return (grad_h * grad_out[:, None]).to(ctx.h_dtype) if grad_h is not None else None, None, None, None, None
 
 
-def _logits(lm_head, h):
-    """An adapted lm_head's logits in float32, from bf16 activations too: bf16 products round their output to
-    8 bits (at |logit| ~ 20, steps of 0.125), which an adapted lm_head's growing logits turn into a worse fit
-    (the overfit test's eval loss: 0.45 vs 0.23 in float32). A frozen lm_head keeps the pretrained
-    scale, and its bf16 product (float32 accumulation, as under autocast) costs half the float32 one."""
-    if h.dtype != torch.bfloat16:
-        return lm_head(h).float()
-    node = getattr(lm_head, "low_rank_node", lambda _: None)(h)  # a LoRA layer's (W0, b, A, B, scale)
-    if node is None and type(lm_head) is nn.Linear:
-        node = (lm_head.weight, lm_head.bias, None, None, 0.0)
-    if node is None:
-        return lm_head(h).float()
-    w0, b, lora_a, lora_b, scale = node
-    h32 = h.float()
-    y = F.linear(h32, w0.float(), None if b is None else b.float())
-    return y if lora_a is None else y.addmm_(F.linear(h32, lora_a.float()), lora_b.float().t(), alpha=scale)
+def rows_per_chunk(vocab_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """Rows of hidden states projected together: CHUNK_ELEMENTS logits (twice as many in bf16)."""
+    return max(1, (BF16_CHUNK_ELEMENTS if dtype == torch.bfloat16 else CHUNK_ELEMENTS) // vocab_size)
 
 
-def _ce_chunk(lm_head, h, t, reduction="sum", temperature: float = 1.0):
-    logits = _logits(lm_head, h)
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of h @ weight.T (h: (N, dim), weight: (V, dim)) against targets (N,)."""
+    return _LinearCrossEntropy.apply(h, weight, targets, rows_per_chunk(weight.shape[0], h.dtype))
+
+
+def _ce_chunk(logits_of, h, t, reduction="sum", temperature: float = 1.0):
+    logits = logits_of(h)
     return F.cross_entropy(logits if temperature == 1.0 else logits / temperature, t, reduction=reduction)
 
 
-def linear_cross_entropy(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of lm_head(h) (N, dim) against targets (N,)."""
-    rows = max(1, (BF16_CHUNK_ELEMENTS if h.dtype == torch.bfloat16 else CHUNK_ELEMENTS) // lm_head.out_features)
-    if isinstance(lm_head, nn.Linear) and lm_head.bias is None:  # an fsdp-sharded nn.Linear is a subclass
-        return _LinearCrossEntropy.apply(h, lm_head.weight, targets, rows)
-    # an adapted lm_head: recompute each chunk's logits in backward instead of storing them
-    total = h.new_zeros((), dtype=torch.float32)
+def chunked_cross_entropy(
+    h: torch.Tensor, targets: torch.Tensor, logits_of, vocab_size: int, reduction: str = "sum", temperature=1.0
+) -> torch.Tensor:
+    """Cross-entropy of logits_of(h) against targets, summed ("sum") or per row ("none"), a chunk of rows at a
+    time, each chunk's logits recomputed in backward instead of stored; logits_of: (n, dim) -> (n, V) float32."""
+    rows = rows_per_chunk(vocab_size) if reduction == "none" else rows_per_chunk(vocab_size, h.dtype)
+    chunks = []
     for i in range(0, h.shape[0], rows):
-        chunk = (lm_head, h[i : i + rows], targets[i : i + rows])
-        total = total + (
+        chunk = (logits_of, h[i : i + rows], targets[i : i + rows], reduction, temperature)
+        chunks.append(
             checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled() else _ce_chunk(*chunk)
         )
-    return total
+    if reduction == "none":
+        return torch.cat(chunks) if chunks else h.new_zeros(0, dtype=torch.float32)
+    return sum(chunks, h.new_zeros((), dtype=torch.float32))
 
 
-@contextlib.contextmanager
-def whole(module: nn.Module):
-    """fsdp: a module sharded on its own (it has `unshard`) is gathered inside the block and freed after it, so
-    lm_head's whole weight exists only while the loss reads it."""
-    if not hasattr(module, "unshard"):
-        yield
-        return
-    module.unshard()
-    try:
-        yield
-    finally:
-        module.reshard()
-
-
-def target_mask(labels: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, T-1) bool: which of labels[:, 1:] the loss takes (the one definition)."""
-    keep = labels[:, 1:] != IGNORE_INDEX
-    if segment_ids is not None:  # a packed row: the last token of one example does not predict the next
-        keep &= segment_ids[:, 1:] == segment_ids[:, :-1]
-    return keep
-
-
-def where_targets(labels: torch.Tensor, segment_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """{"targets": the target ids (N,), "predicting": the flat positions of (B, T) whose outputs predict them (N,)}.
-    Taken where a batch is built, on the host, they let a GPU step run without waiting to learn N."""
-    keep = target_mask(labels, segment_ids)
-    return {"targets": labels[:, 1:][keep], "predicting": F.pad(keep, (0, 1)).flatten().nonzero().squeeze(1)}
-
-
-def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None, targets=None, predicting=None):
-    """(summed loss, number of targets): position t predicts labels[t + 1]; -100 is ignored. targets and
-    predicting: `where_targets(labels, segment_ids)`, when the batch carries them.
-
-    Returning the sum lets gradient accumulation divide by the target count of the
-    whole accumulated batch instead of averaging per-micro-batch means.
-    """
-    if targets is None:
-        targets, predicting = where_targets(labels, segment_ids).values()
-    h = model(input_ids, position_ids, segment_ids, keep=predicting, hidden_only=True)  # (N, dim)
-    n = targets.numel()
-    with whole(model.lm_head):  # on every rank, targets or not: gathering is a collective
-        return (linear_cross_entropy(h, model.lm_head, targets), n) if n else (h.sum() * 0.0, 0)
-
-
-def token_logps(
-    model, input_ids, labels, temperature: float = 1.0, position_ids=None, segment_ids=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of every target token (N,), the (B, T-1) mask of where they are): what preference
-    objectives sum per row, and GRPO takes per token (from logits / temperature, the distribution sampled).
-    The logits are built a chunk of targets at a time and recomputed in backward: B x T x V never exists."""
-    keep = target_mask(labels, segment_ids)
-    targets = labels[:, 1:][keep]
-    h = model(input_ids, position_ids, segment_ids, keep=F.pad(keep, (0, 1)), hidden_only=True)  # (N, dim)
-    lm_head, rows = model.lm_head, max(1, CHUNK_ELEMENTS // model.lm_head.out_features)
-    chunks = [h.sum() * 0.0]  # keeps the graph (and fsdp's hooks) when there is no target
-    with whole(lm_head):
-        if isinstance(lm_head, nn.Linear) and lm_head.bias is None and not lm_head.weight.requires_grad:
-            return _LinearLogProbs.apply(h, lm_head.weight, targets, rows, temperature) + chunks[0], keep
-        for i in range(0, h.shape[0], rows):  # an adapted lm_head: each chunk's logits recomputed in backward
-            chunk = (lm_head, h[i : i + rows], targets[i : i + rows], "none", temperature)
-            chunks.append(
-                -(checkpoint(_ce_chunk, *chunk, use_reentrant=False) if torch.is_grad_enabled() else _ce_chunk(*chunk))
-            )
-    return (torch.cat(chunks[1:]) if len(chunks) > 1 else h.new_zeros(0, dtype=torch.float32)) + chunks[0], keep
+def linear_log_probs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """log_softmax(h @ weight.T / temperature)[targets] per row (N,) in float32, for a frozen weight."""
+    return _LinearLogProbs.apply(h, weight, targets, rows_per_chunk(weight.shape[0]), temperature)

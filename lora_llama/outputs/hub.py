@@ -18,6 +18,7 @@ import yaml
 from lora_llama.errors import UserError
 from lora_llama.harness.tasks import comparison_table, metrics
 from lora_llama.loading.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lora_llama.objectives.catalog import DEFAULT, objective_named
 from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_model
 from lora_llama.training.run_folder import ADAPTER, LOSS_PLOT, RECIPE, benchmark_files, last_eval, read_run_recipe
 
@@ -61,8 +62,8 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
     base_results, results = benchmark_results(run)
     if results:
         meta["model-index"] = model_index(repo_id.split("/")[-1], results)
-    objective = (recipe.get("train") or {}).get("objective", "sft")
-    if objective != "sft":
+    objective = (recipe.get("train") or {}).get("objective", DEFAULT.name)
+    if objective != DEFAULT.name:
         meta["tags"].append(objective)
     base_link = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"a local base model (`{shown}`)"
     lines = [
@@ -96,12 +97,8 @@ def _settings(cfg: dict, recipe: dict, data_source: str | None) -> list[str]:
         shown_data = data_source if is_hub_id(data_source) else Path(data_source).name
         lines.append(f"| data | {known_data.description if known_data else shown_data} |")
     train = recipe.get("train") or {}
-    objective = train.get("objective", "sft")
-    if objective != "sft":
-        settings = ", ".join(f"{k} {v}" for k, v in (train.get(objective) or {}).items())
-        lines.append(f"| objective | {objective.upper()} ({settings}) |")
-    else:
-        lines.append("| objective | supervised fine-tuning (loss on the answers) |")
+    objective = train.get("objective", DEFAULT.name)
+    lines.append(f"| objective | {objective_named(objective).card_line(train.get(objective))} |")
     for key in ("lr", "batch_size", "grad_accum", "max_steps", "epochs", "schedule"):
         if train.get(key) is not None:
             lines.append(f"| {key} | {train[key]} |")

@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, create_model, model_validator
 
 from lora_llama.errors import UserError
 from lora_llama.lora.init import moves_w0
 from lora_llama.lora.settings import LoraSettings
 from lora_llama.model.config import DEVICE, PRECISIONS, QUANTIZE_KINDS, DType
+from lora_llama.objectives.catalog import DEFAULT, OBJECTIVES, check_objective_fits_data, data_formats, readers
 from lora_llama.settings import Settings, describe
 
 
@@ -48,11 +49,13 @@ class DataSection(Settings):
         description="JSON/JSONL/CSV/Parquet/text file, folder, Hub dataset id "
         "or registered name (chatterbot-corpus, chatterbot-pairs, shakespeare)",
     )
-    format: Literal["text", "alpaca", "chat", "preference", "prompt", "auto"] = Field(
+    format: Literal[(*data_formats(), "auto")] = Field(
         "chat",
-        description="text, alpaca (instruction/input/output), chat (messages), preference "
-        "(prompt/chosen/rejected, for train.objective dpo or orpo), prompt (a prompt and any "
-        "columns the rewards read, for train.objective grpo), auto (from the columns)",
+        description=", ".join(
+            f"{fmt} ({columns}, for train.objective {' / '.join(o.name for o in readers(fmt))})"
+            for fmt, columns in data_formats().items()
+        )
+        + ", auto (from the columns)",
     )
     max_seq_len: int = Field(256, gt=1, description="tokens per row; longer examples are cut")
     val_size: float = Field(0.1, ge=0.0, lt=1.0, description="share of the records held out for eval")
@@ -72,62 +75,6 @@ class DataSection(Settings):
     task_args: dict[str, Any] = Field(
         {}, description="data.source reasoning-gym:<task>: the task's settings, e.g. {min_terms: 2, max_terms: 2}"
     )
-
-
-class DPOSettings(Settings):
-    """Direct preference optimisation; the reference is the base with the adapter switched off."""
-
-    beta: float = Field(0.1, gt=0, description="strength of the pull towards the reference")
-    loss: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid", description="sigmoid (DPO) or ipo (IPO's squared loss, per-token average)"
-    )
-
-
-class ORPOSettings(Settings):
-    """Odds-ratio preference optimisation: the chosen answers' NLL plus beta times the odds-ratio term."""
-
-    beta: float = Field(0.1, gt=0, description="weight of the odds-ratio term (the paper's lambda; trl's beta)")
-
-
-class GRPOSettings(Settings):
-    """Group relative policy optimisation on prompts, scored by reward functions (trl's names and meanings)."""
-
-    group_size: int = Field(8, ge=2, description="completions sampled per prompt (trl's num_generations)")
-    max_new_tokens: int = Field(64, gt=0, description="most tokens a completion gets (trl's max_completion_length)")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature; log-probabilities use the same")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens with this mass")
-    beta: float = Field(0.0, ge=0, description="weight of the KL to the base (adapter off); 0: no reference pass")
-    use_bias_correction_kl: bool = Field(
-        True, description="multiply the KL term by the ratio: the unbiased reverse-KL gradient (trl's default)"
-    )
-    epsilon: float = Field(0.2, gt=0, description="clip the ratio below at 1 - epsilon (and above, by default)")
-    epsilon_high: float | None = Field(None, gt=0, description="clip above at 1 + epsilon_high (DAPO); null: epsilon")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
-        "dapo",
-        description="normalisation: dapo (completion tokens of the global batch), bnpo (of the micro-batch), "
-        "grpo (per completion), dr_grpo (completions x max_new_tokens)",
-    )
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="divide advantages by the group's reward std, the batch's, or not at all"
-    )
-    num_iterations: int = Field(1, gt=0, description="optimiser steps on each generation (trl's mu)")
-    mask_truncated: bool = Field(False, description="completions that hit max_new_tokens take no loss")
-    rewards: list[str] = Field(
-        ["reasoning_gym"],
-        description="reward functions: path/to/file.py:function, "
-        "package.module:function, or a built-in (format, reasoning_gym)",
-    )
-    reward_weights: list[float] | None = Field(None, description="one weight per reward; null: all 1")
-
-    @model_validator(mode="after")
-    def _weights_fit(self):
-        if not self.rewards:
-            raise ValueError("train.grpo.rewards needs at least one reward function")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            raise ValueError(
-                f"train.grpo.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} rewards"
-            )
-        return self
 
 
 class TrainSection(Settings):
@@ -195,18 +142,28 @@ class TrainSection(Settings):
         description="fp32, bf16-mixed, or auto: bf16-mixed on a GPU with "
         "bf16 and on a CPU with AVX512_BF16 or AMX, else fp32",
     )
-    objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
-        "sft", description="sft, dpo / orpo on preference pairs, or grpo on prompts with reward functions"
+    objective: Literal[tuple(o.name for o in OBJECTIVES)] = Field(
+        DEFAULT.name, description="; ".join(f"{o.name}: {o.about}" for o in OBJECTIVES)
     )
-    dpo: DPOSettings = Field(DPOSettings(), description="settings of train.objective dpo")
-    orpo: ORPOSettings = Field(ORPOSettings(), description="settings of train.objective orpo")
-    grpo: GRPOSettings = Field(GRPOSettings(), description="settings of train.objective grpo")
 
     @model_validator(mode="after")
     def _one_length(self):
         if self.max_steps is None and self.epochs is None:
             raise ValueError("set train.max_steps or train.epochs")
         return self
+
+
+# each objective's settings section, train.<name>, after train.objective
+TrainSection = create_model(
+    "TrainSection",
+    __base__=TrainSection,
+    __doc__=TrainSection.__doc__,
+    **{
+        o.name: (o.settings, Field(o.settings(), description=f"settings of train.objective {o.name}"))
+        for o in OBJECTIVES
+        if o.settings
+    },
+)
 
 
 class OutputSection(Settings):
@@ -257,25 +214,7 @@ class Recipe(Settings):
 
     @model_validator(mode="after")
     def _objective_fits_data(self):
-        objective, fmt = self.train.objective, self.data.format
-        if (objective == "grpo") != (fmt == "prompt") and not (objective == "grpo" and fmt == "auto"):
-            raise ValueError(
-                f"train.objective grpo needs data.format prompt (and prompt data needs grpo), "
-                f"not objective {objective} with format {fmt}"
-            )
-        preference = objective in ("dpo", "orpo")
-        if preference and self.data.format not in ("preference", "auto"):
-            raise ValueError(
-                f"train.objective {self.train.objective} needs data.format preference "
-                f"(prompt, chosen, rejected), not {self.data.format}"
-            )
-        if objective == "sft" and self.data.format == "preference":
-            raise ValueError("data.format preference needs train.objective dpo or orpo")
-        if preference and self.data.packing:
-            raise ValueError(
-                f"data.packing is not supported with train.objective {self.train.objective}: "
-                "a pair's chosen and rejected answers each need a row of their own"
-            )
+        check_objective_fits_data(self.train.objective, self.data.format, self.data.packing)
         return self
 
 

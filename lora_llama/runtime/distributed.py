@@ -9,6 +9,7 @@ whole frozen base on every rank; fsdp (`shard_model`) gives each rank 1/world of
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -85,7 +86,7 @@ def shard_model(model) -> None:
     """fsdp: FSDP2 (`fully_shard`) on every decoder block, on an untied embedding and lm_head each, and on the
     root, so each rank keeps 1/world of the frozen weights, of the LoRA parameters and of the optimizer state,
     and a whole weight exists only while its module runs: a block during its forward and its backward, the
-    embedding during its lookup, lm_head while the loss reads it (`loss.whole`). Tied, the embedding and
+    embedding during its lookup, lm_head while the loss reads it (`gathered`). Tied, the embedding and
     lm_head stay with the root, gathered from its forward to its backward."""
     from torch.distributed.fsdp import fully_shard
 
@@ -196,3 +197,17 @@ def setup(device: str, timeout_s: float) -> tuple[Ranks, str]:
 def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def gathered(module):
+    """fsdp: a module sharded on its own (it has `unshard`) is gathered inside the block and freed after it, so
+    lm_head's whole weight exists only while the loss reads it; any other module as it is."""
+    if not hasattr(module, "unshard"):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()

@@ -13,9 +13,6 @@ from pathlib import Path
 import torch
 
 from lora_llama.data.chat import end_of_turn_id
-from lora_llama.data.preference import build_pairs
-from lora_llama.data.prompts import build_prompts
-from lora_llama.data.sft import build_examples
 from lora_llama.errors import UserError
 from lora_llama.files import shard_files
 from lora_llama.harness.tasks import check_tasks, task_manager
@@ -26,6 +23,7 @@ from lora_llama.loading.sharded import sharded_adapted_model
 from lora_llama.lora.adapted import apply_lora
 from lora_llama.lora.init import moves_w0
 from lora_llama.model.config import torch_dtype
+from lora_llama.objectives.catalog import objective_named
 from lora_llama.quant.linear import base_weight_bytes, quantize_loaded_linears
 from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
 from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
@@ -77,7 +75,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     tok = load_tokenizer(source)
-    train, val = _examples(recipe, tok, log)
+    train, val = objective_named(recipe.train.objective).examples(recipe, tok, log)
     # loading's weight-sized temporaries (conversions, quantization) go back at once; the steps' memory is kept below
     allocator = return_freed_memory() if device == "cpu" else None
     if sharded and _loads_by_rows(recipe):  # each rank reads only its own rows of the base
@@ -173,15 +171,6 @@ def _choose_strategy(recipe, ranks: Ranks, device: str, source: ModelSource) -> 
                 "use ddp"
             )
     return strategy
-
-
-def _examples(recipe, tok, log) -> tuple[list[dict], list[dict]]:
-    """(train, val): examples for SFT, pairs for the preference objectives, prompts for GRPO."""
-    if recipe.train.objective == "sft":
-        return build_examples(recipe.data, tok, recipe.train.seed)
-    if recipe.train.objective == "grpo":
-        return build_prompts(recipe.data, tok, recipe.train.seed, recipe.train.grpo.max_new_tokens, log)
-    return build_pairs(recipe.data, tok, recipe.train.seed, log)
 
 
 def _adapted_model(recipe, precision: str, device: str, source: ModelSource | None = None):

@@ -12,11 +12,10 @@ import torch
 
 from lora_llama.data.chat import stop_token_ids
 from lora_llama.errors import UserError
+from lora_llama.objectives.catalog import objective_named
 from lora_llama.runtime.distributed import Ranks, clip_grad_norm, replicated, sharded, sum_shard_gradients
 from lora_llama.training.batches import MicroBatches
 from lora_llama.training.checkpoints import Checkpoints
-from lora_llama.training.grpo import GRPO
-from lora_llama.training.objectives import DPO, ORPO, SFT, Objective
 from lora_llama.training.run_folder import (
     CHECKPOINTS,
     METRICS,
@@ -35,9 +34,8 @@ class Trainer:
                  ranks: Ranks = Ranks(), report=None, evals=None):  # fmt: skip
         self.recipe, self.model, self.ranks, self.evals = recipe, model, ranks, evals  # evals: RunEvals or None
         self.report = report or (lambda message: None)  # one line per event (eval results, a stop)
-        self.objective = make_objective(
-            recipe.train, tokenizer, stop_token_ids(tokenizer, model.args.eos_token_id, model.folder), recipe.data
-        )
+        eos_ids = stop_token_ids(tokenizer, model.args.eos_token_id, model.folder)
+        self.objective = objective_named(recipe.train.objective).build(recipe, tokenizer, eos_ids)
         self.sharded = sharded(model)  # fsdp: blocks are shards
         self.val_examples, self.out = val, Path(out)
         t = recipe.train
@@ -114,7 +112,7 @@ class Trainer:
         """The held-out loss (or reward), and what the recipe's `eval` section adds; None when there is neither."""
         batch_size, val = self.recipe.train.batch_size, self.val_examples
         r = self.objective.evaluate(self.model, val, batch_size, self.pad_id, self.ranks) if val else {}
-        record = {"step": self.step, **{f"eval_{k}": v for k, v in r.items() if k not in ("tokens", "pairs")}}
+        record = {"step": self.step, **{f"eval_{k}": v for k, v in r.items() if k != self.objective.counted}}
         record.update(self.evals(self.model, self.step, self.step == self.total) if self.evals else {})
         if len(record) > 1:
             self.log(record)
@@ -207,15 +205,3 @@ def _to(batch: dict, device) -> dict:
         return t.pin_memory().to(device, non_blocking=True) if cuda and t.device.type == "cpu" else t.to(device)
 
     return {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def make_objective(train, tokenizer=None, eos_ids=(), data=None) -> Objective:
-    """The objective a recipe's `train` section names (GRPO samples, so it needs the tokenizer, the EOS ids
-    and the `data` section's packing)."""
-    if train.objective == "grpo":
-        return GRPO(train.grpo, tokenizer, list(eos_ids), train.seed, data.packing, data.max_seq_len)
-    if train.objective == "dpo":
-        return DPO(train.dpo.beta, train.dpo.loss)
-    if train.objective == "orpo":
-        return ORPO(train.orpo.beta)
-    return SFT()

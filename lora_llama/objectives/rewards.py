@@ -143,3 +143,30 @@ def score(rewards: dict[str, Callable], prompts: list, completions: list, column
             raise UserError(f"reward {name} raised {type(e).__name__}: {e}{where}") from None
         table.append(_checked(name, values, prompts, n))
     return torch.tensor(table, dtype=torch.float32).T.reshape(n, len(rewards))
+
+
+def moments(x: torch.Tensor) -> list[float]:
+    """[sum, sum of squares, count] of the non-NaN values: what ranks add up for a mean and a std."""
+    kept = x[~x.isnan()].double()
+    return [float(kept.sum()), float((kept**2).sum()), kept.numel()]
+
+
+def mean_std(s: float, s2: float, n: float) -> tuple[float, float]:
+    """The mean and the standard deviation (Bessel's) from `moments` added up over ranks."""
+    mean = s / n if n else math.nan
+    return mean, math.sqrt(max(s2 - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan
+
+
+def reward_moments(table: torch.Tensor, total: torch.Tensor, names) -> dict[str, list[float]]:
+    """The moments of the weighted reward `total` ("reward") and of each function's column of `table` (by its
+    name), to sum over ranks."""
+    per_function = {f"rewards/{name}": moments(table[:, j]) for j, name in enumerate(names)}
+    return {"reward": moments(total), **per_function}
+
+
+def reward_means(sums: dict[str, list[float]], names) -> dict:
+    """trl's reward metrics from summed `reward_moments`: the weighted reward's mean, each function's mean."""
+    return {
+        "reward": mean_std(*sums["reward"])[0],
+        **{f"rewards/{n}/mean": mean_std(*sums[f"rewards/{n}"])[0] for n in names},
+    }

@@ -1,7 +1,8 @@
 """GRPO (group relative policy optimisation) on the adapter, with trl's GRPOTrainer's settings and maths.
 
 A step: each prompt of the global batch gets group_size completions sampled from the model as it stands
-(adapters active, KV cache, compute precision; rollout.py); the reward functions score them (rewards.py);
+(adapters active, KV cache, compute precision; objectives/rollout.py); the reward functions score them
+(objectives/rewards.py);
 each completion's advantage is its reward less its group's mean, over the group's standard deviation + 1e-4
 (scale_rewards group; batch: the whole batch's; none: not divided). The loss per completion token is
 
@@ -18,18 +19,66 @@ micro-batch's, grpo per completion then over completions, dr_grpo by completions
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 
-from lora_llama.kernels.cross_entropy import target_mask, token_logps
+from lora_llama.data.prompts import build_prompts
+from lora_llama.errors import UserError
+from lora_llama.labels import target_mask
 from lora_llama.lora.adapted import adapters_disabled
+from lora_llama.objectives.base import Objective
+from lora_llama.objectives.rewards import mean_std, reward_means, reward_moments
+from lora_llama.objectives.rollout import Rollouts
+from lora_llama.objectives.token_losses import token_logps
 from lora_llama.runtime.distributed import sharded
-from lora_llama.training.objectives import Objective
-from lora_llama.training.rollout import Rollouts
+from lora_llama.settings import Settings
 
 # what a rollout batch keeps on the model's device (the rest, rewards and lengths, stays on the CPU)
 ON_DEVICE = ("input_ids", "labels", "advantages", "completion", "position_ids", "segment_ids", "old_logps")
 CLIP_STATS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+class GRPOSettings(Settings):
+    """Group relative policy optimisation on prompts, scored by reward functions (trl's names and meanings)."""
+
+    group_size: int = Field(8, ge=2, description="completions sampled per prompt (trl's num_generations)")
+    max_new_tokens: int = Field(64, gt=0, description="most tokens a completion gets (trl's max_completion_length)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; log-probabilities use the same")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens with this mass")
+    beta: float = Field(0.0, ge=0, description="weight of the KL to the base (adapter off); 0: no reference pass")
+    use_bias_correction_kl: bool = Field(
+        True, description="multiply the KL term by the ratio: the unbiased reverse-KL gradient (trl's default)"
+    )
+    epsilon: float = Field(0.2, gt=0, description="clip the ratio below at 1 - epsilon (and above, by default)")
+    epsilon_high: float | None = Field(None, gt=0, description="clip above at 1 + epsilon_high (DAPO); null: epsilon")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo",
+        description="normalisation: dapo (completion tokens of the global batch), bnpo (of the micro-batch), "
+        "grpo (per completion), dr_grpo (completions x max_new_tokens)",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="divide advantages by the group's reward std, the batch's, or not at all"
+    )
+    num_iterations: int = Field(1, gt=0, description="optimiser steps on each generation (trl's mu)")
+    mask_truncated: bool = Field(False, description="completions that hit max_new_tokens take no loss")
+    rewards: list[str] = Field(
+        ["reasoning_gym"],
+        description="reward functions: path/to/file.py:function, "
+        "package.module:function, or a built-in (format, reasoning_gym)",
+    )
+    reward_weights: list[float] | None = Field(None, description="one weight per reward; null: all 1")
+
+    @model_validator(mode="after")
+    def _weights_fit(self):
+        if not self.rewards:
+            raise ValueError("train.grpo.rewards needs at least one reward function")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(
+                f"train.grpo.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} rewards"
+            )
+        return self
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -59,33 +108,6 @@ def group_advantages(
     elif scale == "batch":
         advantages = advantages / ((nanstd(rewards) if batch_std is None else batch_std) + 1e-4)
     return advantages.nan_to_num(0.0)
-
-
-def moments(x: torch.Tensor) -> list[float]:
-    """[sum, sum of squares, count] of the non-NaN values: what ranks add up for a mean and a std."""
-    kept = x[~x.isnan()].double()
-    return [float(kept.sum()), float((kept**2).sum()), kept.numel()]
-
-
-def mean_std(s: float, s2: float, n: float) -> tuple[float, float]:
-    """The mean and the standard deviation (Bessel's) from `moments` added up over ranks."""
-    mean = s / n if n else math.nan
-    return mean, math.sqrt(max(s2 - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan
-
-
-def reward_moments(table: torch.Tensor, total: torch.Tensor, names) -> dict[str, list[float]]:
-    """The moments of the weighted reward `total` ("reward") and of each function's column of `table` (by its
-    name), to sum over ranks."""
-    per_function = {f"rewards/{name}": moments(table[:, j]) for j, name in enumerate(names)}
-    return {"reward": moments(total), **per_function}
-
-
-def reward_means(sums: dict[str, list[float]], names) -> dict:
-    """trl's reward metrics from summed `reward_moments`: the weighted reward's mean, each function's mean."""
-    return {
-        "reward": mean_std(*sums["reward"])[0],
-        **{f"rewards/{n}/mean": mean_std(*sums[f"rewards/{n}"])[0] for n in names},
-    }
 
 
 def per_token_loss(
@@ -134,10 +156,12 @@ class GRPO(Objective):
     """The objective of train.objective grpo: its batches are rollouts it samples (`prepare`), its eval the reward
     of greedy completions of held-out prompts."""
 
-    name, empty, n_counts = "grpo", None, 1
+    name, about, settings = "grpo", "GRPO on prompts with reward functions", GRPOSettings
+    data_formats = {"prompt": "a prompt and any columns the rewards read"}
+    packs, empty, n_counts = True, None, 1
 
     def __init__(self, settings, tokenizer, eos_ids: list[int], seed: int, packing: bool = False, max_seq_len: int = 0):
-        self.settings = settings
+        self.settings = settings  # this run's train.grpo (the class's `settings` is its schema)
         self.rollouts = Rollouts(settings, tokenizer, eos_ids, seed, packing, max_seq_len)
         self.reward_names = list(self.rollouts.reward_functions)
         self.reward_weights = torch.tensor(settings.reward_weights or [1.0] * len(self.reward_names))
@@ -146,6 +170,22 @@ class GRPO(Objective):
         self.kept: tuple[int, list[dict]] | None = None  # (generation, its rollouts), for num_iterations > 1
         self.rollout_stats: dict = {}
         self.completion_tokens = 0  # of the generation's global batch: the clip and KL metrics' divisor
+
+    @classmethod
+    def build(cls, recipe, tokenizer, eos_ids: list[int]) -> GRPO:
+        data = recipe.data
+        return cls(recipe.train.grpo, tokenizer, list(eos_ids), recipe.train.seed, data.packing, data.max_seq_len)
+
+    @classmethod
+    def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
+        max_new_tokens = recipe.train.grpo.max_new_tokens
+        room = recipe.data.max_seq_len - max_new_tokens
+        if room < 1:
+            raise UserError(
+                f"data.max_seq_len ({recipe.data.max_seq_len}) leaves no room for a prompt before "
+                f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens"
+            )
+        return build_prompts(recipe.data, tokenizer, recipe.train.seed, room, log)
 
     def collate(self, prompts: list[dict], pad_id: int) -> dict:
         return {"prompts": prompts}
@@ -166,7 +206,8 @@ class GRPO(Objective):
         self.rollouts.any_rank = ranks.any if sharded(model) else None
         device = next(model.parameters()).device
         rolled = [self.rollouts.batch(model, b["prompts"], generation) for b in batches]
-        self._advantages(rolled, ranks)
+        scored = score_rollouts(rolled, ranks, self.reward_weights, self.reward_names, self.settings)
+        self.completion_tokens, self.rollout_stats = scored
         for b in rolled:
             for k in ON_DEVICE:
                 if k in b:
@@ -177,45 +218,9 @@ class GRPO(Objective):
         self.kept = (generation, rolled)
         return rolled
 
-    def _advantages(self, rolled: list[dict], ranks) -> None:
-        """Advantages per completion, and the rollout metrics over the global batch (every rank's groups)."""
-        table = torch.cat([b["rewards"] for b in rolled]) if rolled else torch.zeros(0, len(self.reward_names))
-        total, g = weighted_rewards(table, self.reward_weights), self.settings.group_size
-        zero_std = torch.isclose(nanstd(total.view(-1, g), 1), torch.zeros(())).sum() * g if rolled else 0
-        lengths, truncated = (
-            torch.cat([b[k] for b in rolled]) if rolled else torch.zeros(0) for k in ("lengths", "truncated")
-        )
-        sums = ranks.sum_named({
-            **reward_moments(table, total, self.reward_names),
-            "counts": [total.numel(), float(zero_std), float(lengths.sum()), float(truncated.sum())],
-            "tokens": [sum(int(_targets(b).sum()) for b in rolled)],
-        })  # fmt: skip
-        self.completion_tokens = int(sums["tokens"][0])
-        mean, std = mean_std(*sums["reward"])
-        completions, zero_std_sum, length_sum, truncated_sum = sums["counts"]
-        n = max(completions, 1)
-        start = 0
-        for b in rolled:
-            rows = b["rewards"].shape[0]
-            b["advantages"] = group_advantages(total[start : start + rows], g, self.settings.scale_rewards, std)
-            start += rows
-        per_function = {name: mean_std(*sums[f"rewards/{name}"]) for name in self.reward_names}
-        zero = (std < 1e-8) if self.settings.scale_rewards == "batch" else zero_std_sum / n
-        self.rollout_stats = {
-            "reward": mean,
-            "reward_std": std,
-            "frac_reward_zero_std": float(zero),
-            **{f"rewards/{name}/mean": m for name, (m, _) in per_function.items()},
-            **{f"rewards/{name}/std": sd for name, (_, sd) in per_function.items()},
-            "completions/mean_length": length_sum / n,
-            "completions/clipped_ratio": truncated_sum / n,
-        }
-
     def _logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logps(
-            model, batch["input_ids"], batch["labels"], self.settings.temperature, batch.get("position_ids"),
-            batch.get("segment_ids"),
-        )  # fmt: skip
+        places = (batch.get("position_ids"), batch.get("segment_ids"))
+        return token_logps(model, batch["input_ids"], batch["labels"], self.settings.temperature, *places)
 
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
         s = self.settings
@@ -271,6 +276,39 @@ class GRPO(Objective):
             self.rollout_stats, self.completion_tokens = state["stats"], state["tokens"]
             batches = [{k: v.to(device) if k in ON_DEVICE else v for k, v in b.items()} for b in state["batches"]]
             self.kept = (state["generation"], batches)
+
+
+def score_rollouts(rolled: list[dict], ranks, weights, names: list[str], settings) -> tuple[int, dict]:
+    """Sets each batch's advantages per completion; returns the completion tokens of the global batch and the
+    rollout metrics over it (every rank's groups)."""
+    table = torch.cat([b["rewards"] for b in rolled]) if rolled else torch.zeros(0, len(names))
+    total, g = weighted_rewards(table, weights), settings.group_size
+    zero_std = torch.isclose(nanstd(total.view(-1, g), 1), torch.zeros(())).sum() * g if rolled else 0
+    lengths, truncated = (
+        torch.cat([b[k] for b in rolled]) if rolled else torch.zeros(0) for k in ("lengths", "truncated")
+    )
+    counts = [total.numel(), float(zero_std), float(lengths.sum()), float(truncated.sum())]
+    tokens = [sum(int(_targets(b).sum()) for b in rolled)]
+    sums = ranks.sum_named({**reward_moments(table, total, names), "counts": counts, "tokens": tokens})
+    mean, std = mean_std(*sums["reward"])
+    completions, zero_std_sum, length_sum, truncated_sum = sums["counts"]
+    n = max(completions, 1)
+    start = 0
+    for b in rolled:
+        rows = b["rewards"].shape[0]
+        b["advantages"] = group_advantages(total[start : start + rows], g, settings.scale_rewards, std)
+        start += rows
+    per_function = {name: mean_std(*sums[f"rewards/{name}"]) for name in names}
+    zero = (std < 1e-8) if settings.scale_rewards == "batch" else zero_std_sum / n
+    return int(sums["tokens"][0]), {
+        "reward": mean,
+        "reward_std": std,
+        "frac_reward_zero_std": float(zero),
+        **{f"rewards/{name}/mean": m for name, (m, _) in per_function.items()},
+        **{f"rewards/{name}/std": sd for name, (_, sd) in per_function.items()},
+        "completions/mean_length": length_sum / n,
+        "completions/clipped_ratio": truncated_sum / n,
+    }
 
 
 def _targets(batch: dict) -> torch.Tensor:

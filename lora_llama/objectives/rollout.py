@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from lora_llama.data.sft import collate, pack
-from lora_llama.kernels.cross_entropy import IGNORE_INDEX
+from lora_llama.labels import IGNORE_INDEX
 from lora_llama.model.sampling import sample_completions
-from lora_llama.training.rewards import load_reward, score
+from lora_llama.objectives.rewards import load_reward, score
 
 
 def completion_seed(seed: int, generation: int, index: int, sample: int) -> int:
@@ -37,11 +37,9 @@ class Rollouts:
             seeds = [completion_seed(self.seed, generation, p["index"], j) for p in prompts for j in range(group)]
         temperature = 0.0 if generation is None else s.temperature
         prompt_ids = [r["prompt_ids"] for r in rows]
-        completions = sample_completions(
-            model, prompt_ids, s.max_new_tokens, self.eos_ids, self.tokenizer.pad_token_id, temperature, s.top_p,
-            seeds, group, self.any_rank,
-        )  # fmt: skip
-        return completions, rows
+        pad_id = self.tokenizer.pad_token_id
+        sampling = dict(temperature=temperature, top_p=s.top_p, seeds=seeds, group=group, any_rank=self.any_rank)
+        return sample_completions(model, prompt_ids, s.max_new_tokens, self.eos_ids, pad_id, **sampling), rows
 
     def rewards(self, rows: list[dict], completions: list[list[int]]) -> torch.Tensor:
         """(rows, functions) rewards; completions reach the functions in the form of their prompt."""

@@ -1,0 +1,1 @@
+"""What a training step minimises: one module per objective, found through catalog.py."""

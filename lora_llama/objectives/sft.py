@@ -1,0 +1,43 @@
+"""Supervised fine-tuning: cross-entropy per target token on text, instruction or chat data."""
+
+from __future__ import annotations
+
+import torch
+
+from lora_llama.data.sft import EMPTY_EXAMPLE, build_examples, collate
+from lora_llama.labels import where_targets
+from lora_llama.objectives.base import Objective
+from lora_llama.objectives.token_losses import target_loss
+
+
+class SFT(Objective):
+    """Cross-entropy per target token."""
+
+    name, about = "sft", "supervised fine-tuning (loss on the answers)"
+    data_formats = {
+        "text": "a `text` column",
+        "alpaca": "instruction/input/output",
+        "chat": "messages",
+    }
+    packs, empty, stat_names, n_counts = True, EMPTY_EXAMPLE, (), 1
+
+    @classmethod
+    def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
+        return build_examples(recipe.data, tokenizer, recipe.train.seed)
+
+    @classmethod
+    def card_line(cls, settings: dict | None) -> str:
+        return cls.about
+
+    def collate(self, examples: list[dict], pad_id: int) -> dict:
+        batch = collate(examples, pad_id)
+        return {**batch, **where_targets(batch["labels"], batch.get("segment_ids"))}
+
+    def length(self, example: dict) -> int:
+        return len(example["input_ids"])
+
+    def counts(self, batch: dict) -> list[int]:
+        return [batch["targets"].numel()]
+
+    def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
+        return [target_loss(model, **batch)[0]], {}

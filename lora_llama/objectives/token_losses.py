@@ -1,0 +1,92 @@
+"""The per-token losses every objective is made of, from the model's hidden states at the positions that predict a
+target: the summed cross-entropy (`target_loss`), each target's log-probability (`token_logps`) and their sums
+per answer (`answer_logps`). The logits are built by kernels/cross_entropy.py a chunk at a time: B x T x V never
+exists."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lora_llama.kernels.cross_entropy import chunked_cross_entropy, linear_cross_entropy, linear_log_probs
+from lora_llama.labels import target_mask, where_targets
+from lora_llama.runtime.distributed import gathered
+
+
+def plain_weight(lm_head: nn.Module) -> torch.Tensor | None:
+    """lm_head's weight when lm_head is a bias-free linear layer (an fsdp-sharded nn.Linear is a subclass), else
+    None: an adapted lm_head's logits come from the layer itself."""
+    return lm_head.weight if isinstance(lm_head, nn.Linear) and lm_head.bias is None else None
+
+
+def head_logits(lm_head: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """An adapted lm_head's logits in float32, from bf16 activations too: bf16 products round their output to
+    8 bits (at |logit| ~ 20, steps of 0.125), which an adapted lm_head's growing logits turn into a worse fit
+    (the overfit test's eval loss: 0.45 vs 0.23 in float32). A frozen lm_head keeps the pretrained
+    scale, and its bf16 product (float32 accumulation, as under autocast) costs half the float32 one."""
+    if h.dtype != torch.bfloat16:
+        return lm_head(h).float()
+    node = getattr(lm_head, "low_rank_node", lambda _: None)(h)  # a LoRA layer's (W0, b, A, B, scale)
+    if node is None and type(lm_head) is nn.Linear:
+        node = (lm_head.weight, lm_head.bias, None, None, 0.0)
+    if node is None:
+        return lm_head(h).float()
+    w0, b, lora_a, lora_b, scale = node
+    h32 = h.float()
+    y = F.linear(h32, w0.float(), None if b is None else b.float())
+    return y if lora_a is None else y.addmm_(F.linear(h32, lora_a.float()), lora_b.float().t(), alpha=scale)
+
+
+def output_loss(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of lm_head(h) (N, dim) against targets (N,)."""
+    weight = plain_weight(lm_head)
+    if weight is not None:
+        return linear_cross_entropy(h, weight, targets)
+    return chunked_cross_entropy(h, targets, partial(head_logits, lm_head), lm_head.out_features)
+
+
+def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None, targets=None, predicting=None):
+    """(summed loss, number of targets): position t predicts labels[t + 1]; -100 is ignored. targets and
+    predicting: `where_targets(labels, segment_ids)`, when the batch carries them.
+
+    Returning the sum lets gradient accumulation divide by the target count of the
+    whole accumulated batch instead of averaging per-micro-batch means.
+    """
+    if targets is None:
+        targets, predicting = where_targets(labels, segment_ids).values()
+    h = model(input_ids, position_ids, segment_ids, keep=predicting, hidden_only=True)  # (N, dim)
+    n = targets.numel()
+    with gathered(model.lm_head):  # on every rank, targets or not: gathering is a collective
+        return (output_loss(h, model.lm_head, targets), n) if n else (h.sum() * 0.0, 0)
+
+
+def token_logps(
+    model, input_ids, labels, temperature: float = 1.0, position_ids=None, segment_ids=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of every target token (N,), the (B, T-1) mask of where they are): what preference
+    objectives sum per row, and GRPO takes per token (from logits / temperature, the distribution sampled)."""
+    keep = target_mask(labels, segment_ids)
+    targets = labels[:, 1:][keep]
+    h = model(input_ids, position_ids, segment_ids, keep=F.pad(keep, (0, 1)), hidden_only=True)  # (N, dim)
+    lm_head = model.lm_head
+    no_target = h.sum() * 0.0  # keeps the graph (and fsdp's hooks) when there is no target
+    with gathered(lm_head):
+        weight = plain_weight(lm_head)
+        if weight is not None and not weight.requires_grad:
+            return linear_log_probs(h, weight, targets, temperature) + no_target, keep
+        logits_of = partial(head_logits, lm_head)
+        nll = chunked_cross_entropy(h, targets, logits_of, lm_head.out_features, "none", temperature)
+    return -nll + no_target, keep
+
+
+def answer_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the summed log-probability of the answer's tokens, their number, and the summed
+    log-probability of all targets (the prompt's too when it is a target)."""
+    logps, keep = token_logps(model, batch["input_ids"], batch["labels"])
+    rows, pos = keep.nonzero().unbind(1)
+    answer = (pos + 1 >= batch["prompt_lens"][rows]).to(logps.dtype)  # label pos+1 lies past the prompt
+    zeros = logps.new_zeros(keep.shape[0])
+    return zeros.index_add(0, rows, logps * answer), zeros.index_add(0, rows, answer), zeros.index_add(0, rows, logps)
