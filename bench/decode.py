@@ -1,4 +1,4 @@
-"""GRPO's sampling alone: `rollout.sample_completions` through an adapted model (LoRA r=16 on all seven linears),
+"""GRPO's sampling alone: `model/generate.sample_completions` through an adapted model (LoRA r=16 on all seven linears),
 decoding with the growing cache (the CPU's path) and with the static one (on CUDA replayed as a CUDA graph), each
 timed in one process on the same rows: completion tokens/s, a decode step's time, and that step against its
 bandwidth floor (bytes of weights and cache a step reads over the device's copy bandwidth, measured first); and
@@ -51,7 +51,7 @@ def step_bytes(model, rows: int, length: int) -> int:
 
 
 def timed(model, prompts, new: int, static: bool, device: str) -> float:
-    from lora_llama.model.sampling import sample_completions
+    from lora_llama.model.generate import sample_completions
 
     seeds = list(range(len(prompts)))
     return seconds(

@@ -279,7 +279,7 @@ def test_graphed_decoding_on_cuda_gives_the_growing_cache_completions(tiny_ckpt,
     the growing cache, greedy and seeded, in groups, with padding; the graph captured once serves later calls and
     reads the adapter as training leaves it (changed in place)."""
     from lora_llama.model.decoding import decoder_for
-    from lora_llama.model.sampling import sample_completions
+    from lora_llama.model.generate import sample_completions
 
     model = load_model(tiny_ckpt, device="cuda", quantize=quantize)
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from helpers import ALL, build_checkpoint, hf_model, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model
-from lora_llama.model.generate import filtered_logits
-from lora_llama.model.sampling import sample_completions
+from lora_llama.model.generate import sample_completions
+from lora_llama.model.sampling import filtered_logits
 
 
 def prompts_of(lengths, seed=0):
@@ -92,7 +92,7 @@ def test_a_failed_capture_decodes_eagerly_with_the_same_tokens(tiny_ckpt, monkey
 
 
 def test_static_decoding_stops_rows_at_their_eos_between_checks(tiny_ckpt):
-    """A GPU asks whether every row has stopped every CHECK_EVERY tokens: the steps past a row's EOS change nothing."""
+    """A GPU asks whether every row has stopped every READ_EVERY tokens: the steps past a row's EOS change nothing."""
     model = adapted(tiny_ckpt)
     prompts = prompts_of((4, 6), seed=5)
     free = sample_completions(model, prompts, 20, eos_ids=[], pad_id=0, temperature=0, static=False)

@@ -1,7 +1,7 @@
 """The native model as an lm-evaluation-harness model: `NativeLM` is lm-eval's own `HFLM` with the model call and the
 generation replaced, so requests are tokenized, truncated, batched (length-sorted) and scored exactly as
 `lm_eval --model hf` does them, while the logits come from the native model (adapters active, in its precision,
-quantized base and device) and generations from its batched KV-cache sampling (model/sampling.py)."""
+quantized base and device) and generations from its decoding loop (model/generate.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from lora_llama.model.sampling import sample_completions
+from lora_llama.model.generate import sample_completions
 
 
 class _AsTransformersModel(nn.Module):

@@ -1,4 +1,10 @@
-"""Sampling with the KV cache: greedy, temperature, top-k, top-p; stops at EOS."""
+"""The decoding loop: prompts, left-padded, continued together through the model as it stands (adapters active: no
+merge, no copy, no second engine) for `generate`, GRPO's rollouts and lm-eval's generations.
+
+On a GPU the steps after the prompt run over a cache of fixed shape as a replayed CUDA graph (decoding.py), and the
+tokens are read to the host, and the stops checked, every READ_EVERY tokens: a read waits for the GPU, so the host
+never waits on it mid-run. Over the growing cache (the CPU, fsdp) a read costs less than a step, and every token
+is read as it comes."""
 
 from __future__ import annotations
 
@@ -7,32 +13,75 @@ from typing import Callable, Iterable
 import torch
 
 from lora_llama.model.decoding import decoder_for
+from lora_llama.model.sampling import pick, row_uniforms
 
-READ_EVERY = 8  # static decoding: tokens decoded between reads to the host (a read waits for the device)
-
-
-def sample_next(
-    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Pick the next token id from logits (B, vocab); temperature 0 means greedy."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = filtered_logits(logits, temperature, top_k, top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+READ_EVERY = 8  # tokens between reads to the host where a read waits for the device (a few extra steps cost less)
 
 
-def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """float32 logits / temperature, -inf outside the top_k and outside the top_p nucleus."""
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set whose mass reaches top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits
+def left_padded(prompts: list[list[int]], pad_id: int, extra: int, device) -> tuple[torch.Tensor, ...]:
+    """(ids (B, P), position_ids (B, P), key_mask (B, P + extra)): prompts right-aligned, padding masked."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    key_mask = torch.ones((len(prompts), width + extra), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        key_mask[i, : width - len(p)] = False
+    positions = (key_mask[:, :width].long().cumsum(1) - 1).clamp(min=0)
+    return ids.to(device), positions.to(device), key_mask.to(device)
+
+
+def sample_completions(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    seeds: list[int] | None = None,
+    group: int = 1,
+    any_rank=None,
+    static: bool | None = None,
+    stopped=None,
+    top_k: int | None = None,
+    use_cache: bool = True,
+    on_token: Callable[[int], None] | None = None,
+) -> list[list[int]]:
+    """Each prompt's completion (token ids, its first EOS included when it stops before max_new_tokens).
+    seeds: one per row (temperature > 0). group: the rows come in runs of `group` equal prompts (GRPO's
+    groups), and each prompt is run through the model once, its keys and values copied to its group.
+    any_rank: under fsdp, whether any rank says yes; decoding goes on while any rank has rows to finish,
+    since every forward gathers weights from all of them. static: decode over a StaticKVCache (decoding.py;
+    None: on CUDA with the cache unless under fsdp, where the graph would capture its gathers). stopped: given
+    the tokens so far (B, n), which rows are done besides an EOS (stop strings), asked at each read; a done
+    row's later tokens are padding. use_cache False: each step runs the whole sequence again (prompts of one
+    length). on_token: sees the first row's tokens, in order, as they are read, up to its first EOS."""
+    device = next(model.parameters()).device
+    static = use_cache and device.type == "cuda" and any_rank is None if static is None else static
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
+    if not prompts or min(len(p) for p in prompts) == 0:
+        raise ValueError("every prompt needs at least one token")
+    if not use_cache and (static or len({len(p) for p in prompts}) > 1):
+        raise ValueError("decoding without the KV cache takes prompts of one length and no static decoding")
+    # fsdp's gathered weights must stay ordinary tensors for its later in-place updates: no_grad, not inference mode
+    with torch.no_grad() if any_rank is not None else torch.inference_mode():
+        was_training = model.training
+        model.eval()
+        try:
+            steps = _Steps(model, prompts[::group], group, max_new_tokens, pad_id, static, use_cache)
+            uniforms = row_uniforms(seeds, max_new_tokens, device) if temperature > 0 else None
+            loop = _Loop(set(eos_ids), pad_id, READ_EVERY if static else 1, stopped, any_rank, on_token)
+            rows = loop.run(
+                steps,
+                max_new_tokens,
+                lambda logits, step: pick(
+                    logits, temperature, top_k, top_p, None if uniforms is None else uniforms[:, step]
+                ),
+            )
+        finally:
+            model.train(was_training)
+    return [_cut(row, set(eos_ids)) for row in rows]
 
 
 @torch.inference_mode()
@@ -49,57 +98,96 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     static: bool | None = None,
 ) -> list[int]:
-    """Continue one prompt; returns the new token ids (EOS included when it ends the text). static: decode over a
-    cache of fixed shape, on CUDA a replayed graph (decoding.py), reading the tokens to the host every READ_EVERY
-    steps (None: on CUDA with the cache). on_token sees every token, in order, as it is read."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids)], device=device)  # (1, T)
-    if ids.shape[1] == 0:
-        raise ValueError("the prompt is empty")
-    static = use_cache and device.type == "cuda" if static is None else static
-    if static and not use_cache:
-        raise ValueError("static decoding needs the KV cache (use_cache=True)")
-    eos = set(eos_ids)
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    steps = _static_steps(model, ids, max_new_tokens) if static else _steps(model, ids, max_new_tokens, use_cache)
-    read_every = READ_EVERY if static else 1
-    out: list[int] = []
-    pending: list[torch.Tensor] = []  # tokens on the device, not yet read
-    logits = next(steps)
-    for step in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_k, top_p, gen)  # (1,), on the device
-        pending.append(token)
-        if len(pending) == read_every or step == max_new_tokens - 1:
-            for read in torch.cat(pending).tolist():
-                out.append(read)
-                if on_token:
-                    on_token(read)
-                if read in eos:
-                    return out
-            pending = []
-        if step < max_new_tokens - 1:
-            logits = steps.send(token)
-    return out
+    """Continue one prompt; returns the new token ids (EOS included when it ends the text). seed: the row's
+    sampling seed (None: one drawn from torch's generator). static, use_cache, on_token: as sample_completions'."""
+    prompt = list(prompt_ids)
+    seeds = [int(torch.randint(2**62, ())) if seed is None else seed] if temperature > 0 else None
+    options = dict(top_k=top_k, use_cache=use_cache, on_token=on_token, static=static)
+    return sample_completions(model, [prompt], max_new_tokens, eos_ids, 0, temperature, top_p, seeds, **options)[0]
 
 
-def _steps(model, ids: torch.Tensor, max_new_tokens: int, use_cache: bool):
-    """Yields the last position's logits (1, V) of the prompt, then after each token sent (1,)."""
-    cache = model.new_cache(1, ids.shape[1] + max_new_tokens) if use_cache else None
-    step_input = ids
-    while True:
-        token = yield model(step_input, cache=cache)[:, -1]
-        step_input = token[:, None] if use_cache else torch.cat([step_input, token[:, None]], dim=1)
+class _Steps:
+    """The logits (rows, V) of each decoding step: the prompts' last positions first (each prompt run once and
+    its keys and values copied to its group), then after each token, over the static decoder, the growing cache
+    or, without a cache, the whole sequence again."""
+
+    def __init__(self, model, prompts, group: int, max_new_tokens: int, pad_id: int, static: bool, use_cache: bool):
+        device = next(model.parameters()).device
+        ids, positions, key_mask = left_padded(prompts, pad_id, max_new_tokens, device)
+        self.model, self.group, self.decoder, self.cache = model, group, None, None
+        if not use_cache:
+            self.ids = ids.repeat_interleave(group, 0)
+            self.first = model(self.ids)[:, -1]
+            return
+        padded = len({len(p) for p in prompts}) > 1
+        cache = model.new_cache(ids.shape[0], key_mask.shape[1], key_mask if padded or static else None)
+        last = torch.zeros_like(ids, dtype=torch.bool)
+        last[:, -1] = True
+        self.first = model(ids, position_ids=positions, cache=cache, keep=last).repeat_interleave(group, 0)
+        self.next_pos = positions[:, -1].repeat_interleave(group, 0) + 1
+        if static:
+            self.decoder = decoder_for(model, len(prompts) * group, key_mask.shape[1])
+            self.decoder.load(cache, group, self.next_pos)
+        else:
+            self.cache = cache
+            if group > 1:
+                cache.repeat_rows(group)
+
+    def after(self, token: torch.Tensor, step: int) -> torch.Tensor:
+        """The logits after `token` (rows,), the step-th token of each row."""
+        if self.decoder is not None:
+            return self.decoder.step(token)
+        if self.cache is None:
+            self.ids = torch.cat([self.ids, token[:, None]], 1)
+            return self.model(self.ids)[:, -1]
+        return self.model(token[:, None], position_ids=(self.next_pos + step)[:, None], cache=self.cache)[:, -1]
 
 
-def _static_steps(model, ids: torch.Tensor, max_new_tokens: int):
-    """As _steps, the prompt through the model eagerly, then each token a step of the model's StaticDecoder."""
-    width = ids.shape[1]
-    prompt = model.new_cache(1, width, torch.ones(1, width, dtype=torch.bool, device=ids.device))
-    logits = model(ids, cache=prompt)[:, -1]
-    decoder = decoder_for(model, 1, width + max_new_tokens)
-    decoder.load(prompt, 1, torch.full((1,), width, device=ids.device))
-    while True:
-        token = yield logits
-        logits = decoder.step(token)
+class _Loop:
+    """Picks each row's tokens; every `read_every` tokens reads them to the host, streams the first row's, asks
+    which rows have stopped and stops when all have (on every rank)."""
+
+    def __init__(self, eos: set[int], pad_id: int, read_every: int, stopped, any_rank, on_token):
+        self.eos, self.pad_id, self.read_every = eos, pad_id, read_every
+        self.stopped, self.any_rank, self.on_token = stopped, any_rank, on_token
+
+    def run(self, steps: _Steps, max_new_tokens: int, choose) -> list[list[int]]:
+        logits = steps.first
+        eos = torch.tensor(sorted(self.eos), device=logits.device, dtype=torch.long)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        out, streamed = [], 0
+        for step in range(max_new_tokens):
+            token = choose(logits, step).masked_fill(done, self.pad_id)
+            out.append(token)
+            done |= torch.isin(token, eos)
+            last = step == max_new_tokens - 1
+            if (step + 1) % self.read_every == 0 or last:
+                if self.stopped is not None:
+                    done |= self.stopped(torch.stack(out, 1)).to(done.device)
+                if self.on_token is not None:
+                    streamed = self._stream(out, streamed)
+                every_row = bool(done.all())
+                if every_row if self.any_rank is None else not self.any_rank(not every_row):
+                    break
+            if not last:
+                logits = steps.after(token, step)
+        return torch.stack(out, 1).tolist()
+
+    def _stream(self, out: list[torch.Tensor], streamed: int) -> int:
+        """Hands the first row's unread tokens to on_token, up to its first EOS; returns how many it has read (-1
+        once the EOS is read)."""
+        if streamed < 0:
+            return streamed
+        for t in torch.stack(out[streamed:])[:, 0].tolist():
+            self.on_token(t)
+            if t in self.eos:
+                return -1
+        return len(out)
+
+
+def _cut(row: list[int], eos: set[int]) -> list[int]:
+    """A row up to and including its first EOS."""
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[: i + 1]
+    return row

@@ -1,4 +1,4 @@
-"""GRPO's rollouts: a group of completions per prompt, sampled through the model as it stands (model/sampling.py),
+"""GRPO's rollouts: a group of completions per prompt, sampled through the model as it stands (model/generate.py),
 scored by the reward functions, as rows for the loss (packed with data.packing)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from lora_llama.data.sft import collate, pack
 from lora_llama.labels import IGNORE_INDEX
-from lora_llama.model.sampling import sample_completions
+from lora_llama.model.generate import sample_completions
 from lora_llama.objectives.rewards import load_reward, score
 
 

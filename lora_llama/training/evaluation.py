@@ -12,7 +12,7 @@ from lora_llama.data.prompts import prompt_ids
 from lora_llama.files import write_text_atomic
 from lora_llama.harness.tasks import metrics, run_tasks, to_json
 from lora_llama.lora.adapted import adapters_disabled
-from lora_llama.model.sampling import sample_completions
+from lora_llama.model.generate import sample_completions
 from lora_llama.objectives.sft import SFT
 from lora_llama.runtime.distributed import Ranks
 
