@@ -16,13 +16,13 @@ from lora_llama.runtime.launcher import speaks_for_job
 
 def _load(args):
     """Model (with the adapter when given) and tokenizer for generate / eval."""
-    from lora_llama.loading.adapters import load_adapter
+    from lora_llama.loading.adapted import adapted_model
     from lora_llama.loading.models import load_model, load_tokenizer
 
-    quantize = getattr(args, "quantize", None)
-    model = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device, quantize=quantize)
-    if args.adapter:
-        load_adapter(model, args.adapter)
+    where = dict(dtype=torch_dtype(args.dtype), quantize=getattr(args, "quantize", None), device=args.device)
+    model = (
+        adapted_model(args.model, adapter=args.adapter, **where)[0] if args.adapter else load_model(args.model, **where)
+    )
     return model, load_tokenizer(args.model)
 
 

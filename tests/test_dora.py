@@ -137,9 +137,9 @@ def test_loraplus_first_step_moves_b_by_ratio_times_lr(tiny_ckpt, tmp_path):
     gradient is 0 while B is 0) not at all."""
     from test_train import chat_file, recipe
 
+    from lora_llama.loading.adapted import adapted_model
     from lora_llama.loading.models import load_tokenizer
     from lora_llama.objectives.catalog import objective_named
-    from lora_llama.training.from_recipe import _adapted_model
     from lora_llama.training.trainer import Trainer
 
     moved = {}
@@ -152,7 +152,7 @@ def test_loraplus_first_step_moves_b_by_ratio_times_lr(tiny_ckpt, tmp_path):
             f"train.loraplus_lr_ratio={ratio if ratio else 'null'}",
             "train.max_grad_norm=null",
         )
-        model, _ = _adapted_model(r, "fp32", "cpu")
+        model, _ = adapted_model(r.model.source, r.lora, quantize=r.model.quantize)
         tok = load_tokenizer(r.model.source)
         train, val = objective_named(r.train.objective).examples(r, tok, lambda *_: None)
         trainer = Trainer(r, model, tok, train, val, tmp_path / str(ratio))

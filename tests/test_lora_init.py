@@ -78,8 +78,8 @@ def test_the_saved_adapter_gives_our_outputs_in_peft_on_the_original_base(tiny_c
 
 
 def test_a_quantized_base_quantizes_the_residual(tiny_ckpt, tmp_path):
+    from lora_llama.loading.adapted import adapted_model
     from lora_llama.quant.linear import QuantizedLinear, dequantized
-    from lora_llama.training.from_recipe import _adapted_model
 
     r = load_recipe(
         None,
@@ -93,7 +93,7 @@ def test_a_quantized_base_quantizes_the_residual(tiny_ckpt, tmp_path):
             "model.device=cpu",
         ],
     )
-    model, _ = _adapted_model(r, "fp32", "cpu")
+    model, _ = adapted_model(r.model.source, r.lora, quantize=r.model.quantize)
     layer = lora_modules(model)["model.layers.0.self_attn.q_proj"]
     assert type(layer.base_layer) is QuantizedLinear
     plain = principal(tiny_ckpt, "pissa")  # the float residual, quantized here by hand

@@ -17,14 +17,12 @@ from lora_llama.errors import UserError
 from lora_llama.files import shard_files
 from lora_llama.harness.tasks import check_tasks, task_manager
 from lora_llama.kernels import fused
-from lora_llama.loading.adapters import load_adapter_weights
-from lora_llama.loading.models import ModelSource, load_model, load_tokenizer, model_source
-from lora_llama.loading.sharded import sharded_adapted_model
-from lora_llama.lora.adapted import apply_lora
+from lora_llama.loading.adapted import adapted_model, loads_by_rows
+from lora_llama.loading.models import ModelSource, load_tokenizer, model_source
 from lora_llama.lora.init import moves_w0
 from lora_llama.model.config import torch_dtype
 from lora_llama.objectives.catalog import objective_named
-from lora_llama.quant.linear import base_weight_bytes, quantize_loaded_linears
+from lora_llama.quant.linear import base_weight_bytes
 from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
 from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
 from lora_llama.runtime.precision import base_dtype, resolve_compile, resolve_precision, resolve_quantize
@@ -78,21 +76,23 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     train, val = objective_named(recipe.train.objective).examples(recipe, tok, log)
     # loading's weight-sized temporaries (conversions, quantization) go back at once; the steps' memory is kept below
     allocator = return_freed_memory() if device == "cpu" else None
-    if sharded and _loads_by_rows(recipe):  # each rank reads only its own rows of the base
-        resume_from = found[-1] / ADAPTER if found and not (force and not resume) else None
-        m, dtype = recipe.model, base_dtype(precision, torch_dtype(recipe.model.dtype))
-        model, summary = sharded_adapted_model(
-            source, recipe.lora, dtype, m.quantize, m.nf4_double_quant, device, ranks, resume_from
-        )
-        found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
-        _set_model_options(model, recipe)
-    else:
-        model, summary = _adapted_model(recipe, precision, "cpu" if sharded else device, source)
-        found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
-        if found:  # the adapter goes in before fsdp cuts it into shards
-            load_adapter_weights(model, found[-1] / ADAPTER)
-        if sharded:
-            shard_model(model)
+    by_rows = sharded and loads_by_rows(recipe.lora)  # each rank reads only its own rows of the base
+    resume_from = found[-1] / ADAPTER if found and not (force and not resume) else None
+    m = recipe.model
+    model, summary = adapted_model(
+        source,
+        recipe.lora,
+        resume_from,
+        base_dtype(precision, torch_dtype(m.dtype)),
+        m.quantize,
+        m.nf4_double_quant,
+        "cpu" if sharded and not by_rows else device,
+        ranks if sharded else None,
+    )
+    _set_model_options(model, recipe)
+    found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
+    if sharded and not by_rows:  # the adapter went in before fsdp cuts it into shards
+        shard_model(model)
     if allocator and not sharded:
         allocator = keep_freed_memory()
     evals = _run_evals(recipe, tok, tasks, out, ranks, log)
@@ -171,29 +171,6 @@ def _choose_strategy(recipe, ranks: Ranks, device: str, source: ModelSource) -> 
                 "use ddp"
             )
     return strategy
-
-
-def _adapted_model(recipe, precision: str, device: str, source: ModelSource | None = None):
-    """The base in the precision's dtype with the recipe's adapters; returns (model, apply_lora's summary)."""
-    m = recipe.model
-    principal = moves_w0(recipe.lora.init_lora_weights)  # PiSSA / OLoRA: the residual is what gets quantized
-    model = load_model(
-        source or recipe.model.source,
-        dtype=base_dtype(precision, torch_dtype(m.dtype)),
-        quantize=None if principal else m.quantize,
-        device=device,
-        nf4_double_quant=m.nf4_double_quant,
-    )
-    summary = apply_lora(model, recipe.lora)
-    if principal and m.quantize:
-        quantize_loaded_linears(model, m.quantize, m.nf4_double_quant)
-    _set_model_options(model, recipe)
-    return model, summary
-
-
-def _loads_by_rows(recipe) -> bool:
-    """Whether fsdp can load the base row by row: DoRA's magnitude and PiSSA / OLoRA's split need whole weights."""
-    return not recipe.lora.use_dora and not moves_w0(recipe.lora.init_lora_weights)
 
 
 def _set_model_options(model, recipe) -> None:
