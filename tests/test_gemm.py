@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lora_llama.kernels import gemm
+from lora_llama.model.linears import run_linear
 
 needs_onednn = pytest.mark.skipif(gemm._ONEDNN is None, reason="this torch build has no oneDNN linear")
 
@@ -65,7 +66,7 @@ def test_frozen_linear_gives_autograds_values_and_input_gradient_and_keeps_hooks
     layer = torch.nn.Linear(48, 80).requires_grad_(False)
     x = torch.randn(3, 5, 48, generator=g, requires_grad=True)
     gy = torch.randn(3, 5, 80, generator=g)
-    y = gemm.run_linear(layer, x)
+    y = run_linear(layer, x)
     (gx,) = torch.autograd.grad(y, x, gy)
     y_ref = x.double() @ layer.weight.double().t() + layer.bias.double()
     assert (y.double() - y_ref).abs().max() < 1e-5
@@ -75,13 +76,13 @@ def test_frozen_linear_gives_autograds_values_and_input_gradient_and_keeps_hooks
 
     seen = []
     layer.register_forward_hook(lambda m, i, o: seen.append(o))
-    assert torch.equal(gemm.run_linear(layer, x), seen[0])  # a hooked layer is called as a module
+    assert torch.equal(run_linear(layer, x), seen[0])  # a hooked layer is called as a module
 
 
 def test_trainable_linear_is_left_to_autograd():
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(2, 8)
-    gemm.run_linear(layer, x).sum().backward()
+    run_linear(layer, x).sum().backward()
     assert layer.weight.grad is not None and layer.bias.grad is not None
 
 

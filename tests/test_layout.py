@@ -171,3 +171,29 @@ def test_the_length_check_counts_lines(tmp_path):
         "def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 60 + "class Big:\n" + "    x = 1\n" * 150
     )
     assert long_definitions(f) == ["m.py:long (61 lines)", "m.py:Big (151 lines)"]
+
+
+MODULE_ATTRIBUTES = {"Module", "Linear", "weight", "bias", "lm_head", "low_rank_node", "transient_weight", "unshard"}
+
+
+def module_reads(path) -> list[str]:
+    """'line: name' where a file reads what only modules have (a layer's weight, a model's lm_head, nn.Module) or
+    calls something named model."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in MODULE_ATTRIBUTES:
+            found.append(f"{node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "model":
+            found.append(f"{node.lineno}: model(...)")
+    return found
+
+
+def test_kernels_know_tensors_not_models():
+    found = {p.name: module_reads(p) for p in (PACKAGE / "kernels").glob("*.py")}
+    assert not any(found.values()), {k: v for k, v in found.items() if v}
+
+
+def test_the_kernel_check_sees_a_model(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def loss(model, h):\n    return model(h) @ model.lm_head.weight.T\n")
+    assert sorted(module_reads(f)) == ["2: .lm_head", "2: .weight", "2: model(...)"]

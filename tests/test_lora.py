@@ -303,7 +303,7 @@ def test_selective_checkpointing_keeps_attention_and_recomputes_the_rest(tiny_ck
 
 @pytest.mark.parametrize("base", ["float32", "bfloat16", "int8", "nf4", "float32 with dropout, eval mode"])
 def test_a_layer_without_gradients_gives_the_autograd_nodes_output(base):
-    """Decoding and evals run no autograd: each LoRA layer's plain products (LoRALinear._inference) give what the
+    """Decoding and evals run no autograd: each LoRA layer's plain products (LoRALinear._plain) give what the
     fused node gives with gradients on, and W0·x + scale·B·A·x by hand (the dequantized weight for a quantized
     base; bf16 input with float32 A and B as bf16-mixed has them; dropout switched off by eval mode, while in
     training mode it still drops under no_grad)."""

@@ -54,8 +54,8 @@ def test_lora_layer_under_autocast():
 def test_layers_sharing_an_input_run_as_one_node_with_the_same_gradients():
     """q, k, v (or gate, up) through `project`: outputs and gradients equal the layer-by-layer path,
     also with different ranks and an output that takes no part in the loss."""
-    from lora_llama.kernels.low_rank import project
     from lora_llama.lora.layer import LoRALinear
+    from lora_llama.lora.layer import shared_input_projection as project
 
     torch.manual_seed(0)
     layers = [

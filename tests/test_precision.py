@@ -18,9 +18,9 @@ from lora_llama.kernels.attention import attend
 from lora_llama.kernels.cross_entropy import linear_cross_entropy
 from lora_llama.kernels.elementwise import apply_rope, rms_norm, swiglu
 from lora_llama.kernels.gemm import linear
-from lora_llama.kernels.low_rank import project
 from lora_llama.lora.adapted import apply_lora, lora_modules
 from lora_llama.lora.layer import LoRALinear
+from lora_llama.lora.layer import shared_input_projection as project
 from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import DECODER_TARGETS
 

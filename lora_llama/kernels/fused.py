@@ -124,7 +124,7 @@ def compiled(fn, slower: str, graphs: int | None = None, **compile_args):
                 )
         return fn(*args, **kwargs)
 
-    return run if isinstance(fn, torch.nn.Module) else functools.wraps(fn)(run)
+    return functools.wraps(fn, updated=())(run)  # a module's own attributes stay its own
 
 
 # dynamic threads: with dynamic shapes one loop serves every size, and inductor leaves it serial for good if the

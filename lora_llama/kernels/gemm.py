@@ -10,14 +10,12 @@ are most of a LoRA step's work, so they (and the small LoRA products) go through
 `linear` has no autograd: it is for hand-written forward and backward passes, and for
 work under no_grad. Everything it does not cover goes to F.linear (other devices and
 dtypes, an x whose rows are not contiguous in memory, in = 0, builds without oneDNN).
-`run_linear` is the module-level entry for plain nn.Linear layers (frozen ones in training,
-any under no_grad).
+`frozen_linear` adds the input's gradient for a frozen weight.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -106,20 +104,6 @@ class _FrozenLinear(torch.autograd.Function):
         return linear(grad, weight.t()) if ctx.needs_input_grad[0] else None, None, None
 
 
-def run_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """layer(x), with a plain nn.Linear's products through `linear` when nothing needs its weights' gradients.
-
-    Layers with hooks, under autocast, inside a compiled region (inductor writes their backward) or of other
-    types (LoRA, quantized) are called as modules.
-    """
-    if (
-        type(layer) is nn.Linear
-        and not (layer._forward_hooks or layer._forward_pre_hooks)
-        and not torch.is_autocast_enabled(x.device.type)
-        and not torch.compiler.is_compiling()
-    ):
-        if not torch.is_grad_enabled():
-            return linear(x, layer.weight, layer.bias)
-        if not layer.weight.requires_grad and (layer.bias is None or not layer.bias.requires_grad):
-            return _FrozenLinear.apply(x, layer.weight, layer.bias)
-    return layer(x)
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·weightᵀ + bias with autograd for x only (weight and bias frozen): both products through `linear`."""
+    return _FrozenLinear.apply(x, weight, bias)

@@ -1,6 +1,5 @@
 """The fused LoRA node: the frozen base's product and the low-rank update of every layer that shares an input (q, k, v;
-gate, up) in one autograd node, which saves the input once and computes each gradient from it; `project` runs a
-block's projections through it where the layers offer it (`LoRALinear.low_rank_node`), else as plain calls."""
+gate, up) in one autograd node, which saves the input once and computes each gradient from it."""
 
 from __future__ import annotations
 
@@ -8,15 +7,15 @@ import itertools
 
 import torch
 
-from lora_llama.kernels.gemm import linear, run_linear
+from lora_llama.kernels.gemm import linear
 
 
 def _weight(source, dtype, transposed: bool = False) -> torch.Tensor:
-    """A frozen weight (or its transpose), or a quantized layer's weight dequantized into dtype just for the product
-    at hand (`transient_weight`: valid until the next one is made)."""
+    """A frozen weight (or its transpose), or the one a function `source(dtype, transposed)` makes just for the
+    product at hand (a quantized layer's, dequantized: valid until the next one is made)."""
     if isinstance(source, torch.Tensor):
         return source.t() if transposed else source
-    return source.transient_weight(dtype, transposed)
+    return source(dtype, transposed)
 
 
 class _SharedInputLoRA(torch.autograd.Function):
@@ -25,8 +24,8 @@ class _SharedInputLoRA(torch.autograd.Function):
     Forward reads x once for all A (stacked) and saves only x and a = x·[A_1; A_2; ...]ᵀ.
     Backward does no work for the W_i and writes the whole input gradient into one buffer
     (Σ gy_i·W_i, then += ga·[A_i]), where autograd allocates one per path and adds them.
-    A W_i may be a quantized layer (anything with `transient_weight(dtype)`): its weight is dequantized for the
-    forward product and again for the input gradient, never kept.
+    A W_i may be a function (dtype, transposed) -> weight, as a quantized layer's dequantization is: its weight is
+    made for the forward product and again for the input gradient, never kept.
     """
 
     @staticmethod
@@ -79,20 +78,3 @@ class _SharedInputLoRA(torch.autograd.Function):
 def low_rank_linears(x: torch.Tensor, nodes: list[tuple]) -> tuple[torch.Tensor, ...]:
     """One autograd node for layers reading x (N, in); nodes: (W0, b, A, B, scale) per layer."""
     return _SharedInputLoRA.apply(x, tuple(n[4] for n in nodes), *[t for n in nodes for t in n[:4]])
-
-
-def project(x: torch.Tensor, layers) -> list[torch.Tensor]:
-    """The outputs of linear layers that read the same x (q, k, v; gate, up).
-
-    A layer that offers a low-rank node (`layer.low_rank_node(x2)` returning (W0, b, A, B, scale),
-    as LoRA layers do on their plain path) joins the others in one autograd node when all of
-    them offer one; anything else (plain or quantised layers, dropout, autocast) runs layer by layer.
-    """
-    x2 = x.reshape(-1, x.shape[-1])
-    # compiled, each layer runs its plain formula and inductor writes the backward
-    # without gradients, each layer's own plain products (LoRALinear._inference) cost less than the node
-    fusable = len(layers) > 1 and not torch.compiler.is_compiling() and torch.is_grad_enabled()
-    nodes = [getattr(m, "low_rank_node", lambda _: None)(x2) for m in layers] if fusable else [None]
-    if all(n is not None for n in nodes):
-        return [y.view(*x.shape[:-1], y.shape[-1]) for y in low_rank_linears(x2, nodes)]
-    return [run_linear(m, x) for m in layers]

@@ -10,10 +10,11 @@ import torch.nn as nn
 
 from lora_llama.errors import UserError
 from lora_llama.files import read_tensors
-from lora_llama.lora.layer import LoRALinear, fold
+from lora_llama.lora.layer import LoRALinear, fold, shared_input_projection
 from lora_llama.lora.settings import LoraSettings
 from lora_llama.lora.tokens import embedding_settings, embedding_wrappers, merge_embeddings, wrap_embeddings
 from lora_llama.model.config import TARGET_MODULES
+from lora_llama.model.linears import use_projection
 from lora_llama.quant.linear import QuantizedLinear
 
 
@@ -57,6 +58,7 @@ def apply_lora(model, settings: LoraSettings) -> dict:
             ),
         )
     wrap_embeddings(model, settings.modules_to_save, settings.trainable_rows)
+    use_projection(model, shared_input_projection)  # LoRA layers sharing an input run as one autograd node
     return parameter_summary(model)
 
 

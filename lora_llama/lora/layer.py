@@ -14,8 +14,10 @@ the norm taken per row and detached from the gradient (as peft does). The norm c
 out x r products (`row_norms`), never from the (out, in) sum, and W0's own row norms are kept from the start.
 
 On the common path (a frozen base, plain or quantized, and no dropout) a layer offers its products as one
-fused autograd node (`low_rank_node`, run by kernels/elementwise.py), alone or with the layers that
-share its input (q, k, v; gate, up).
+fused autograd node (`low_rank_node`, run by kernels/low_rank.py), alone or, through `shared_input_projection`
+(the model's projection once adapters are applied), with the layers that share its input (q, k, v; gate, up).
+Elsewhere (compiled, without gradients, with dropout) the same W0·x + b + scale·B·A·x is written once, as plain
+products (`LoRALinear._plain`).
 
 The model-wide operations (`apply_lora`, merge, adapters switched off, the state dict) are in `adapted.py`.
 Module and parameter names follow PEFT (`q_proj.base_layer`, `q_proj.lora_A`,
@@ -29,10 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lora_llama.errors import UserError
-from lora_llama.kernels.gemm import run_linear
 from lora_llama.kernels.low_rank import low_rank_linears
 from lora_llama.lora.init import init_adapter, moves_w0, principal_init
 from lora_llama.lora.settings import lora_scale
+from lora_llama.model.linears import each_layer, run_linear
 from lora_llama.quant.linear import QuantizedLinear
 
 
@@ -155,7 +157,7 @@ class LoRALinear(nn.Module):
         if self.merged or self.disabled or self.use_dora or not self.fused(x):
             return None
         base = self.base_layer
-        w0 = base if type(base) is QuantizedLinear else base.weight  # a quantized one dequantizes inside the node
+        w0 = base.transient_weight if type(base) is QuantizedLinear else base.weight  # dequantized inside the node
         return w0, base.bias, self.lora_A.weight, self.lora_B.weight, self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,34 +166,27 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D so the update below is not on a view
         if self.use_dora:
             return self._dora(x2).view(*x.shape[:-1], self.out_features)
-        if torch.compiler.is_compiling() and self.fused(x2):
-            # compiled: the plain formula in the fused node's dtypes (inductor writes the backward, fuses the casts)
-            a = F.linear(x2, self.lora_A.weight.to(x2.dtype))  # (N, r)
-            y = run_linear(self.base_layer, x2) + F.linear(a, self.lora_B.weight.to(x2.dtype)) * self.scale
-            return y.view(*x.shape[:-1], self.out_features)
-        if not torch.is_grad_enabled() and self.fused(x2, dropout_off=True):
-            return self._inference(x2).view(*x.shape[:-1], self.out_features)
-        node = self.low_rank_node(x2)
+        node = self.low_rank_node(x2) if torch.is_grad_enabled() and not torch.compiler.is_compiling() else None
         if node is not None:
             (y,) = low_rank_linears(x2, [node])
-            return y.view(*x.shape[:-1], self.out_features)
-        y = run_linear(self.base_layer, x2)  # (N, out)
-        a = self.lora_A(self.lora_dropout(x2).to(self.lora_A.weight.dtype))  # (N, r)
-        if type(self.base_layer) in (nn.Linear, QuantizedLinear) and y.dtype == a.dtype == self.lora_B.weight.dtype:
-            # y += scale·a·Bᵀ in place: no full-width temporaries for B·a, its scaling and the sum
-            # (safe for autograd: a linear's backward never reads its own output)
-            y.addmm_(a, self.lora_B.weight.t(), alpha=self.scale)
         else:
-            y = y + (self.lora_B(a) * self.scale).to(y.dtype)
+            y = self._plain(x2, self.fused(x2, dropout_off=not torch.is_grad_enabled()))
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _inference(self, x: torch.Tensor) -> torch.Tensor:
-        """W0·x + b + scale·B·A·x without autograd (decoding, evals): the base product, then the update added in
-        place. A·x (r outputs) goes to F.linear: oneDNN's per-call cost outweighs a product this narrow (at 1-32
-        rows, a decoding step's, the autograd node took 1.3-2.3x the time of q, k and v's plain products)."""
+    def _plain(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """W0·x + b + scale·B·A·dropout(x) as plain products, where the node does not run: compiled (inductor
+        writes the backward and fuses the casts), without gradients (a decoding step's few rows: oneDNN's per-call
+        cost made the node 1.3-2.3x the plain products of q, k and v), or a layer the node cannot take (dropout, a
+        trained or other base, autocast). A fused layer computes in x's dtype (float32 masters cast), the others in
+        the adapter's; the update is added in place where the dtypes agree (no full-width temporaries for B·A·x,
+        its scaling and the sum; a linear's backward never reads its own output)."""
         y = run_linear(self.base_layer, x)  # (N, out)
-        a = F.linear(x, self.lora_A.weight.to(x.dtype))  # (N, r)
-        return y.addmm_(a, self.lora_B.weight.to(x.dtype).t(), alpha=self.scale)
+        dtype = x.dtype if fused else self.lora_A.weight.dtype
+        a = F.linear(self.lora_dropout(x).to(dtype), self.lora_A.weight.to(dtype))  # (N, r)
+        lora_b = self.lora_B.weight.to(dtype)
+        if y.dtype == dtype and (fused or type(self.base_layer) in (nn.Linear, QuantizedLinear)):
+            return y.addmm_(a, lora_b.t(), alpha=self.scale)
+        return y + (F.linear(a, lora_b) * self.scale).to(y.dtype)
 
     def _dora(self, x: torch.Tensor) -> torch.Tensor:
         """W0·x + b + (c - 1)·W0·x' + c·scale·B·A·x' with c = m / ‖W0 + scale·B·A‖ (detached) and x' = dropout(x):
@@ -243,6 +238,18 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"r={self.r}, scale={self.scale:g}" + (", dora" if self.use_dora else "")
+
+
+def shared_input_projection(x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """The outputs of linear layers that read the same x (q, k, v; gate, up), the model's projection once adapters
+    are applied: when every layer offers its low-rank node (`LoRALinear.low_rank_node`), one autograd node for all;
+    otherwise (plain or quantized layers, dropout, autocast, compiled, no gradients) each layer on its own."""
+    x2 = x.reshape(-1, x.shape[-1])
+    fusable = len(layers) > 1 and not torch.compiler.is_compiling() and torch.is_grad_enabled()
+    nodes = [m.low_rank_node(x2) if isinstance(m, LoRALinear) else None for m in layers] if fusable else [None]
+    if all(n is not None for n in nodes):
+        return [y.view(*x.shape[:-1], y.shape[-1]) for y in low_rank_linears(x2, nodes)]
+    return each_layer(x, layers)
 
 
 @torch.no_grad()

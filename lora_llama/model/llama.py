@@ -1,8 +1,8 @@
 """A native LLaMA in one file: RMSNorm pre-norm, RoPE, grouped-query attention, SwiGLU, KV cache.
 
 The architecture only: the hand-written backward passes live in kernels/elementwise.py and kernels/low_rank.py,
-attention's in kernels/attention.py, and nothing here knows about LoRA (`project` fuses any layers that offer a
-low-rank node).
+attention's in kernels/attention.py, and nothing here knows about LoRA (a module's `projection` of the layers that
+read one input is theirs to replace: linears.py).
 
 Module names follow Hugging Face's `LlamaForCausalLM` exactly
 (`model.layers.0.self_attn.q_proj`, ...), so a checkpoint's state dict loads
@@ -22,9 +22,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lora_llama.kernels.attention import attend, takes_segments
 from lora_llama.kernels.elementwise import apply_rope, recompute_when_saved, rms_norm, silu_mul, swiglu
 from lora_llama.kernels.fused import compiled, strict_compiling
-from lora_llama.kernels.gemm import run_linear
-from lora_llama.kernels.low_rank import project
 from lora_llama.model.config import ModelArgs, rope_inv_freq
+from lora_llama.model.linears import each_layer, run_linear
 
 # attention's forward kernels (ours on the CPU, SDPA's flash / efficient / cuDNN): quadratic in the length to
 # recompute, linear to keep, so selective checkpointing keeps their outputs and recomputes the rest of the block
@@ -144,12 +143,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.qk_norm = args.qk_norm
+        self.projection = each_layer  # (x, layers) -> their outputs; replaceable (linears.use_projection)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, keep=None, segments=None):
         """(B, T, dim), or (N, dim) at the flat positions keep (N,) of (B, T) (every position still attends).
         segments (B, T): packed rows, attending within their own example (with mask None)."""
         B, T, _ = x.shape
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))  # one autograd node when all three carry LoRA
+        q, k, v = self.projection(x, (self.q_proj, self.k_proj, self.v_proj))
         q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -171,9 +171,10 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.projection = each_layer
 
     def forward(self, x, lean: bool = False):
-        g, u = project(x, (self.gate_proj, self.up_proj))  # (B, T, intermediate)
+        g, u = self.projection(x, (self.gate_proj, self.up_proj))  # (B, T, intermediate)
         h = swiglu(g, u)
         with recompute_when_saved(h, lambda: silu_mul(g, u), lean):  # g, u are saved by SwiGLU anyway
             return run_linear(self.down_proj, h)
