@@ -222,7 +222,7 @@ def _eval_tasks(args) -> int:
     import time
     from pathlib import Path
 
-    from lora_llama.files import refuse_existing, write_text_atomic
+    from lora_llama.files.atomic import refuse_existing, write_text_atomic
     from lora_llama.harness.tasks import (
         check_tasks,
         comparison_table,

@@ -119,7 +119,7 @@ def test_a_truncated_base_is_named_by_merge_and_export(tiny_ckpt, tmp_path, caps
 
 def test_fsdp_row_reading_names_a_file_cut_inside_its_header(tiny_ckpt, tmp_path):
     from lora_llama.errors import UserError
-    from lora_llama.files import CheckpointRows
+    from lora_llama.files.checkpoint_rows import CheckpointRows
 
     base = tmp_path / "base"
     shutil.copytree(tiny_ckpt, base)

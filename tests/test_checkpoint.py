@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from helpers import build_checkpoint, hf_model
 from lora_llama import UserError, load_model
 from lora_llama.cli import main
-from lora_llama.files import atomic_dir, shard_files, write_safetensors_streaming
+from lora_llama.files.atomic import atomic_dir
+from lora_llama.files.shards import shard_files, write_safetensors_streaming
 from lora_llama.loading.models import gguf_cache_key, gguf_to_folder, resolve_source
 from lora_llama.registry import is_hub_id, package_dir
 

@@ -139,7 +139,7 @@ def test_shape_mismatch_names_key_and_shapes(tiny_ckpt, make_ckpt, tmp_path):
     [
         ({"use_dora": True}, "lacks 8 tensors, first"),  # a DoRA config without its magnitudes
         ({"target_modules": ["q_proj", "conv1"]}, "unknown target module 'conv1'"),
-        ({"r": 0}, "r must be a positive integer"),
+        ({"r": 0}, "adapter_config.json: LoRA setting 'r': Input should be greater than 0"),
     ],
 )
 def test_bad_adapter_config(tiny_ckpt, tmp_path, capsys, patch, message):

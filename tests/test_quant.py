@@ -261,7 +261,7 @@ def test_loading_peak_memory_below_fp32_size(tmp_path, kind):
     setup = (
         "import torch, safetensors\nfrom lora_llama import load_model\n"
         "from lora_llama.loading.models import resolve_source\nfrom lora_llama.model.config import ModelArgs\n"
-        "from lora_llama.files import read_config\nfrom lora_llama.model.llama import Llama"
+        "from lora_llama.files.json_files import read_config\nfrom lora_llama.model.llama import Llama"
         "\nwith torch.device('meta'):\n    Llama(ModelArgs.from_hf_config(read_config(resolve_source(sys.argv[1]))))"
     )
     grown = peak_growth(setup, f"model = load_model(sys.argv[1], quantize='{kind}')", base)

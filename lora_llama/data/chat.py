@@ -5,7 +5,7 @@ ends on a trained stop token."""
 from __future__ import annotations
 
 from lora_llama.errors import UserError
-from lora_llama.files import read_json
+from lora_llama.files.json_files import read_json
 
 # ChatML, for chat data on base models whose tokenizer has no template of its own
 CHATML_TEMPLATE = (

@@ -68,8 +68,7 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if torch.compiler.is_compiling():  # inside a compiled block inductor fuses the plain formula, both ways
-        xf = x.float()
-        return weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return fused.rms_norm_formula(x, weight, eps)[0]
     return _RMSNorm.apply(x, weight, eps)
 
 
@@ -132,7 +131,7 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g)·u; without a graph to record, in place on a fresh silu(g)."""
     if torch.compiler.is_compiling():
-        return F.silu(g) * u
+        return fused.swiglu_formula(g, u)
     return _SwiGLU.apply(g, u) if g.requires_grad or u.requires_grad else F.silu(g).mul_(u)
 
 

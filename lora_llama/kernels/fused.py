@@ -169,12 +169,21 @@ def swiglu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor) -> tup
     return dg.view(g.shape), du.view(u.shape)
 
 
-# the formulas, on (rows, n) tensors
-@_compiled
-def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+# the formulas: plain (a compiled decoder block inlines them) and compiled on (rows, n) tensors
+def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight · x/rms(x), 1/rms(x)): x/rms in float32, cast back before the weight, as HF does."""
     xf = x.float()
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (xf * rstd).to(x.dtype) * weight, rstd
+
+
+def swiglu_formula(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g)·u in float32, cast back."""
+    return (F.silu(g.float()) * u.float()).to(g.dtype)
+
+
+_rms_norm_forward = _compiled(rms_norm_formula)
+_swiglu_forward = _compiled(swiglu_formula)
 
 
 @_compiled
@@ -187,11 +196,6 @@ def _rms_norm_backward(
     c = (gw * x_hat).mean(-1, keepdim=True)
     grad_w = (gradf * x_hat).sum(0).to(weight.dtype) if weight_grad else None
     return ((gw - x_hat * c) * rstd).to(x.dtype), grad_w
-
-
-@_compiled
-def _swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return (F.silu(g.float()) * u.float()).to(g.dtype)
 
 
 @_compiled

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from lora_llama.errors import UserError
-from lora_llama.files import atomic_dir, read_json, write_json
+from lora_llama.files.atomic import atomic_dir
+from lora_llama.files.json_files import read_json, write_json
 from lora_llama.lora.adapted import EMBEDDING_SUFFIXES, adapter_settings, apply_lora, lora_modules, lora_state_dict
 from lora_llama.lora.init import plain_adapter
 from lora_llama.lora.settings import lora_settings
@@ -103,22 +104,23 @@ def read_adapter_config(folder: str | os.PathLike):
     unknown = [t for t in targets if t not in by_hf]
     if unknown:
         raise UserError(f"{folder}: unknown target module {unknown[0]!r} (known: {', '.join(by_hf)})")
-    layers = cfg.get("layers_to_transform")
-    r = cfg.get("r", 8)
-    if not isinstance(r, int) or r <= 0:
-        raise UserError(f"{folder}: r must be a positive integer, got {r!r}")
-    return lora_settings(
-        r=r,
-        alpha=cfg.get("lora_alpha", 8),
-        dropout=cfg.get("lora_dropout", 0.0),
-        targets=[by_hf[t] for t in targets],
-        rslora=bool(cfg.get("use_rslora", False)),
-        use_dora=bool(cfg.get("use_dora", False)),
-        init_lora_weights=cfg.get("init_lora_weights", True),
-        layers=[layers] if isinstance(layers, int) else layers,
-        modules_to_save=modules_to_save(folder, cfg.get("modules_to_save")),
-        trainable_token_indices=cfg.get("trainable_token_indices"),
-    ), cfg
+    layers, saved = cfg.get("layers_to_transform"), modules_to_save(folder, cfg.get("modules_to_save"))
+    try:  # the settings' own rules (r > 0, ...), said with the folder they came from
+        settings = lora_settings(
+            r=cfg.get("r", 8),
+            alpha=cfg.get("lora_alpha", 8),
+            dropout=cfg.get("lora_dropout", 0.0),
+            targets=[by_hf[t] for t in targets],
+            rslora=bool(cfg.get("use_rslora", False)),
+            use_dora=bool(cfg.get("use_dora", False)),
+            init_lora_weights=cfg.get("init_lora_weights", True),
+            layers=[layers] if isinstance(layers, int) else layers,
+            modules_to_save=saved,
+            trainable_token_indices=cfg.get("trainable_token_indices"),
+        )
+    except UserError as e:
+        raise UserError(f"{folder / ADAPTER_CONFIG}: {e}") from None
+    return settings, cfg
 
 
 def modules_to_save(folder: Path, names) -> list[str] | None:

@@ -13,14 +13,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from lora_llama.errors import UserError
-from lora_llama.files import (
-    atomic_dir,
-    iter_shards,
-    make_tokenizer_config_portable,
-    read_config,
-    write_json,
-    write_text_atomic,
-)
+from lora_llama.files.atomic import atomic_dir, write_text_atomic
+from lora_llama.files.json_files import read_config, write_json
+from lora_llama.files.shards import iter_shards
+from lora_llama.files.tokenizer_files import make_tokenizer_config_portable
 from lora_llama.model.config import ModelArgs, family_of, portable_hf_config
 from lora_llama.model.llama import Llama
 from lora_llama.quant.gguf_blocks import row_bytes

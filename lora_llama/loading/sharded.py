@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from lora_llama.errors import UserError
-from lora_llama.files import CheckpointRows
+from lora_llama.files.checkpoint_rows import CheckpointRows
 from lora_llama.loading.adapters import load_adapter_weights
 from lora_llama.loading.models import gguf_linear_blocks, meta_model, resolve_source
 from lora_llama.lora.adapted import apply_lora

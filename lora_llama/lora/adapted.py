@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from lora_llama.errors import UserError
-from lora_llama.files import read_tensors
+from lora_llama.files.shards import read_tensors
 from lora_llama.lora.layer import LoRALinear, fold, shared_input_projection
 from lora_llama.lora.settings import LoraSettings
 from lora_llama.lora.tokens import embedding_settings, embedding_wrappers, merge_embeddings, wrap_embeddings

@@ -20,13 +20,9 @@ import torch
 
 from lora_llama.data.chat import stop_token_ids
 from lora_llama.errors import UserError
-from lora_llama.files import (
-    atomic_file,
-    open_safetensors,
-    read_config,
-    refuse_existing,
-    write_text_atomic,
-)
+from lora_llama.files.atomic import atomic_file, refuse_existing, write_text_atomic
+from lora_llama.files.json_files import read_config
+from lora_llama.files.shards import open_safetensors
 from lora_llama.loading.models import gguf_file, load_tokenizer, resolve_source
 from lora_llama.model.config import ModelArgs, rope_inv_freq
 from lora_llama.outputs.gguf_vocab import build_tokenizer, copy_tokenizer

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lora_llama.errors import UserError
-from lora_llama.files import read_json
+from lora_llama.files.json_files import read_json
 from lora_llama.loading.models import load_tokenizer
 
 # the original regexes of Llama 3's and Qwen2's tokenizer.json (llama.cpp's llama-vocab.cpp quotes them)

@@ -19,19 +19,17 @@ from pathlib import Path
 import torch
 
 from lora_llama.errors import UserError
-from lora_llama.files import (
+from lora_llama.files.atomic import atomic_dir, refuse_existing
+from lora_llama.files.json_files import read_config, write_json
+from lora_llama.files.shards import (
     INDEX_FILE,
     SAFETENSORS_DTYPES,
-    atomic_dir,
-    copy_tokenizer_files,
     open_safetensors,
-    read_config,
-    refuse_existing,
     shard_files,
     tensor_shapes,
-    write_json,
     write_safetensors_streaming,
 )
+from lora_llama.files.tokenizer_files import copy_tokenizer_files
 from lora_llama.loading.adapters import adapter_deltas, embedding_changes, read_adapter_tensors
 from lora_llama.loading.models import resolve_source
 from lora_llama.lora.layer import fold

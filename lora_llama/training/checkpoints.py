@@ -8,7 +8,8 @@ import shutil
 from pathlib import Path
 
 from lora_llama.errors import UserError
-from lora_llama.files import atomic_dir, read_json, write_json
+from lora_llama.files.atomic import atomic_dir
+from lora_llama.files.json_files import read_json, write_json
 from lora_llama.loading.adapters import save_adapter
 from lora_llama.lora.adapted import lora_state_dict
 from lora_llama.runtime.distributed import Ranks, full, full_optimizer_state, load_optimizer_state

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lora_llama.data.chat import stop_token_ids
 from lora_llama.data.prompts import prompt_ids
-from lora_llama.files import write_text_atomic
+from lora_llama.files.atomic import write_text_atomic
 from lora_llama.harness.tasks import metrics, run_tasks, to_json
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.model.generate import sample_completions

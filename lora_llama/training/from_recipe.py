@@ -14,7 +14,7 @@ import torch
 
 from lora_llama.data.chat import end_of_turn_id
 from lora_llama.errors import UserError
-from lora_llama.files import shard_files
+from lora_llama.files.shards import shard_files
 from lora_llama.harness.tasks import check_tasks, task_manager
 from lora_llama.kernels import fused
 from lora_llama.loading.adapted import adapted_model, loads_by_rows

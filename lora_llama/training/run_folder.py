@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lora_llama.errors import UserError
-from lora_llama.files import read_json, write_json
+from lora_llama.files.json_files import read_json, write_json
 
 # the run folder's names: every other module spells them through these
 ADAPTER, CHECKPOINTS, METRICS, LOSS_PLOT, RECIPE = "adapter", "checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml"
