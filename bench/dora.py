@@ -25,7 +25,7 @@ def peft_worker(use_dora: bool, steps: int) -> None:
 
     from lora_llama.data.sft import build_examples, collate
     from lora_llama.loading.models import resolve_source
-    from lora_llama.model.config import HF_NAME
+    from lora_llama.model.config import LINEAR_NAMES
     from lora_llama.recipe.schema import load_recipe
 
     torch.set_num_threads(2)
@@ -36,7 +36,10 @@ def peft_worker(use_dora: bool, steps: int) -> None:
     model = get_peft_model(
         model,
         LoraConfig(
-            r=r.lora.r, lora_alpha=r.lora.alpha, use_dora=use_dora, target_modules=[HF_NAME[t] for t in r.lora.targets]
+            r=r.lora.r,
+            lora_alpha=r.lora.alpha,
+            use_dora=use_dora,
+            target_modules=[LINEAR_NAMES[t] for t in r.lora.targets],
         ),
     )
     examples = build_examples(r.data, tok, r.train.seed)[0]

@@ -269,13 +269,12 @@ def budgeted(budget: Budget, kind: str, timeout: float, **kw) -> dict:
     return run_worker(kind, min(timeout, budget.left()), **kw)
 
 
-def run_config(a, config: str, folder: Path, tmp: Path, common: dict, timeout: float, out: Path | None,
-               budget: Budget) -> dict:  # fmt: skip
+def run_config(a, config: str, folder: Path, tmp: Path, common: dict, timeout: float, out, budget: Budget) -> dict:
     """Ours, then each peer, on one configuration; every run's figures emitted as it ends."""
-    name, shared = MODEL_OF[config], {"batch": common["batch"], "quantize": common["quantize"], "steps": a.steps,
-                                      "warmup": a.warmup, "device": a.device}  # fmt: skip
-    runs = {"lora-llama": budgeted(budget, "ours", timeout, folder=str(folder), data=str(tmp / f"{name}.jsonl"),
-                                   out=str(tmp / f"run-{config}"), seq=common["seq"], **shared)}  # fmt: skip
+    name = MODEL_OF[config]
+    shared = dict(batch=common["batch"], quantize=common["quantize"], steps=a.steps, warmup=a.warmup, device=a.device)
+    ours = dict(folder=str(folder), data=str(tmp / f"{name}.jsonl"), out=str(tmp / f"run-{config}"), seq=common["seq"])
+    runs = {"lora-llama": budgeted(budget, "ours", timeout, **ours, **shared)}
     emit(out, {"kind": "run", "library": "lora-llama", **common, **runs["lora-llama"]}, keep=False)
     for p in [p for p in a.peers.split(",") if p]:
         rows_file = str(tmp / f"{name}-rows.json")

@@ -38,7 +38,7 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
 
     from lora_llama.data.prompts import build_prompts
     from lora_llama.loading.models import resolve_source
-    from lora_llama.model.config import HF_NAME
+    from lora_llama.model.config import LINEAR_NAMES
     from lora_llama.objectives.rewards import load_reward
 
     source = resolve_source(r.model.source)  # the installed SmolLM2 GGUF is read by transformers' own loader
@@ -75,7 +75,7 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
         r=r.lora.r,
         lora_alpha=r.lora.alpha,
         lora_dropout=r.lora.dropout,
-        target_modules=[HF_NAME[x] for x in r.lora.targets],
+        target_modules=[LINEAR_NAMES[x] for x in r.lora.targets],
         task_type="CAUSAL_LM",
     )
     data = Dataset.from_list([{"prompt": _prompt(r, p["prompt"]), "index": i} for i, p in enumerate(train)])

@@ -197,7 +197,7 @@ def test_target_positions_taken_on_the_host_give_the_same_loss(tiny_ckpt):
 
 
 def test_compile_auto_is_on_for_gpus_unless_fsdp_shards():
-    from lora_llama.runtime.precision import resolve_compile
+    from lora_llama.runtime.auto import resolve_compile
 
     assert resolve_compile("auto", "cuda", sharded=False)[0] is True
     assert resolve_compile("auto", "cuda:1", sharded=False)[0] is True

@@ -7,7 +7,7 @@ import torch
 from helpers import TINY
 from lora_llama import UserError
 from lora_llama.lora.settings import LoraSettings, lora_scale
-from lora_llama.model.config import DECODER_TARGETS, HF_NAME, TARGET_MODULES, ModelArgs, torch_dtype
+from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES, LINEARS, ModelArgs, torch_dtype
 from lora_llama.recipe.schema import load_recipe
 
 
@@ -70,10 +70,10 @@ def test_target_vocabulary_is_transformers_module_names():
         for n, m in hf.named_modules()
         if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.0.")
     }
-    assert linears == {TARGET_MODULES[t] for t in DECODER_TARGETS}
-    assert TARGET_MODULES["lm_head"] == "lm_head" and isinstance(hf.lm_head, torch.nn.Linear)
-    assert HF_NAME["q"] == "q_proj" and HF_NAME["down"] == "down_proj"
-    assert set(LoraSettings.model_fields["targets"].annotation.__args__[0].__args__) == set(TARGET_MODULES)
+    assert linears == {LINEARS[t] for t in BLOCK_LINEARS}
+    assert LINEARS["lm_head"] == "lm_head" and isinstance(hf.lm_head, torch.nn.Linear)
+    assert LINEAR_NAMES["q"] == "q_proj" and LINEAR_NAMES["down"] == "down_proj"
+    assert set(LoraSettings.model_fields["targets"].annotation.__args__[0].__args__) == set(LINEARS)
 
 
 def test_lora_scale_and_settings():

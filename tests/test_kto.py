@@ -12,7 +12,7 @@ from helpers import PREFERENCE_ROWS, preference_file
 from lora_llama.cli import main
 from lora_llama.loading.adapters import save_adapter
 from lora_llama.loading.models import load_tokenizer
-from lora_llama.model.config import DECODER_TARGETS, HF_NAME
+from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
 from lora_llama.objectives.kto import KTO, KTOSettings, tokenize_unpaired, with_mismatched
 from lora_llama.runtime.distributed import Ranks
 
@@ -74,7 +74,7 @@ def test_kto_first_step_equals_trl(preference_ckpt, tmp_path, weights):
         bf16=False,
         max_length=None,
     )
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=[HF_NAME[t] for t in DECODER_TARGETS], lora_dropout=0.0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[LINEAR_NAMES[t] for t in BLOCK_LINEARS], lora_dropout=0.0)
     trainer = KTOTrainer(
         model=helpers.hf_model(preference_ckpt),
         args=args,

@@ -22,7 +22,7 @@ from lora_llama.lora.adapted import apply_lora, lora_modules
 from lora_llama.lora.layer import LoRALinear
 from lora_llama.lora.layer import shared_input_projection as project
 from lora_llama.lora.settings import lora_settings
-from lora_llama.model.config import DECODER_TARGETS
+from lora_llama.model.config import BLOCK_LINEARS
 
 BF16 = 2e-2  # relative error allowed: bfloat16 keeps 8 bits (eps 7.8e-3); products accumulate in float32
 
@@ -240,7 +240,7 @@ def test_lora_paths_in_bf16_match_float64(fused):
 
 def test_fused_node_runs_under_bf16_mixed(tiny_ckpt):
     model = load_model(tiny_ckpt, dtype=torch.bfloat16)
-    apply_lora(model, lora_settings(r=4, alpha=8, targets=list(DECODER_TARGETS)))
+    apply_lora(model, lora_settings(r=4, alpha=8, targets=list(BLOCK_LINEARS)))
     x = torch.randn(1, 3, 64).bfloat16()
     attn = model.model.layers[0].self_attn
     assert all(m.lora_A.weight.dtype == torch.float32 for m in lora_modules(model).values())

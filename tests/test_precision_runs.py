@@ -117,7 +117,7 @@ def test_int8_base_and_generate_eval_under_bf16(tiny_ckpt, tmp_path, capsys):
 
 
 def test_auto_picks_bf16_only_with_native_instructions(monkeypatch):
-    import lora_llama.runtime.precision as precision
+    import lora_llama.runtime.auto as precision
 
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: ["AVX512_BF16"])
     assert precision.resolve_precision("auto", "cpu") == ("bf16-mixed", "auto: this CPU has AVX512_BF16")
@@ -131,7 +131,7 @@ def test_auto_picks_bf16_only_with_native_instructions(monkeypatch):
 
 
 def test_quantize_auto_keeps_a_gguf_bases_blocks_only_for_float32_on_the_cpu():
-    from lora_llama.runtime.precision import resolve_quantize
+    from lora_llama.runtime.auto import resolve_quantize
 
     assert resolve_quantize("auto", "fp32", "cpu", gguf=True, base_moves=False)[0] == "source"
     for precision, device, gguf, base_moves in [

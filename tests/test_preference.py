@@ -12,7 +12,7 @@ from lora_llama.loading.adapters import save_adapter
 from lora_llama.loading.models import load_tokenizer
 from lora_llama.lora.adapted import adapters_disabled, apply_lora, lora_modules
 from lora_llama.lora.settings import lora_settings
-from lora_llama.model.config import DECODER_TARGETS, HF_NAME
+from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
 from lora_llama.objectives.dpo import DPO, DPOSettings
 from lora_llama.objectives.orpo import ORPO, ORPOSettings
 
@@ -21,7 +21,7 @@ def ours_with_random_adapter(folder, tmp_path):
     """Our model with LoRA on all seven linears and a non-zero B (so that rewards are not all zero), and the
     same adapter saved in the PEFT format for trl's model."""
     model = load_model(folder)
-    apply_lora(model, lora_settings(r=4, alpha=8, targets=list(DECODER_TARGETS)))
+    apply_lora(model, lora_settings(r=4, alpha=8, targets=list(BLOCK_LINEARS)))
     torch.manual_seed(3)
     for m in lora_modules(model).values():
         torch.nn.init.normal_(m.lora_B.weight, std=0.05)
@@ -74,7 +74,7 @@ def test_dpo_first_step_equals_trl(preference_ckpt, tmp_path):
         max_length=None,
         dataloader_drop_last=False,
     )
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=[HF_NAME[t] for t in DECODER_TARGETS], lora_dropout=0.0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[LINEAR_NAMES[t] for t in BLOCK_LINEARS], lora_dropout=0.0)
     trainer = DPOTrainer(
         model=helpers.hf_model(preference_ckpt),
         args=args,
@@ -133,7 +133,7 @@ def test_orpo_first_step_equals_trl(preference_ckpt, tmp_path):
         bf16=False,
         max_length=128,
     )
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=[HF_NAME[t] for t in DECODER_TARGETS], lora_dropout=0.0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[LINEAR_NAMES[t] for t in BLOCK_LINEARS], lora_dropout=0.0)
     trainer = ORPOTrainer(
         model=helpers.hf_model(preference_ckpt),
         args=args,

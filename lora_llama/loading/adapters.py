@@ -18,7 +18,7 @@ from lora_llama.lora.adapted import EMBEDDING_SUFFIXES, adapter_settings, apply_
 from lora_llama.lora.init import plain_adapter
 from lora_llama.lora.settings import lora_settings
 from lora_llama.lora.tokens import EMBEDDING_PATHS
-from lora_llama.model.config import DECODER_TARGETS, HF_NAME
+from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
 from lora_llama.registry import base_model_id
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -59,7 +59,7 @@ def save_adapter(
         "r": r,
         "lora_alpha": alpha,
         "lora_dropout": settings.dropout,
-        "target_modules": sorted(HF_NAME[t] for t in settings.targets),
+        "target_modules": sorted(LINEAR_NAMES[t] for t in settings.targets),
         "layers_to_transform": settings.layers,
         "use_rslora": settings.rslora,
         "bias": "none",
@@ -97,10 +97,10 @@ def read_adapter_config(folder: str | os.PathLike):
             raise UserError(f"{folder}: {key}={cfg[key]!r} is not supported")
     targets = cfg.get("target_modules") or []
     if targets == "all-linear":
-        targets = [HF_NAME[t] for t in DECODER_TARGETS]
+        targets = [LINEAR_NAMES[t] for t in BLOCK_LINEARS]
     if isinstance(targets, str):
         raise UserError(f"{folder}: target_modules given as a pattern ({targets!r}) is not supported; list the names")
-    by_hf = {v: k for k, v in HF_NAME.items()}
+    by_hf = {v: k for k, v in LINEAR_NAMES.items()}
     unknown = [t for t in targets if t not in by_hf]
     if unknown:
         raise UserError(f"{folder}: unknown target module {unknown[0]!r} (known: {', '.join(by_hf)})")

@@ -24,7 +24,7 @@ from lora_llama.quant.gguf_tensors import linear_blocks
 from lora_llama.quant.linear import REQUANTIZED, QuantizedLinear, quantize_loaded_linears
 from lora_llama.registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
 from lora_llama.runtime.allocator import release_freed_memory
-from lora_llama.runtime.precision import resolve_device
+from lora_llama.runtime.auto import resolve_device
 
 CACHE_FORMAT = 2  # of the folders gguf_to_folder writes (2: portable config.json and tokenizer_config.json)
 

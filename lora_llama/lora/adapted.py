@@ -13,7 +13,7 @@ from lora_llama.files.shards import read_tensors
 from lora_llama.lora.layer import LoRALinear, fold, shared_input_projection
 from lora_llama.lora.settings import LoraSettings
 from lora_llama.lora.tokens import embedding_settings, embedding_wrappers, merge_embeddings, wrap_embeddings
-from lora_llama.model.config import TARGET_MODULES
+from lora_llama.model.config import LINEARS
 from lora_llama.model.linears import use_projection
 from lora_llama.quant.linear import QuantizedLinear
 
@@ -25,7 +25,7 @@ def target_paths(model, settings: LoraSettings) -> list[str]:
     bad = [i for i in layers if not 0 <= i < n_layers]
     if bad:
         raise UserError(f"LoRA layer {bad[0]} does not exist (the model has layers 0..{n_layers - 1})")
-    paths = [f"model.layers.{i}.{TARGET_MODULES[t]}" for i in layers for t in settings.targets if t != "lm_head"]
+    paths = [f"model.layers.{i}.{LINEARS[t]}" for i in layers for t in settings.targets if t != "lm_head"]
     return paths + (["lm_head"] if "lm_head" in settings.targets else [])
 
 
@@ -67,7 +67,7 @@ def adapter_settings(model) -> LoraSettings | None:
     modules = lora_modules(model)
     if not modules:
         return None
-    by_path = {path: t for t, path in TARGET_MODULES.items()}
+    by_path = {path: t for t, path in LINEARS.items()}
     targets, layers = set(), set()
     for name in modules:  # lm_head, or model.layers.{i}.self_attn.q_proj ...
         parts = name.split(".", 3)
@@ -83,7 +83,7 @@ def adapter_settings(model) -> LoraSettings | None:
         rslora=m.rslora,
         use_dora=m.use_dora,
         init_lora_weights=m.init,
-        targets=[t for t in TARGET_MODULES if t in targets],
+        targets=[t for t in LINEARS if t in targets],
         layers=None if every_layer else sorted(layers),
         **embedding_settings(model),
     )

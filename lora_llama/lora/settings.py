@@ -9,13 +9,16 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from lora_llama.errors import UserError
 from lora_llama.lora.init import check_init, moves_w0
-from lora_llama.model.config import Target
-from lora_llama.settings import Settings, describe
+from lora_llama.model.config import LINEARS
+from lora_llama.validation import Settings, describe
 
 
 def lora_scale(r: int, alpha: float, rslora: bool = False) -> float:
     """alpha/r, or alpha/sqrt(r) with rsLoRA (Kalajdzievski 2023): the factor on B·A."""
     return alpha / (r**0.5 if rslora else r)
+
+
+Target = Literal[tuple(LINEARS)]  # the linears users may adapt, by short name
 
 
 class LoraSettings(Settings):

@@ -44,8 +44,9 @@ DTYPE_NAMES = {
     "float16": "float16",
 }
 DType = Literal[tuple(sorted(set(DTYPE_NAMES.values())))]
-# LoRA target name -> module path inside a decoder block (lm_head lives at the top of the model)
-TARGET_MODULES = {
+# the model's linear layers by short name -> module path inside a decoder block (lm_head lives at the top of the
+# model); the short names are what users write (LoRA's targets)
+LINEARS = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
     "v": "self_attn.v_proj",
@@ -55,13 +56,14 @@ TARGET_MODULES = {
     "down": "mlp.down_proj",
     "lm_head": "lm_head",
 }
-HF_NAME = {t: path.rsplit(".", 1)[-1] for t, path in TARGET_MODULES.items()}  # q -> q_proj: PEFT's target_modules
-DECODER_TARGETS = tuple(t for t in TARGET_MODULES if t != "lm_head")  # the seven linears of a block ("all-linear")
-Target = Literal[tuple(TARGET_MODULES)]
+LINEAR_NAMES = {
+    t: path.rsplit(".", 1)[-1] for t, path in LINEARS.items()
+}  # q -> q_proj (what PEFT's target_modules lists)
+BLOCK_LINEARS = tuple(t for t in LINEARS if t != "lm_head")  # the seven linears of a block ("all-linear")
 # frozen decoder linears held weight-only (quant/linear.py): int8, nf4, or a GGUF base's own blocks (source)
 QUANTIZE_KINDS = ("int8", "nf4", "source")
-DEVICE = r"auto|cpu|cuda(:\d+)?"  # model.device and --device, as a regular expression; what auto picks: precision.py
-PRECISIONS = ("fp32", "bf16-mixed", "auto")  # train.precision; what each means: precision.py
+DEVICE = r"auto|cpu|cuda(:\d+)?"  # model.device and --device, as a regular expression; what auto picks: runtime/auto.py
+PRECISIONS = ("fp32", "bf16-mixed", "auto")  # train.precision; what each means: runtime/auto.py
 
 
 def torch_dtype(name: str):

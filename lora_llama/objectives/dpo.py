@@ -12,7 +12,7 @@ from pydantic import Field
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.pairs import PairObjective, pair_stats, valid_pairs
 from lora_llama.objectives.token_losses import answer_logps
-from lora_llama.settings import Settings
+from lora_llama.validation import Settings
 
 
 class DPOSettings(Settings):

@@ -33,7 +33,7 @@ from lora_llama.objectives.rewards import mean_std, reward_means, reward_moments
 from lora_llama.objectives.rollout import Rollouts
 from lora_llama.objectives.token_losses import token_logps
 from lora_llama.runtime.distributed import sharded
-from lora_llama.settings import Settings
+from lora_llama.validation import Settings
 
 # what a rollout batch keeps on the model's device (the rest, rewards and lengths, stays on the CPU)
 ON_DEVICE = ("input_ids", "labels", "advantages", "completion", "position_ids", "segment_ids", "old_logps")

@@ -31,7 +31,7 @@ from lora_llama.labels import IGNORE_INDEX, target_mask
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.base import Objective
 from lora_llama.objectives.token_losses import token_logps
-from lora_llama.settings import Settings
+from lora_llama.validation import Settings
 
 UNPAIRED_FIELDS = ("prompt", "completion", "label")
 # summed over examples; summarize turns them into trl's metrics

@@ -11,7 +11,7 @@ from pydantic import Field
 from lora_llama.labels import target_mask
 from lora_llama.objectives.pairs import PairObjective, pair_stats, valid_pairs
 from lora_llama.objectives.token_losses import answer_logps
-from lora_llama.settings import Settings
+from lora_llama.validation import Settings
 
 
 class ORPOSettings(Settings):

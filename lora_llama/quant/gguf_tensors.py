@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lora_llama.model.config import DECODER_TARGETS, TARGET_MODULES, ModelArgs
+from lora_llama.model.config import BLOCK_LINEARS, LINEARS, ModelArgs
 from lora_llama.quant.gguf_blocks import GGUF_FORMATS
 
 
@@ -35,8 +35,8 @@ def linear_blocks(gguf: Path, args: ModelArgs, copy: bool = True) -> dict:
     names, tensors = gg.get_tensor_name_map(arch, args.n_layers), {t.name: t for t in reader.tensors}
     found = {}
     for i in range(args.n_layers):
-        for target in DECODER_TARGETS:
-            path = f"model.layers.{i}.{TARGET_MODULES[target]}"
+        for target in BLOCK_LINEARS:
+            path = f"model.layers.{i}.{LINEARS[target]}"
             t = tensors.get(names.get_name(f"{path}.weight", try_suffixes=(".weight",)) or "")
             if t is None or t.tensor_type.name.lower() not in GGUF_FORMATS:
                 continue

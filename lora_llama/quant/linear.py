@@ -23,7 +23,7 @@ import torch.nn as nn
 from lora_llama.errors import UserError
 from lora_llama.kernels import fused, workspace
 from lora_llama.kernels.gemm import copies_transposed, linear
-from lora_llama.model.config import DECODER_TARGETS, HF_NAME, QUANTIZE_KINDS
+from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES, QUANTIZE_KINDS
 from lora_llama.quant.formats import (
     NF4_BLOCK,
     dequantize_absmax,
@@ -35,7 +35,7 @@ from lora_llama.quant.formats import (
 )
 from lora_llama.quant.gguf_blocks import GGUF_FORMATS, dequantize_gguf
 
-DECODER_LINEARS = tuple(HF_NAME[t] for t in DECODER_TARGETS)  # q_proj ... down_proj
+DECODER_LINEARS = tuple(LINEAR_NAMES[t] for t in BLOCK_LINEARS)  # q_proj ... down_proj
 REQUANTIZED = ("int8", "nf4")  # quantized from float weights while loading (source keeps a file's own blocks)
 LAYER_KINDS = (*REQUANTIZED, *GGUF_FORMATS)
 

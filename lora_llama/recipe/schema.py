@@ -16,7 +16,7 @@ from lora_llama.lora.init import moves_w0
 from lora_llama.lora.settings import LoraSettings
 from lora_llama.model.config import DEVICE, PRECISIONS, QUANTIZE_KINDS, DType
 from lora_llama.objectives.catalog import DEFAULT, OBJECTIVES, check_objective_fits_data, data_formats, readers
-from lora_llama.settings import Settings, describe
+from lora_llama.validation import Settings, describe
 
 
 class ModelSection(Settings):

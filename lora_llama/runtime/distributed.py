@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lora_llama.errors import UserError
-from lora_llama.runtime.precision import resolve_device
+from lora_llama.runtime.auto import resolve_device
 
 
 @dataclass(frozen=True)

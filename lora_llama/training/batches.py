@@ -13,8 +13,16 @@ from lora_llama.runtime.distributed import Ranks
 class MicroBatches:
     """The micro-batches of a run: batch_size examples on each rank make one global micro-batch."""
 
-    def __init__(self, examples: list[dict], batch_size: int, seed: int, ranks: Ranks, objective, pad_id: int,
-                 every_rank_runs: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        examples: list[dict],
+        batch_size: int,
+        seed: int,
+        ranks: Ranks,
+        objective,
+        pad_id: int,
+        every_rank_runs: bool = False,
+    ):
         self.examples, self.batch_size, self.seed, self.ranks = examples, batch_size, seed, ranks
         self.objective, self.pad_id = objective, pad_id
         self.every_rank_runs = every_rank_runs  # fsdp's gathers are collectives: every rank runs every micro-batch

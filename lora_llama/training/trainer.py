@@ -30,8 +30,18 @@ from lora_llama.training.schedule import lr_lambda, total_steps
 class Trainer:
     """Fits a LoRA adapter on a recipe's data; checkpoints so that a resumed run continues bit for bit."""
 
-    def __init__(self, recipe, model, tokenizer, train: list[dict], val: list[dict], out: Path,
-                 ranks: Ranks = Ranks(), report=None, evals=None):  # fmt: skip
+    def __init__(
+        self,
+        recipe,
+        model,
+        tokenizer,
+        train: list[dict],
+        val: list[dict],
+        out: Path,
+        ranks: Ranks = Ranks(),
+        report=None,
+        evals=None,
+    ):
         self.recipe, self.model, self.ranks, self.evals = recipe, model, ranks, evals  # evals: RunEvals or None
         self.report = report or (lambda message: None)  # one line per event (eval results, a stop)
         eos_ids = stop_token_ids(tokenizer, model.args.eos_token_id, model.folder)
@@ -51,8 +61,6 @@ class Trainer:
         )
         self.step = 0
         self.metrics: MetricsLog | None = None  # opened by fit, once the step it resumes from is known
-
-    # ---------------------------------------------------------------- one optimiser step
 
     def train_step(self) -> tuple[float, int, dict]:
         """Forward/backward over grad_accum micro-batches; each loss term is divided by its count (targets,
@@ -79,34 +87,19 @@ class Trainer:
                 f"non-finite loss ({local_loss if bad else 'on another rank'}) at step {self.step + 1}; "
                 f"stopped before the update. The last good checkpoint is kept in {self.out / CHECKPOINTS}"
             )
-        self.ranks.sum_gradients(replicated(self.params) if self.sharded else self.params)  # fsdp reduces its own
-        if self.sharded:
-            sum_shard_gradients(self.params, self.ranks)
-        if self.recipe.train.max_grad_norm and self.sharded:
-            clip_grad_norm(self.params, self.recipe.train.max_grad_norm, self.ranks)
-        elif self.recipe.train.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.params, self.recipe.train.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        update(self.params, self.optimizer, self.scheduler, self.ranks, self.sharded, self.recipe.train.max_grad_norm)
         self.step += 1
         loss, *stat_sums = self.ranks.sum([local_loss, *stats.values()])
         return loss, int(tokens), obj.summarize(dict(zip(stats, stat_sums)), totals, self.ranks)
-
-    # ---------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self.step, self.total, self.model, self.optimizer, self.scheduler, self.objective)
 
     def resume(self, folder: Path) -> None:
         """Continue from a checkpoint (its adapter is loaded by the caller, before fsdp shards the model)."""
-        self.step = self.checkpoints.restore(folder, self.total, self.optimizer, self.scheduler, self.objective,
-                                             self.device)  # fmt: skip
-
-    # ---------------------------------------------------------------- the loop
-
-    def log(self, record: dict) -> None:
-        self.metrics.write(record)
+        self.step = self.checkpoints.restore(
+            folder, self.total, self.optimizer, self.scheduler, self.objective, self.device
+        )
 
     def run_eval(self) -> dict | None:
         """The held-out loss (or reward), and what the recipe's `eval` section adds; None when there is neither."""
@@ -115,7 +108,7 @@ class Trainer:
         record = {"step": self.step, **{f"eval_{k}": v for k, v in r.items() if k != self.objective.counted}}
         record.update(self.evals(self.model, self.step, self.step == self.total) if self.evals else {})
         if len(record) > 1:
-            self.log(record)
+            self.metrics.write(record)
         return record if len(record) > 1 else None
 
     def fit(self) -> dict:
@@ -129,8 +122,14 @@ class Trainer:
         last_eval = None
         if self.step == 0:
             last_eval = self.run_eval()  # the starting point of the eval curve
-        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not self.ranks.main)  # fmt: skip
+        bar = tqdm(
+            total=self.total,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not self.ranks.main,
+        )
         saved_at = self.step
         try:
             with stop_requests() as stop:
@@ -166,7 +165,7 @@ class Trainer:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
         if self.step % t.log_every == 0 or self.step == self.total:
-            self.log({"step": self.step, "loss": loss, **stats, "lr": lr, "tokens_per_s": tps})
+            self.metrics.write({"step": self.step, "loss": loss, **stats, "lr": lr, "tokens_per_s": tps})
 
     def _after_step(self, bar, t) -> dict | None:
         if not (self.step % t.eval_every == 0 or self.step == self.total):
@@ -175,6 +174,20 @@ class Trainer:
         if record and self.ranks.main:
             self.report(f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
         return record
+
+
+def update(params, optimizer, scheduler, ranks: Ranks, sharded: bool, max_grad_norm: float | None) -> None:
+    """The optimiser step on gradients summed over ranks (fsdp reduces its blocks' own), clipped when asked."""
+    ranks.sum_gradients(replicated(params) if sharded else params)
+    if sharded:
+        sum_shard_gradients(params, ranks)
+    if max_grad_norm and sharded:
+        clip_grad_norm(params, max_grad_norm, ranks)
+    elif max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def make_optimizer(model, train) -> torch.optim.AdamW:

@@ -1,6 +1,7 @@
-"""Which precision a run trains in: `fp32`, or `bf16-mixed` (frozen base weights, activations and products in
-bfloat16 with float32 accumulation; norms, softmax and the loss in float32; LoRA A/B and the optimizer state in
-float32), and what `auto` picks on this machine, for the precision, `model.quantize` and `train.compile`.
+"""What each `auto` setting picks on this machine, and every device setting checked: the device, the precision a
+run trains in (`fp32`, or `bf16-mixed`: frozen base weights, activations and products in bfloat16 with float32
+accumulation; norms, softmax and the loss in float32; LoRA A/B and the optimizer state in float32),
+`model.quantize` and `train.compile`.
 """
 
 from __future__ import annotations
