@@ -1,4 +1,5 @@
-"""Supervised fine-tuning: cross-entropy per target token on text, instruction or chat data."""
+"""Supervised fine-tuning: cross-entropy per target token on text, instruction or chat data; and the same loss on
+plain documents (`lora-llama eval`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from lora_llama.data.sft import EMPTY_EXAMPLE, build_examples, collate
 from lora_llama.labels import where_targets
 from lora_llama.objectives.base import Objective
 from lora_llama.objectives.token_losses import target_loss
+from lora_llama.runtime.distributed import Ranks
 
 
 class SFT(Objective):
@@ -41,3 +43,18 @@ class SFT(Objective):
 
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
         return [target_loss(model, **batch)[0]], {}
+
+
+def evaluate_documents(model, tokenizer, docs: list[str], batch_size: int = 8) -> dict:
+    """`lora-llama eval`: each document tokenised with the tokenizer's defaults, no EOS added.
+
+    Documents longer than the model's context are cut into independent windows.
+    """
+    window = model.args.max_seq_len
+    examples = []
+    for doc in docs:
+        ids = tokenizer(doc)["input_ids"]
+        examples += [
+            {"input_ids": ids[i : i + window], "labels": ids[i : i + window]} for i in range(0, len(ids), window)
+        ]
+    return SFT().evaluate(model, examples, batch_size, tokenizer.pad_token_id, Ranks())

@@ -26,7 +26,7 @@ from lora_llama.quant.linear import base_weight_bytes
 from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
 from lora_llama.runtime.auto import base_dtype, resolve_compile, resolve_precision, resolve_quantize
 from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
-from lora_llama.training.evaluation import RunEvals
+from lora_llama.training.run_evals import RunEvals
 from lora_llama.training.run_folder import (
     ADAPTER,
     SAMPLES,

@@ -1,5 +1,4 @@
-"""Evaluation beyond the training loss: `lora-llama eval` on documents (the loss per token and its perplexity), and
-what a run's evals add (`RunEvals`: lm-eval's tasks and sample answers)."""
+"""What a run's evals add to the held-out loss (`RunEvals`): lm-eval's tasks and sample answers."""
 
 from __future__ import annotations
 
@@ -13,23 +12,6 @@ from lora_llama.files.atomic import write_text_atomic
 from lora_llama.harness.tasks import metrics, run_tasks, to_json
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.model.generate import sample_completions
-from lora_llama.objectives.sft import SFT
-from lora_llama.runtime.distributed import Ranks
-
-
-def evaluate_documents(model, tokenizer, docs: list[str], batch_size: int = 8) -> dict:
-    """`lora-llama eval`: each document tokenised with the tokenizer's defaults, no EOS added.
-
-    Documents longer than the model's context are cut into independent windows.
-    """
-    window = model.args.max_seq_len
-    examples = []
-    for doc in docs:
-        ids = tokenizer(doc)["input_ids"]
-        examples += [
-            {"input_ids": ids[i : i + window], "labels": ids[i : i + window]} for i in range(0, len(ids), window)
-        ]
-    return SFT().evaluate(model, examples, batch_size, tokenizer.pad_token_id, Ranks())
 
 
 def benchmark_metrics(results: dict) -> dict[str, float]:
