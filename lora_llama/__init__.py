@@ -20,7 +20,7 @@ _EXPORTS = {
     "apply_lora": "lora.adapted",
     "merge_lora": "lora.adapted",
     "adapters_disabled": "lora.adapted",
-    "target_loss": "kernels.cross_entropy",
+    "target_loss": "objectives.token_losses",
     "generate": "model.generate",
     "train_from_recipe": "training.from_recipe",
     "merge_checkpoint": "outputs.merge",

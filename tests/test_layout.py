@@ -208,3 +208,10 @@ def test_no_formatting_is_switched_off():
         if re.search(r"#\s*fmt:\s*(skip|off)", line)
     ]
     assert not found, found
+
+
+def test_every_public_name_imports_from_the_package():
+    import lora_llama
+
+    missing = [name for name in lora_llama.__all__ if getattr(lora_llama, name, None) is None]
+    assert not missing, missing

@@ -270,15 +270,15 @@ def test_a_broken_checkpoint_names_the_file(tiny_ckpt, data, tmp_path, capsys, c
 @pytest.mark.slow
 def test_memory_stays_flat_over_300_steps(tiny_ckpt, data, tmp_path):
     """RSS after each logged step; growth from step 50 (warm) to step 300 under 5%."""
-    record = """import lora_llama.training.trainer as t
-_log = t.Trainer.log
+    record = """import lora_llama.training.run_folder as t
+_write = t.MetricsLog.write
 RSS = []
-def log(self, record):
-    _log(self, record)
+def write(self, record):
+    _write(self, record)
     RSS.append(int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]))
     if record.get("step") == 300:
         print("RSS", RSS[50], RSS[-1], flush=True)
-t.Trainer.log = log
+t.MetricsLog.write = write
 """
     out, err, code = run_cli(
         train_args(
