@@ -205,3 +205,41 @@ def test_compile_auto_is_on_for_gpus_unless_fsdp_shards():
     assert resolve_compile("auto", "cpu", sharded=False)[0] is False
     assert resolve_compile(True, "cpu", sharded=False) == (True, "set in the recipe")
     assert resolve_compile(False, "cuda", sharded=False) == (False, "set in the recipe")
+
+
+def test_compiled_rows_are_padded_to_a_few_lengths_and_lose_nothing(tiny_ckpt, tmp_path):
+    """Under train.compile a micro-batch's rows are padded to the next power of two from 64 (at most
+    data.max_seq_len): the loss and its gradients are those of the unpadded rows (padding is never a target), and
+    the run's log names the lengths it compiles for."""
+    from test_train import chat_file
+
+    from lora_llama.objectives.base import bucket_lengths, bucketed_length
+    from lora_llama.objectives.sft import SFT
+    from lora_llama.recipe.schema import load_recipe
+    from lora_llama.training.from_recipe import train_from_recipe
+
+    assert [bucketed_length(n, 256) for n in (1, 64, 65, 129, 256, 300)] == [64, 64, 128, 256, 256, 300]
+    assert (
+        bucketed_length(50, 96) == 64 and bucketed_length(80, 96) == 96 and bucket_lengths(300) == [64, 128, 256, 300]
+    )
+    model = adapted(tiny_ckpt)
+    examples = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (9, 23)]
+    bucketed = SFT()
+    bucketed.row_length = lambda n: bucketed_length(n, 256)
+    results = []
+    for objective in (SFT(), bucketed):
+        batch = objective.collate(examples, 0)
+        model.zero_grad()
+        (loss,), _ = objective.terms(model, batch)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((batch["input_ids"].shape[1], float(loss), grads))
+    (t_plain, loss_plain, grads_plain), (t_bucketed, loss_bucketed, grads_bucketed) = results
+    assert (t_plain, t_bucketed) == (23, 64)
+    assert abs(loss_bucketed - loss_plain) < 1e-5 * abs(loss_plain)
+    assert all(rel(a, b) < 1e-5 for a, b in zip(grads_bucketed, grads_plain))
+    overrides = [f"model.source={tiny_ckpt}", f"data.source={chat_file(tmp_path / 'd.jsonl')}", "data.max_seq_len=128"]
+    overrides += ["train.compile=true", "train.max_steps=2", "train.eval_every=100", f"output.dir={tmp_path / 'run'}"]
+    lines = []
+    train_from_recipe(load_recipe(None, overrides), log=lines.append)
+    assert any("rows padded to 64, 128 tokens" in line for line in lines), lines

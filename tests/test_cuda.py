@@ -302,3 +302,23 @@ def test_graphed_decoding_on_cuda_gives_the_growing_cache_completions(tiny_ckpt,
             if "lora_B" in name:
                 p.mul_(-2.0)
     assert run(True, 1.0) == run(False, 1.0) and decoder_for(model, 6, 7 + 24).graph is decoder.graph
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_on_cuda_runs_through_liger_and_equals_ours(dtype):
+    """With liger-kernel installed, linear_cross_entropy on CUDA is liger's fused kernel: its sum and gradients
+    equal ours (float32 to 1e-5; bf16 products to their rounding)."""
+    from lora_llama.kernels import cross_entropy as loss
+
+    pytest.importorskip("liger_kernel")
+    torch.manual_seed(0)
+    h = torch.randn(300, 64, device="cuda", dtype=dtype, requires_grad=True)
+    weight = (torch.randn(1000, 64, device="cuda") * 0.2).to(dtype)
+    targets = torch.randint(0, 1000, (300,), device="cuda")
+    got = loss.linear_cross_entropy(h, weight, targets)
+    assert not loss._liger_failed
+    (g_got,) = torch.autograd.grad(got, h)
+    want = loss._LinearCrossEntropy.apply(h, weight, targets, 64)
+    (g_want,) = torch.autograd.grad(want, h)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert abs(float(got) / float(want) - 1) < tol and rel(g_got.float(), g_want.float()) < tol

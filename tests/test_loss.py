@@ -68,3 +68,40 @@ def test_batch_without_targets_gives_zero_loss_and_zero_gradients(tiny_ckpt, che
     assert n == 0 and total.item() == 0.0
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert grads and all(g is None or not g.any() for g in grads)
+
+
+LIGER_AGAINST_OURS = """
+import torch
+from lora_llama.kernels import cross_entropy as loss
+
+torch.manual_seed(0)
+for weight_grad in (False, True):
+    h = torch.randn(37, 64, requires_grad=True)
+    weight = (torch.randn(300, 64) * 0.2).requires_grad_(weight_grad)
+    targets = torch.randint(0, 300, (37,))
+    results = []
+    for kernel in (loss.liger_cross_entropy, loss.linear_cross_entropy):
+        h.grad = weight.grad = None
+        total = kernel(h, weight, targets)
+        total.backward(torch.tensor(0.5))
+        results.append([total.detach(), h.grad.clone()] + ([weight.grad.clone()] if weight_grad else []))
+    for theirs, ours in zip(*results):
+        scale = ours.abs().max()
+        assert (theirs - ours).abs().max() <= 1e-5 * max(1.0, float(scale)), (weight_grad, theirs, ours)
+print("equal")
+"""
+
+
+def test_ligers_fused_loss_equals_ours_under_the_triton_interpreter():
+    """liger-kernel's fused linear cross-entropy (the GPU's loss) against ours on the CPU, through Triton's
+    interpreter (which must be chosen before Triton loads: a process of its own): the sum and both gradients
+    within 1e-5 in float32."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("liger_kernel")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", LIGER_AGAINST_OURS], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "equal", r.stderr[-3000:]

@@ -97,12 +97,12 @@ def build_pairs(data, tokenizer, seed: int, log=print) -> tuple[list[dict], list
     )
 
 
-def collate_pairs(pairs: list[dict], pad_id: int) -> dict:
+def collate_pairs(pairs: list[dict], pad_id: int, row_length=None) -> dict:
     """One batch of 2B rows, the B chosen answers first, then the B rejected ones (one forward pass for both),
     with `prompt_lens` (2B,)."""
     import torch
 
     rows = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
-    batch = collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows], pad_id)
+    batch = collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows], pad_id, row_length)
     batch["prompt_lens"] = torch.tensor([r["prompt_len"] for r in rows])
     return batch

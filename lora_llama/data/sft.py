@@ -258,11 +258,13 @@ def pack(examples: list[dict], max_seq_len: int) -> list[dict]:
     return rows
 
 
-def collate(examples: list[dict], pad_id: int):
-    """Right-pad a list of examples into tensors; padding is never a target."""
+def collate(examples: list[dict], pad_id: int, row_length=None):
+    """Right-pad a list of examples into tensors; padding is never a target. row_length: the length rows of up to
+    n tokens are padded to (None: n, the longest example's)."""
     import torch
 
     T = max(len(e["input_ids"]) for e in examples)
+    T = row_length(T) if row_length else T
 
     def pad(key, value):
         return torch.tensor([e[key] + [value] * (T - len(e[key])) for e in examples])

@@ -9,6 +9,9 @@ recomputed in backward.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -111,8 +114,43 @@ def rows_per_chunk(vocab_size: int, dtype: torch.dtype = torch.float32) -> int:
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of h @ weight.T (h: (N, dim), weight: (V, dim)) against targets (N,)."""
+    """Summed cross-entropy of h @ weight.T (h: (N, dim), weight: (V, dim)) against targets (N,): on a GPU through
+    liger-kernel's fused linear cross-entropy where it is installed (ours, with one warning, from a failure on),
+    elsewhere through ours."""
+    global _liger_failed
+    if h.is_cuda and not _liger_failed and liger_function() is not None:
+        try:
+            return liger_cross_entropy(h, weight, targets)
+        except Exception as e:  # Triton's compile errors have no common base; ours computes the same sum
+            _liger_failed = True
+            warnings.warn(f"liger-kernel's cross-entropy failed ({type(e).__name__}: {str(e)[:200]}); using ours")
     return _LinearCrossEntropy.apply(h, weight, targets, rows_per_chunk(weight.shape[0], h.dtype))
+
+
+_liger_failed = False
+
+
+@functools.cache
+def liger_function():
+    """liger-kernel's LigerFusedLinearCrossEntropyFunction, or None where liger-kernel (or Triton) is missing."""
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyFunction
+
+
+def liger_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of h @ weight.T against targets by liger-kernel's Triton kernels (the gradients computed
+    in the forward, chunk by chunk, as ours), in autocast's dtype under autocast; a trained weight's gradient
+    accumulated in float32."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        h, weight = h.to(dtype), weight.to(dtype)
+    accum = torch.float32 if weight.requires_grad else None
+    with torch.autocast(device, enabled=False):
+        return liger_function().apply(h, weight, targets, None, None, -100, 0.0, 0.0, "sum", None, False, accum)[0]
 
 
 def _ce_chunk(logits_of, h, t, reduction="sum", temperature: float = 1.0):

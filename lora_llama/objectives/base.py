@@ -17,6 +17,21 @@ import torch
 
 from lora_llama.runtime.distributed import Ranks
 
+SHORTEST_BUCKET = 64  # tokens
+
+
+def bucketed_length(n: int, limit: int) -> int:
+    """The length rows of up to n tokens are padded to under a compiled model: the next power of two from
+    SHORTEST_BUCKET, at most `limit` (data.max_seq_len), so that a run compiles a graph for a few lengths only,
+    not one for every longest example; n itself past the limit."""
+    bucket = max(SHORTEST_BUCKET, 1 << (n - 1).bit_length())
+    return max(n, min(bucket, limit))
+
+
+def bucket_lengths(limit: int) -> list[int]:
+    """Every length `bucketed_length` pads to under `limit`."""
+    return sorted({bucketed_length(n, limit) for n in range(1, limit + 1)})
+
 
 class Objective:
     """What the schema, the recipe entry and the trainer ask of an objective.
@@ -34,6 +49,7 @@ class Objective:
     data_formats: dict[str, str] = {}
     packs = False
     counted = "tokens"  # what the held-out loss is averaged over
+    row_length = None  # the length rows of up to n tokens are padded to (None: n); see bucketed_length
     repeats = 1  # optimiser steps per batch of data
 
     @classmethod

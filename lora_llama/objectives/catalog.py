@@ -3,8 +3,10 @@ sections and `data.format`'s choices all come from here. An objective joins by b
 
 from __future__ import annotations
 
+from functools import partial
+
 from lora_llama.errors import UserError
-from lora_llama.objectives.base import Objective
+from lora_llama.objectives.base import Objective, bucketed_length
 from lora_llama.objectives.dpo import DPO
 from lora_llama.objectives.grpo import GRPO
 from lora_llama.objectives.kto import KTO
@@ -20,6 +22,14 @@ def objective_named(name: str) -> type[Objective]:
         if objective.name == name:
             return objective
     raise UserError(f"unknown train.objective {name!r} (choose from {', '.join(o.name for o in OBJECTIVES)})")
+
+
+def build_objective(recipe, tokenizer, eos_ids: list[int]) -> Objective:
+    """The recipe's objective; under train.compile its rows are padded to a few lengths (bucketed_length)."""
+    objective = objective_named(recipe.train.objective).build(recipe, tokenizer, eos_ids)
+    if recipe.train.compile is True:  # resolved by then: auto is true or false
+        objective.row_length = partial(bucketed_length, limit=recipe.data.max_seq_len)
+    return objective
 
 
 def data_formats() -> dict[str, str]:

@@ -204,6 +204,7 @@ class GRPO(Objective):
         if self.kept is not None and self.kept[0] == generation:
             return self.kept[1]
         self.rollouts.any_rank = ranks.any if sharded(model) else None
+        self.rollouts.row_length = self.row_length
         device = next(model.parameters()).device
         rolled = [self.rollouts.batch(model, b["prompts"], generation) for b in batches]
         scored = score_rollouts(rolled, ranks, self.reward_weights, self.reward_names, self.settings)

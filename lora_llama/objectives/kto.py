@@ -120,7 +120,7 @@ class KTO(Objective):
 
     def collate(self, examples: list[dict], pad_id: int) -> dict:
         rows = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
-        batch = collate(rows + [e["mismatched"] for e in examples], pad_id)
+        batch = collate(rows + [e["mismatched"] for e in examples], pad_id, self.row_length)
         batch["label"] = torch.tensor([e["label"] for e in examples])
         return batch
 

@@ -33,7 +33,7 @@ class PairObjective(Objective):
         return build_pairs(recipe.data, tokenizer, recipe.train.seed, log)
 
     def collate(self, pairs: list[dict], pad_id: int) -> dict:
-        return collate_pairs(pairs, pad_id)
+        return collate_pairs(pairs, pad_id, self.row_length)
 
     def length(self, pair: dict) -> int:
         return max(len(pair["chosen"]["input_ids"]), len(pair["rejected"]["input_ids"]))

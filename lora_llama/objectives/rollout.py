@@ -26,6 +26,7 @@ class Rollouts:
         self.packing, self.max_seq_len = packing, max_seq_len
         self.reward_functions = dict(load_reward(spec) for spec in settings.rewards)
         self.any_rank = None  # under fsdp: Ranks.any, so that every rank decodes as many steps
+        self.row_length = None  # the training rows' length rule (objectives/base.bucketed_length when compiled)
 
     def complete(self, model, prompts: list[dict], generation: int | None) -> tuple[list[list[int]], list[dict]]:
         """group_size sampled completions per prompt (greedy, one each, when generation is None: eval)."""
@@ -69,11 +70,11 @@ class Rollouts:
         """The completions as a batch, one per row or packed several to a row, each attending only to itself;
         `completion` (B, T) says which completion each position belongs to."""
         if not self.packing:
-            batch = collate(examples, self.tokenizer.pad_token_id)
+            batch = collate(examples, self.tokenizer.pad_token_id, self.row_length)
             batch["completion"] = torch.arange(len(examples))[:, None].expand_as(batch["input_ids"]).clone()
         else:
             packed = pack(examples, self.max_seq_len)
-            batch = collate(packed, self.tokenizer.pad_token_id)
+            batch = collate(packed, self.tokenizer.pad_token_id, self.row_length)
             firsts = torch.tensor([0] + [r["segment_ids"][-1] + 1 for r in packed]).cumsum(0)[:-1]
             batch["completion"] = (firsts[:, None] + batch["segment_ids"]).clamp(0, len(examples) - 1)  # padding: any
         batch["completions"] = torch.tensor(len(examples))

@@ -32,7 +32,7 @@ class SFT(Objective):
         return cls.about
 
     def collate(self, examples: list[dict], pad_id: int) -> dict:
-        batch = collate(examples, pad_id)
+        batch = collate(examples, pad_id, self.row_length)
         return {**batch, **where_targets(batch["labels"], batch.get("segment_ids"))}
 
     def length(self, example: dict) -> int:

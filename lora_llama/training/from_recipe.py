@@ -21,6 +21,7 @@ from lora_llama.loading.adapted import adapted_model, loads_by_rows
 from lora_llama.loading.models import ModelSource, load_tokenizer, model_source
 from lora_llama.lora.init import moves_w0
 from lora_llama.model.config import torch_dtype
+from lora_llama.objectives.base import bucket_lengths
 from lora_llama.objectives.catalog import objective_named
 from lora_llama.quant.linear import base_weight_bytes
 from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
@@ -208,6 +209,12 @@ def _describe_setup(
             log(f"{key} {values[key]} ({reason})")
     if allocator:
         log(f"allocator: {allocator}")
+    if recipe.train.compile is True:
+        lengths = bucket_lengths(recipe.data.max_seq_len)
+        log(
+            f"train.compile: rows padded to {', '.join(map(str, lengths))} tokens, so each decoder block compiles "
+            f"a graph for {len(lengths)} row length{'s' if len(lengths) > 1 else ''} at most (per micro-batch size)"
+        )
     if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:
         log(
             "bf16 on the CPU: RMSNorm and SwiGLU run as compiled loops, built during the first step "

@@ -12,7 +12,7 @@ import torch
 
 from lora_llama.data.chat import stop_token_ids
 from lora_llama.errors import UserError
-from lora_llama.objectives.catalog import objective_named
+from lora_llama.objectives.catalog import build_objective
 from lora_llama.runtime.distributed import Ranks, clip_grad_norm, replicated, sharded, sum_shard_gradients
 from lora_llama.training.batches import MicroBatches
 from lora_llama.training.checkpoints import Checkpoints
@@ -45,7 +45,7 @@ class Trainer:
         self.recipe, self.model, self.ranks, self.evals = recipe, model, ranks, evals  # evals: RunEvals or None
         self.report = report or (lambda message: None)  # one line per event (eval results, a stop)
         eos_ids = stop_token_ids(tokenizer, model.args.eos_token_id, model.folder)
-        self.objective = objective_named(recipe.train.objective).build(recipe, tokenizer, eos_ids)
+        self.objective = build_objective(recipe, tokenizer, eos_ids)
         self.sharded = sharded(model)  # fsdp: blocks are shards
         self.val_examples, self.out = val, Path(out)
         t = recipe.train
