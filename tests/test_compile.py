@@ -243,3 +243,12 @@ def test_compiled_rows_are_padded_to_a_few_lengths_and_lose_nothing(tiny_ckpt, t
     lines = []
     train_from_recipe(load_recipe(None, overrides), log=lines.append)
     assert any("rows padded to 64, 128 tokens" in line for line in lines), lines
+
+
+def test_a_small_models_compiled_blocks_replay_as_cuda_graphs_on_a_gpu_only():
+    from lora_llama.runtime.auto import SMALL_MODEL, compile_options
+
+    assert compile_options(135_000_000, "cuda", False) == {"mode": "reduce-overhead"}
+    assert compile_options(135_000_000, "cuda:1", False) == {"mode": "reduce-overhead"}
+    assert compile_options(135_000_000, "cuda", True) == {}  # checkpointing recomputes outside the graphs
+    assert compile_options(SMALL_MODEL, "cuda", False) == {} and compile_options(135_000_000, "cpu", False) == {}

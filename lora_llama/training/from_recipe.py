@@ -25,7 +25,7 @@ from lora_llama.objectives.base import bucket_lengths
 from lora_llama.objectives.catalog import objective_named
 from lora_llama.quant.linear import base_weight_bytes
 from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
-from lora_llama.runtime.auto import base_dtype, resolve_compile, resolve_precision, resolve_quantize
+from lora_llama.runtime.auto import base_dtype, compile_options, resolve_compile, resolve_precision, resolve_quantize
 from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, setup, shard_model, teardown
 from lora_llama.training.run_evals import RunEvals
 from lora_llama.training.run_folder import (
@@ -175,10 +175,14 @@ def _choose_strategy(recipe, ranks: Ranks, device: str, source: ModelSource) -> 
 
 
 def _set_model_options(model, recipe) -> None:
-    model.gradient_checkpointing = recipe.train.gradient_checkpointing
-    model.offload_activations = recipe.train.offload_activations
-    if recipe.train.compile:  # resolved by _train: auto is true or false by now
-        model.compile_blocks()
+    t = recipe.train
+    model.gradient_checkpointing = t.gradient_checkpointing
+    model.offload_activations = t.offload_activations
+    if t.compile:  # resolved by _train: auto is true or false by now
+        device = str(next(model.parameters()).device)
+        model.compile_blocks(
+            **compile_options(sum(p.numel() for p in model.parameters()), device, t.gradient_checkpointing)
+        )
 
 
 def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, force: bool, ranks: Ranks) -> list[Path]:
@@ -211,9 +215,13 @@ def _describe_setup(
         log(f"allocator: {allocator}")
     if recipe.train.compile is True:
         lengths = bucket_lengths(recipe.data.max_seq_len)
+        params, replayed = sum(p.numel() for p in model.parameters()), ""
+        if compile_options(params, device, recipe.train.gradient_checkpointing):
+            replayed = ", each replayed as a CUDA graph"
         log(
             f"train.compile: rows padded to {', '.join(map(str, lengths))} tokens, so each decoder block compiles "
-            f"a graph for {len(lengths)} row length{'s' if len(lengths) > 1 else ''} at most (per micro-batch size)"
+            f"a graph for {len(lengths)} row length{'s' if len(lengths) > 1 else ''} at most (per micro-batch "
+            f"size){replayed}"
         )
     if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:
         log(
