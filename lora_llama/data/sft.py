@@ -66,8 +66,9 @@ def _shakespeare_records() -> list[dict]:
     return [{"text": f.read_text(encoding="utf-8", errors="replace")} for f in files]
 
 
-def load_records(source: str):
-    """A `datasets.Dataset` of raw records from a registered name, file, folder or Hub id."""
+def load_records(source: str, config: str | None = None, split: str = "train"):
+    """A `datasets.Dataset` of raw records from a registered name, file, folder or Hub id; config and split (with
+    datasets' slices: `train[:5%]`) as `datasets.load_dataset` takes them."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -83,15 +84,15 @@ def load_records(source: str):
             builder = FILE_BUILDERS.get(path.suffix.lower())
             if builder is None:
                 raise UserError(f"data file {path}: unsupported type {path.suffix!r} (use {', '.join(FILE_BUILDERS)})")
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
+            return datasets.load_dataset(builder, data_files=str(path), split=split)
         if path.is_dir():
-            return datasets.load_dataset(str(path), split="train")
+            return datasets.load_dataset(str(path), config, split=split)
         if not is_hub_id(source):
             raise UserError(
                 f"data source not found: {source!r} (no such file or folder, and not a registered name: "
                 f"{', '.join(REGISTERED_DATA)})"
             )
-        return datasets.load_dataset(source, split="train")
+        return datasets.load_dataset(source, config, split=split)
     except UserError:
         raise
     except Exception as e:  # datasets raises many types for unreadable or unreachable data
@@ -305,7 +306,7 @@ def tokenize_splits(train_records, val_records, tokenize, source: str, what: str
 
 def load_splits(data, seed: int):
     """(train, val) raw record sets for a recipe's `data` section."""
-    records = load_records(data.source)
+    records = load_records(data.source, data.config, data.split)
     if data.max_examples:
         records = records.select(range(min(data.max_examples, len(records))))
     if data.val_source:

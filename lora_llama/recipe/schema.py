@@ -41,6 +41,20 @@ class ModelSection(Settings):
     )
 
 
+class SourceSection(Settings):
+    """One of several data sources: its weight in the mixture, and the keys of `data` that say how to read it (a
+    key not given is data's own)."""
+
+    source: str = Field(description="as data.source")
+    weight: float = Field(1.0, gt=0, description="its share of the rows drawn, against the other sources' weights")
+    format: Literal[(*data_formats(), "auto")] = Field("auto", description="as data.format")
+    fields: dict[str, str] = Field({}, description="as data.fields")
+    config: str | None = Field(None, description="as data.config")
+    split: str = Field("train", description="as data.split")
+    max_examples: int | None = Field(None, gt=0, description="as data.max_examples")
+    system_prompt: str | None = Field(None, description="as data.system_prompt")
+
+
 class DataSection(Settings):
     """The training data and how it becomes token ids and labels."""
 
@@ -49,6 +63,14 @@ class DataSection(Settings):
         description="JSON/JSONL/CSV/Parquet/text file, folder, Hub dataset id "
         "or registered name (chatterbot-corpus, chatterbot-pairs, shakespeare)",
     )
+    sources: list[SourceSection] | None = Field(
+        None,
+        description="several sources instead of data.source, each {source, weight, and how to read it: format, "
+        "fields, config, split, max_examples, system_prompt}; rows are drawn from them in the proportions of their "
+        "weights, seeded by train.seed (docs/data.md)",
+    )
+    config: str | None = Field(None, description="a folder's or Hub dataset's configuration (datasets' name)")
+    split: str = Field("train", description="the split read, with datasets' slices too: train[:5%], train[100:]")
     format: Literal[(*data_formats(), "auto")] = Field(
         "chat",
         description=", ".join(
@@ -214,7 +236,13 @@ class Recipe(Settings):
 
     @model_validator(mode="after")
     def _objective_fits_data(self):
-        check_objective_fits_data(self.train.objective, self.data.format, self.data.packing)
+        formats = [s.format for s in self.data.sources] if self.data.sources else [self.data.format]
+        for fmt in formats:
+            check_objective_fits_data(self.train.objective, fmt, self.data.packing)
+        if self.data.sources and "source" in self.data.model_fields_set:
+            raise ValueError("set data.source or data.sources, not both")
+        if self.data.sources is not None and not self.data.sources:
+            raise ValueError("data.sources needs at least one source")
         return self
 
 

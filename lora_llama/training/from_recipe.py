@@ -4,6 +4,7 @@ tokenizer, data and adapted model, hand them to the `Trainer`."""
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import shutil
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lora_llama.data.chat import end_of_turn_id
+from lora_llama.data.sources import mix, mixture_line, source_sections
 from lora_llama.errors import UserError
 from lora_llama.files.shards import shard_files
 from lora_llama.harness.tasks import check_tasks, task_manager
@@ -30,6 +32,7 @@ from lora_llama.runtime.distributed import Ranks, choose_strategy, local_bytes, 
 from lora_llama.training.run_evals import RunEvals
 from lora_llama.training.run_folder import (
     ADAPTER,
+    METRICS,
     SAMPLES,
     benchmark_file,
     checkpoints,
@@ -74,7 +77,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
     tok = load_tokenizer(source)
-    train, val = objective_named(recipe.train.objective).examples(recipe, tok, log)
+    train, val, mixture = _examples(recipe, tok, log)
     # loading's weight-sized temporaries (conversions, quantization) go back at once; the steps' memory is kept below
     allocator = return_freed_memory() if device == "cpu" else None
     by_rows = sharded and loads_by_rows(recipe.lora)  # each rank reads only its own rows of the base
@@ -91,7 +94,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         ranks if sharded else None,
     )
     _set_model_options(model, recipe)
-    found = _prepare_run_folder(recipe, out, found, resume, force, ranks)
+    found = _prepare_run_folder(recipe, out, found, resume, force, ranks, mixture)
     if sharded and not by_rows:  # the adapter went in before fsdp cuts it into shards
         shard_model(model)
     if allocator and not sharded:
@@ -105,12 +108,29 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     )
     reasons = {"model.quantize": quantize_why, "train.compile": compile_why}
     _describe_setup(log, recipe, model, (precision, why), reasons, allocator, device, sharded)
-    log(f"data {recipe.data.source}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
+    shown = f"{len(recipe.data.sources)} sources" if recipe.data.sources else recipe.data.source
+    log(f"data {shown}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
     _warn_if_stop_untrained(log, recipe, model, tok)
     if found:
         trainer.resume(found[-1])
         log(f"resuming from {found[-1]} (step {trainer.step})")
     return trainer.fit()
+
+
+def _examples(recipe, tok, log) -> tuple[list[dict], list[dict], dict | None]:
+    """(train, val, the mixture's record for metrics.jsonl or None): the objective's examples from each source,
+    the training ones drawn together by weight (data/sources.py)."""
+    objective, sections = objective_named(recipe.train.objective), source_sections(recipe.data)
+    if len(sections) == 1 and not recipe.data.sources:
+        return (*objective.examples(recipe, tok, log), None)
+    names, weights, parts = [], [], []
+    for name, weight, data in sections:
+        train, val = objective.examples(recipe.model_copy(update={"data": data}), tok, log)
+        names, weights, parts = [*names, name], [*weights, weight], [*parts, (train, val)]
+    train, counts = mix([p[0] for p in parts], weights, recipe.train.seed)
+    log(mixture_line(names, weights, [len(p[0]) for p in parts], counts))
+    record = {"step": 0, **{f"data/{i}/rows": n for i, n in enumerate(counts)}}
+    return train, [e for p in parts for e in p[1]], record
 
 
 def _say(message: str) -> None:
@@ -185,9 +205,12 @@ def _set_model_options(model, recipe) -> None:
         )
 
 
-def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, force: bool, ranks: Ranks) -> list[Path]:
+def _prepare_run_folder(
+    recipe, out: Path, found: list[Path], resume: bool, force: bool, ranks: Ranks, first: dict | None = None
+) -> list[Path]:
     """Start over under --force (unless resuming), clear what a killed run half wrote, write the resolved
-    recipe; returns the checkpoints still to resume from. The other ranks wait until the folder is ready."""
+    recipe and, starting afresh, `first` as metrics.jsonl's first line; returns the checkpoints still to resume
+    from. The other ranks wait until the folder is ready."""
     if force and out.exists() and not (resume and found):
         found = []
         if ranks.main:
@@ -196,6 +219,8 @@ def _prepare_run_folder(recipe, out: Path, found: list[Path], resume: bool, forc
         out.mkdir(parents=True, exist_ok=True)
         remove_leftovers(out)
         write_run_recipe(out, recipe)
+        if first and not found:
+            (out / METRICS).write_text(json.dumps(first) + "\n")
     ranks.barrier()
     return found
 

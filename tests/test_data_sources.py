@@ -1,0 +1,115 @@
+"""Several data sources in one recipe (data.sources): drawn by weight, seeded, held out alike, resumed exactly."""
+
+import json
+
+import pytest
+from test_reliability import run_cli
+
+from lora_llama.data.sources import mix
+from lora_llama.errors import UserError
+from lora_llama.recipe.schema import load_recipe
+
+WEIGHTS = [0.5, 0.3, 0.2]
+
+
+def test_the_mixture_draws_each_source_by_its_weight_and_from_its_seed_alone():
+    parts = [[("a", i) for i in range(700)], [("b", i) for i in range(500)], [("c", i) for i in range(800)]]
+    rows, counts = mix(parts, WEIGHTS, seed=3)
+    assert len(rows) == 2000 == sum(counts)
+    for part, weight, n in zip(parts, WEIGHTS, counts):
+        assert abs(n / 2000 - weight) < 0.03, (n, weight)
+        assert sum(r[0] == part[0][0] for r in rows) == n
+    # a source drawn past its size starts a new pass (b: 500 examples, ~600 rows), a large one is subsampled
+    drawn_b = [r for r in rows if r[0] == "b"]
+    assert len(set(drawn_b)) == 500 < len(drawn_b)
+    assert mix(parts, WEIGHTS, seed=3) == (rows, counts) and mix(parts, WEIGHTS, seed=4)[0] != rows
+
+
+def three_sources(tmp_path, n=(1000, 600, 400)):
+    """A JSONL in messages form, a ShareGPT file and a text corpus."""
+    messages, sharegpt, text = tmp_path / "messages.jsonl", tmp_path / "sharegpt.json", tmp_path / "corpus.txt"
+    messages.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+            )
+            + "\n"
+            for i in range(n[0])
+        )
+    )
+    rows = [
+        {"conversations": [{"from": "human", "value": f"h {i}"}, {"from": "gpt", "value": f"g {i}"}]}
+        for i in range(n[1])
+    ]
+    sharegpt.write_text(json.dumps(rows))
+    text.write_text("".join(f"the line {i} of a small corpus\n" for i in range(n[2])))
+    return [
+        {"source": str(messages), "weight": 0.5, "format": "chat"},
+        {"source": str(sharegpt), "weight": 0.3, "format": "chat"},
+        {"source": str(text), "weight": 0.2, "format": "text"},
+    ]
+
+
+def sources_args(tiny_ckpt, sources, out, *extra):
+    recipe = out.parent / "sources.yaml"
+    recipe.write_text(f"model: {{source: {tiny_ckpt}}}\n")
+    return [
+        "train",
+        str(recipe),
+        f"data.sources={json.dumps(sources)}",
+        "data.val_size=0.05",
+        "data.max_seq_len=32",
+        f"output.dir={out}",
+        "train.batch_size=4",
+        "train.max_steps=4",
+        "train.warmup_steps=0",
+        "train.eval_every=100",
+        "train.save_every=2",
+        "lora.dropout=0.0",
+        *extra,
+    ]
+
+
+def test_three_sources_train_in_their_proportions_and_a_killed_run_resumes_exactly(tiny_ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    sources = three_sources(tmp_path)
+    out, err, code = run_cli(sources_args(tiny_ckpt, sources, tmp_path / "whole"))
+    assert code == 0, err[-2000:]
+    first = json.loads((tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()[0])
+    counts = [first[f"data/{i}/rows"] for i in range(3)]
+    assert sum(counts) >= 1900  # each source's training share (95% of it) drawn together
+    for n, weight in zip(counts, WEIGHTS):
+        assert abs(n / sum(counts) - weight) < 0.03, counts
+    assert "data mixture of 3 sources" in out + err
+    # killed (-9) right after the checkpoint of step 2, then the same command again: the uninterrupted adapter
+    kill = """import lora_llama.training.checkpoints as c
+_save = c.Checkpoints.save
+def save(self, step, *a, **k):
+    path = _save(self, step, *a, **k)
+    if step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return path
+c.Checkpoints.save = save
+"""
+    args = sources_args(tiny_ckpt, sources, tmp_path / "killed")
+    assert run_cli(args, patch=kill)[2] == -9
+    out, err, code = run_cli(args)
+    assert code == 0 and "resuming from" in out + err, err[-2000:]
+    whole = load_file(tmp_path / "whole" / "adapter" / "adapter_model.safetensors")
+    resumed = load_file(tmp_path / "killed" / "adapter" / "adapter_model.safetensors")
+    assert all(float((whole[k] - resumed[k]).abs().max()) == 0.0 for k in whole)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.source=x.jsonl", 'data.sources=[{"source": "y.jsonl"}]'], "set data.source or data.sources, not both"),
+        (["data.sources=[]"], "data.sources needs at least one source"),
+        (['data.sources=[{"source": "y.jsonl", "weight": 0}]'], "data.sources.0.weight"),
+        (['data.sources=[{"source": "y.jsonl", "format": "prompt"}]'], "not prompt"),
+    ],
+)
+def test_bad_sources_are_one_line(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_recipe(None, overrides)
