@@ -54,37 +54,47 @@ def test_a_gpu_this_machine_lacks_is_refused(tiny_ckpt, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+ANSWER = {"role": "assistant", "content": "x"}
+
+
 @pytest.mark.parametrize(
     "fmt,record,says",
     [
-        ("chat", {"messages": None}, "'messages' is null"),
-        ("chat", {"messages": ["hi", "hello"]}, "list of {role, content}"),
-        ("chat", {"messages": []}, "non-empty list"),
+        ("chat", {"messages": None}, "a null 'messages'"),
+        ("chat", {"messages": []}, "empty messages"),
         (
             "chat",
             {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]},
-            "without content",
+            "a user turn",
         ),
-        ("text", {"text": None}, "'text' is null"),
-        ("alpaca", {"instruction": "say hi", "output": None}, "'output' is null"),
+        ("chat", {"messages": [{"role": "bot", "content": "x"}]}, "unknown role 'bot'"),
+        ("chat", {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}, "int content"),
+        ("text", {"text": None}, "a null 'text'"),
+        ("alpaca", {"instruction": "say hi", "output": None}, "a null 'output'"),  # or absent: JSONL reads null
     ],
 )
-def test_a_record_with_a_null_or_malformed_field_names_it(tiny_ckpt, tmp_path, capsys, fmt, record, says):
+def test_a_bad_row_is_skipped_and_counted_and_strict_refuses_it(tiny_ckpt, tmp_path, capsys, fmt, record, says):
+    """The run trains on the good rows and names each bad one (its row, counting from 1, and why); with
+    data.strict one line names the source and the row, exit 2, nothing written."""
     good = {
         "chat": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
         "text": {"text": "hello there"},
         "alpaca": {"instruction": "say hi", "output": "hi"},
     }[fmt]
     data = tmp_path / "d.jsonl"
-    # messages of strings cannot share a column with {role, content} ones: that record comes alone
-    records = (
-        [record]
-        if fmt == "chat" and record["messages"] and isinstance(record["messages"][0], str)
-        else [good, good, record, good]
-    )
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    err = run(capsys, train(tiny_ckpt, data, tmp_path / "run", f"data.format={fmt}"))
-    assert says in err and str(record)[:40] in err, err  # the record named by its start
+    data.write_text("".join(json.dumps(r) + "\n" for r in [good, good, record, good]))
+    assert main(train(tiny_ckpt, data, tmp_path / "run", f"data.format={fmt}")) == 0
+    out = capsys.readouterr()
+    assert f"skipped 1 of 4 rows of {data}: 1 with {says}" in out.out + out.err and "(row 3)" in out.out + out.err
+    err = run(capsys, train(tiny_ckpt, data, tmp_path / "strict", f"data.format={fmt}", "data.strict=true"))
+    assert f"data {data}: row 3: {says}" in err and not (tmp_path / "strict").exists()
+
+
+def test_rows_that_are_all_bad_leave_no_example_and_say_why(tiny_ckpt, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": ["hi", "hello"]}) + "\n")  # strings, not {role, content}
+    err = run(capsys, train(tiny_ckpt, data, tmp_path / "run", "data.format=chat"))
+    assert "gives no training example" in err
 
 
 def test_mixed_chat_styles_read_each_message_whole(tiny_ckpt):

@@ -4,7 +4,9 @@ ends on a trained stop token."""
 
 from __future__ import annotations
 
-from lora_llama.errors import UserError
+import json
+
+from lora_llama.errors import BadRecord
 from lora_llama.files.json_files import read_json
 
 # ChatML, for chat data on base models whose tokenizer has no template of its own
@@ -12,7 +14,17 @@ CHATML_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-_ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
+# roles as OpenAI / transformers messages and ShareGPT conversations name them -> the chat template's
+_ROLES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",  # ShareGPT's tool result
+    "function_call": "assistant",  # ShareGPT's tool call: its value is the call's JSON
+}
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -65,19 +77,43 @@ def end_of_turn_id(tokenizer) -> int | None:
 
 
 def normalise_messages(msgs) -> list[dict]:
-    """Accept OpenAI-style {role, content} and ShareGPT-style {from, value} messages (a file mixing both reads
-    back with the other style's keys null)."""
+    """Messages as the chat template takes them, from OpenAI / transformers messages ({role, content}, an
+    assistant's `tool_calls`, `tool` turns) and ShareGPT conversations ({from, value}: human, gpt, system,
+    function_call, observation); a file mixing both reads back with the other style's keys null. Content is a
+    string, or a list of text parts (joined). Anything else is a BadRecord."""
     if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs)):
-        raise UserError(f"chat messages must be a non-empty list of {{role, content}} objects, not {msgs!r:.60}")
-    out = []
-    for m in msgs:
-        role = m.get("role") if m.get("role") is not None else m.get("from")
-        if role not in _ROLES:
-            raise UserError(f"chat message with unknown role {role!r}")
-        content = m.get("content") if m.get("content") is not None else m.get("value")
-        if content is None:
-            raise UserError(f"chat message ({role}) without content")
-        out.append({"role": _ROLES[role], "content": str(content)})
+        raise BadRecord("empty messages" if msgs == [] else f"messages that are not a list of objects ({msgs!r:.40})")
+    return [_message(m) for m in msgs]
+
+
+def _message(m: dict) -> dict:
+    role = m.get("role") if m.get("role") is not None else m.get("from")
+    if role not in _ROLES:
+        raise BadRecord(f"unknown role {role!r}")
+    content = m.get("content") if m.get("content") is not None else m.get("value")
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)  # OpenAI's text parts
+    calls = m.get("tool_calls")
+    if role == "function_call":  # ShareGPT: the value is {"name": ..., "arguments": ...}
+        try:
+            call = json.loads(content) if isinstance(content, str) else None
+        except json.JSONDecodeError:
+            call = None
+        if not isinstance(call, dict) or "name" not in call:
+            raise BadRecord("a function_call turn whose value is not a call's JSON")
+        content, calls = "", [{"type": "function", "function": call}]
+    if content is None and calls:
+        content = ""
+    if not isinstance(content, str):
+        raise BadRecord(
+            f"{type(content).__name__} content" if content is not None else f"a {role} turn without content"
+        )
+    out = {"role": _ROLES[role], "content": content}
+    if calls:
+        out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None and out["role"] == "tool":
+            out[key] = m[key]
     return out
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import Counter
 
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat
-from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, load_splits, rename_fields, tokenize_splits
+from lora_llama.data.records import rename_fields
+from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, load_splits, tokenize_splits
 from lora_llama.errors import UserError
 from lora_llama.labels import IGNORE_INDEX
 
@@ -57,8 +58,22 @@ def tokenize_answers(tokenize: Tokenize, prompt: list[dict], answers: dict[str, 
     return examples
 
 
+def implicit_prompt(record: dict) -> dict:
+    """A pair without a prompt column split as trl's `extract_prompt` splits it: the prompt is the longest start
+    chosen and rejected share (messages, or characters less a trailing space), the answers what follows."""
+    chosen, rejected = record["chosen"], record["rejected"]
+    idx = 0
+    while idx < min(len(chosen), len(rejected)) and chosen[idx] == rejected[idx]:
+        idx += 1
+    if isinstance(chosen, str) and idx and chosen[idx - 1] == " ":
+        idx -= 1
+    return {**record, "prompt": chosen[:idx], "chosen": chosen[idx:], "rejected": rejected[idx:]}
+
+
 def tokenize_pair(tokenize: Tokenize, record: dict, index: int) -> dict | str:
-    """A pair, or the reason it is skipped."""
+    """A pair, or the reason it is skipped; without a prompt, the one chosen and rejected share."""
+    if record.get("prompt") is None and record.get("chosen") is not None and record.get("rejected") is not None:
+        record = implicit_prompt(record)
     prompt = as_messages(record["prompt"], "user", "prompt", index)
     answers = {k: as_messages(record[k], "assistant", k, index) for k in ("chosen", "rejected")}
     return tokenize_answers(tokenize, prompt, answers)
@@ -72,7 +87,7 @@ def tokenize_pairs(
     pairs, skipped = [], Counter()
     for i, rec in enumerate(records):
         rec = rename_fields(rec, fields or {})
-        missing = [k for k in PAIR_FIELDS if k not in rec]
+        missing = [k for k in PAIR_FIELDS if k not in rec and k != "prompt"]
         if missing:
             raise UserError(
                 f"preference record {i} has no {missing[0]!r} field (needs {', '.join(PAIR_FIELDS)}; "

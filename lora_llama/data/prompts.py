@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections import Counter
 
 from lora_llama.data.chat import encode_rendered, normalise_messages, render_chat
-from lora_llama.data.sft import load_splits, rename_fields, split, tokenize_splits
+from lora_llama.data.records import ROW, rename_fields
+from lora_llama.data.sft import load_splits, split, tokenize_splits
 from lora_llama.errors import UserError
 
 REASONING_GYM = "reasoning-gym:"
@@ -67,7 +68,7 @@ def prompt_examples(
         if not ids or len(ids) > max_prompt_len:
             skipped["an empty prompt" if not ids else f"a prompt over {max_prompt_len} tokens"] += 1
             continue
-        columns = {k: v for k, v in record.items() if k != "prompt"}
+        columns = {k: v for k, v in record.items() if k not in ("prompt", ROW)}
         examples.append({"prompt_ids": ids, "prompt": record["prompt"], "columns": columns, "index": len(examples)})
     return examples, skipped
 

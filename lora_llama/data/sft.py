@@ -13,7 +13,8 @@ from collections import Counter
 from pathlib import Path
 
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
-from lora_llama.errors import UserError
+from lora_llama.data.records import NEEDS, ROW, Skipped, detect_format, sft_record
+from lora_llama.errors import BadRecord, UserError
 from lora_llama.labels import IGNORE_INDEX
 from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_data_dir
 
@@ -112,23 +113,6 @@ def read_documents(path: str) -> list[str]:
 # ---------------------------------------------------------------------------- formats
 
 
-def detect_format(columns: list[str]) -> str:
-    if {"prompt", "chosen", "rejected"} <= set(columns):
-        return "preference"
-    if "messages" in columns or "conversations" in columns:
-        return "chat"
-    if "instruction" in columns and "output" in columns:
-        return "alpaca"
-    if "text" in columns:
-        return "text"
-    raise UserError(f"cannot detect the data format from columns {columns}; set data.format and data.fields")
-
-
-def rename_fields(record: dict, fields: dict[str, str]) -> dict:
-    """The record with `data.fields`' columns also under their standard names."""
-    return {**record, **{std: record[col] for std, col in fields.items() if col in record}}
-
-
 class Tokenize:
     """Turns one raw record into a list of examples (`text` may give several windows)."""
 
@@ -142,10 +126,23 @@ class Tokenize:
 
     def __call__(self, record: dict) -> list[dict]:
         if self.fmt == "text":
+            if not isinstance(record["text"], str):
+                raise BadRecord(f"{type(record['text']).__name__} text")
             return self.text(record["text"])
         if self.fmt == "chat":
             return [self.chat(normalise_messages(record["messages"]))]
+        if self.fmt == "prompt-completion":
+            return [self.prompt_completion(record["prompt"], record["completion"])]
         return [self.alpaca(record)]
+
+    def prompt_completion(self, prompt, completion) -> dict:
+        """trl's prompt-completion: conversational (lists of messages) as a chat, standard (strings) as the plain
+        prompt followed by the completion and EOS, the completion the target."""
+        if isinstance(prompt, list) and isinstance(completion, list):
+            return self.chat(normalise_messages(prompt) + normalise_messages(completion))
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            raise BadRecord("a prompt and completion that are neither both strings nor both messages")
+        return self.plain(prompt, completion)
 
     def text(self, text: str) -> list[dict]:
         ids = self.tok(text)["input_ids"] + [self.eos]  # tokenizer defaults add BOS where the model wants it
@@ -191,8 +188,13 @@ class Tokenize:
                 instruction=instruction,
                 input_block=f"### Input:\n{inp}\n\n" if inp else "",
             )
+        return self.plain(prompt, output)
+
+    def plain(self, prompt: str, completion: str) -> dict:
+        """The prompt's tokens (with the tokenizer's defaults: BOS where the model wants it), then the
+        completion's and EOS, the completion the target."""
         p = self.tok(prompt)["input_ids"]
-        c = self.tok(output, add_special_tokens=False)["input_ids"] + [self.eos]
+        c = self.tok(completion, add_special_tokens=False)["input_ids"] + [self.eos]
         labels = (p if self.train_on_prompt else [IGNORE_INDEX] * len(p)) + c
         return self.truncate(p + c, labels)
 
@@ -208,35 +210,30 @@ def tokenize_records(
     train_on_prompt=False,
     prompt_template=None,
     fields: dict | None = None,
+    skipped: Skipped | None = None,
 ) -> list[dict]:
-    """Every record -> examples; examples left with no target are dropped."""
-    fields = fields or {}
+    """Every record -> examples. A row that cannot be read, or keeps no target within max_seq_len, is skipped and
+    counted in `skipped` (with its `strict`, refused)."""
+    fields, skipped = fields or {}, skipped if skipped is not None else Skipped("the data")
     if fmt == "auto":
         fmt = detect_format([*records.column_names, *fields])
-    if fmt == "preference":
+    if fmt not in NEEDS:
         raise UserError(
-            "the data holds preference pairs (prompt, chosen, rejected): "
-            "set train.objective to one that reads data.format preference"
+            f"the data's columns ({', '.join(records.column_names)}) are data.format {fmt}: set train.objective to "
+            f"one that reads {fmt} data, or map your columns with data.fields"
         )
-    need = {"text": ["text"], "alpaca": ["instruction", "output"], "chat": ["messages"]}[fmt]
     tokenize = Tokenize(tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template)
     examples = []
     for i, rec in enumerate(records):
-        rec = rename_fields(rec, fields)
-        if "conversations" in rec and "messages" not in rec:
-            rec["messages"] = rec["conversations"]
-        missing = [k for k in need if k not in rec]
-        if missing:
-            raise UserError(
-                f"record {i} has no {missing[0]!r} field needed by format {fmt!r} (set data.fields to map columns)"
-            )
-        empty = [k for k in need if rec[k] is None]
-        if empty:
-            raise UserError(f"a record's {empty[0]!r} is null, and format {fmt!r} needs it ({_shown(rec)})")
         try:
-            examples += [e for e in tokenize(rec) if any(label != IGNORE_INDEX for label in e["labels"][1:])]
-        except UserError as e:
-            raise UserError(f"{e} ({_shown(rec)})") from None
+            made = tokenize(sft_record(rec, fmt, fields))
+        except BadRecord as e:
+            skipped.add(rec.get(ROW, i + 1), str(e))
+            continue
+        kept = [e for e in made if any(t != IGNORE_INDEX for t in e["labels"][1:])]
+        if not kept:
+            skipped.add(rec.get(ROW, i + 1), f"no target token within data.max_seq_len ({max_seq_len})")
+        examples += kept
     return examples
 
 
@@ -305,23 +302,23 @@ def tokenize_splits(train_records, val_records, tokenize, source: str, what: str
 
 
 def load_splits(data, seed: int):
-    """(train, val) raw record sets for a recipe's `data` section."""
+    """(train, val) raw record sets for a recipe's `data` section, each record with its row in its source
+    (ROW, counted from 1) for the messages about it."""
     records = load_records(data.source, data.config, data.split)
     if data.max_examples:
         records = records.select(range(min(data.max_examples, len(records))))
+    records = records.add_column(ROW, range(1, len(records) + 1))
     if data.val_source:
-        return records, load_records(data.val_source)
+        val = load_records(data.val_source)
+        return records, val.add_column(ROW, range(1, len(val) + 1))
     return split(records, data.val_size, seed)
 
 
-def _shown(record: dict) -> str:
-    """The start of a record, to find it in the file by (its place in a shuffled split would not)."""
-    return f"the record {str(dict(record))[:100]}"
-
-
-def build_examples(data, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, val) examples for a recipe's `data` section; packing applies to train only."""
+def build_examples(data, tokenizer, seed: int, log=print) -> tuple[list[dict], list[dict]]:
+    """(train, val) examples for a recipe's `data` section; packing applies to train only; the rows skipped are
+    said in one line."""
     train_records, val_records = load_splits(data, seed)
+    skipped = Skipped(data.source, data.strict)
     kw = dict(
         tokenizer=tokenizer,
         fmt=data.format,
@@ -329,9 +326,12 @@ def build_examples(data, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:
         train_on_prompt=data.train_on_prompt,
         prompt_template=data.prompt_template,
         fields=data.fields,
+        skipped=skipped,
     )
     train = tokenize_records(train_records, **kw)
     val = tokenize_records(val_records, **kw) if len(val_records) else []
+    if skipped.line(len(train_records) + len(val_records)):
+        log(skipped.line(len(train_records) + len(val_records)))
     if not train:
         raise UserError(f"data source {data.source!r} gives no training example with a target token")
     if data.packing:

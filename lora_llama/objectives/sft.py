@@ -19,13 +19,14 @@ class SFT(Objective):
     data_formats = {
         "text": "a `text` column",
         "alpaca": "instruction/input/output",
-        "chat": "messages",
+        "chat": "messages, or ShareGPT's conversations",
+        "prompt-completion": "prompt/completion, strings or messages",
     }
     packs, empty, stat_names, n_counts = True, EMPTY_EXAMPLE, (), 1
 
     @classmethod
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
-        return build_examples(recipe.data, tokenizer, recipe.train.seed)
+        return build_examples(recipe.data, tokenizer, recipe.train.seed, log)
 
     @classmethod
     def card_line(cls, settings: dict | None) -> str:

@@ -86,6 +86,9 @@ class DataSection(Settings):
         False, description="pack several examples (GRPO: completions) into each row; attention stays inside each"
     )
     train_on_prompt: bool = Field(False, description="also take the loss on prompt tokens")
+    strict: bool = Field(
+        False, description="stop at the first row that cannot be read (one line with its row); else skip and count"
+    )
     fields: dict[str, str] = Field({}, description="standard name -> your column, e.g. {instruction: question}")
     prompt_template: str | None = Field(
         None, description="alpaca prompt for tokenizers without a chat template ({instruction}, {input})"
