@@ -113,3 +113,47 @@ c.Checkpoints.save = save
 def test_bad_sources_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         load_recipe(None, overrides)
+
+
+def test_a_second_run_reads_its_tokenized_examples_from_the_cache(tiny_ckpt, tmp_path, monkeypatch):
+    """The same recipe again: the examples come from the cache, equal to those tokenized; a changed file, another
+    objective setting or another seed tokenizes afresh."""
+    from test_train import chat_file
+
+    from lora_llama.training.from_recipe import _examples
+
+    monkeypatch.setenv("LORA_LLAMA_CACHE", str(tmp_path / "cache"))
+    data = chat_file(tmp_path / "d.jsonl")
+    overrides = [f"model.source={tiny_ckpt}", f"data.source={data}", "data.packing=true", "data.max_seq_len=64"]
+    from lora_llama.loading.models import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_ckpt))
+
+    def examples(*extra):
+        lines = []
+        train, val, _ = _examples(load_recipe(None, [*overrides, *extra]), tok, lines.append)
+        return train, val, " ".join(lines)
+
+    first, again = examples(), examples()
+    assert "kept for the next run" in first[2] and "read from the cache" in again[2]
+    assert again[:2] == first[:2] and len(first[0]) > 0
+    assert "read from the cache" not in examples("train.seed=1")[2]
+    assert examples("data.val_size=0")[1] == [] and "read from the cache" in examples("data.val_size=0")[2]
+    data.write_text(data.read_text() + json.dumps({"messages": [{"role": "user", "content": "new"}]}) + "\n")
+    assert "read from the cache" not in examples()[2]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_cached_pairs_and_feedback_read_back_as_tokenized(preference_ckpt, tmp_path, monkeypatch, objective):
+    from helpers import PREFERENCE_ROWS, preference_file
+    from lora_llama.loading.models import load_tokenizer
+    from lora_llama.training.from_recipe import _examples
+
+    monkeypatch.setenv("LORA_LLAMA_CACHE", str(tmp_path / "cache"))
+    data = preference_file(tmp_path / "pairs.jsonl", PREFERENCE_ROWS * 3)
+    recipe = load_recipe(
+        None, [f"data.source={data}", "data.format=preference", f"train.objective={objective}", "data.val_size=0.25"]
+    )
+    tok, lines = load_tokenizer(str(preference_ckpt)), []
+    first = _examples(recipe, tok, lines.append)[:2]
+    assert _examples(recipe, tok, lines.append)[:2] == first and "read from the cache" in lines[-1]

@@ -50,6 +50,7 @@ class Objective:
     packs = False
     counted = "tokens"  # what the held-out loss is averaged over
     row_length = None  # the length rows of up to n tokens are padded to (None: n); see bucketed_length
+    cached = True  # its examples are kept between runs (data/cache.py): rows of one layout, in Arrow's types
     repeats = 1  # optimiser steps per batch of data
 
     @classmethod

@@ -159,6 +159,7 @@ class GRPO(Objective):
     name, about, settings = "grpo", "GRPO on prompts with reward functions", GRPOSettings
     data_formats = {"prompt": "a prompt and any columns the rewards read"}
     packs, empty, n_counts = True, None, 1
+    cached = False  # prompts carry the data's own columns, of any type; reading them is quick
 
     def __init__(self, settings, tokenizer, eos_ids: list[int], seed: int, packing: bool = False, max_seq_len: int = 0):
         self.settings = settings  # this run's train.grpo (the class's `settings` is its schema)

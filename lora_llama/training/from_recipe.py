@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from lora_llama.data.cache import cached_examples, examples_key
 from lora_llama.data.chat import end_of_turn_id
 from lora_llama.data.sources import mix, mixture_line, source_sections
 from lora_llama.errors import UserError
@@ -121,16 +122,28 @@ def _examples(recipe, tok, log) -> tuple[list[dict], list[dict], dict | None]:
     """(train, val, the mixture's record for metrics.jsonl or None): the objective's examples from each source,
     the training ones drawn together by weight (data/sources.py)."""
     objective, sections = objective_named(recipe.train.objective), source_sections(recipe.data)
-    if len(sections) == 1 and not recipe.data.sources:
-        return (*objective.examples(recipe, tok, log), None)
     names, weights, parts = [], [], []
     for name, weight, data in sections:
-        train, val = objective.examples(recipe.model_copy(update={"data": data}), tok, log)
+        one = recipe.model_copy(update={"data": data})
+        train, val = _source_examples(objective, one, tok, log)
         names, weights, parts = [*names, name], [*weights, weight], [*parts, (train, val)]
+    if len(sections) == 1 and not recipe.data.sources:
+        return (*parts[0], None)
     train, counts = mix([p[0] for p in parts], weights, recipe.train.seed)
     log(mixture_line(names, weights, [len(p[0]) for p in parts], counts))
     record = {"step": 0, **{f"data/{i}/rows": n for i, n in enumerate(counts)}}
     return train, [e for p in parts for e in p[1]], record
+
+
+def _source_examples(objective, recipe, tok, log) -> tuple[list[dict], list[dict]]:
+    """One source's (train, val) examples, from the cache of tokenized examples when they are there."""
+    if not objective.cached:
+        return objective.examples(recipe, tok, log)
+    t = recipe.train
+    settings = getattr(t, objective.name).model_dump() if objective.settings else None
+    parts = {"data": recipe.data.model_dump(), "objective": objective.name, "settings": settings, "seed": t.seed}
+    key = examples_key(parts, tok, recipe.data.source)
+    return cached_examples(key, lambda: objective.examples(recipe, tok, log), log)
 
 
 def _say(message: str) -> None:
