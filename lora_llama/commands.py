@@ -205,7 +205,7 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     if args.tasks is not None:
         return _eval_tasks(args)
-    from lora_llama.data.sft import read_documents
+    from lora_llama.data.loading import read_documents
     from lora_llama.objectives.sft import evaluate_documents
 
     model, tok = _load(args)

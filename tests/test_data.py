@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from helpers import make_tokenizer
 from lora_llama import UserError, load_model
-from lora_llama.data.sft import IGNORE_INDEX, Tokenize, collate, load_records, pack, split, tokenize_records
+from lora_llama.data.loading import load_records, split
+from lora_llama.data.sft import IGNORE_INDEX, Tokenize, collate, pack, tokenize_records
 
 M = IGNORE_INDEX
 

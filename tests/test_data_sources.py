@@ -157,3 +157,18 @@ def test_cached_pairs_and_feedback_read_back_as_tokenized(preference_ckpt, tmp_p
     tok, lines = load_tokenizer(str(preference_ckpt)), []
     first = _examples(recipe, tok, lines.append)[:2]
     assert _examples(recipe, tok, lines.append)[:2] == first and "read from the cache" in lines[-1]
+
+
+def test_a_glob_of_files_reads_them_all_in_order_and_one_that_matches_none_is_one_line(tmp_path):
+    from lora_llama.data.loading import load_records
+
+    for i in range(3):
+        (tmp_path / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": f"{i} {j}"}) + "\n" for j in range(2)))
+    records = load_records(str(tmp_path / "part-*.jsonl"))
+    assert records["text"] == ["0 0", "0 1", "1 0", "1 1", "2 0", "2 1"]
+    assert load_records(str(tmp_path / "part-*.jsonl"), split="train[:50%]")["text"] == ["0 0", "0 1", "1 0"]
+    with pytest.raises(UserError, match="no file matches"):
+        load_records(str(tmp_path / "nothing-*.jsonl"))
+    (tmp_path / "part-3.csv").write_text("text\nx\n")
+    with pytest.raises(UserError, match="files of type .csv, .jsonl"):
+        load_records(str(tmp_path / "part-*"))

@@ -16,7 +16,7 @@ def chatterbot_mc_rows() -> list[dict]:
     """tasks/chatterbot's rows: the default recipe's held-out questions, each with its answer among three others."""
     import random
 
-    from lora_llama.data.sft import load_records, split
+    from lora_llama.data.loading import load_records, split
     from lora_llama.recipe.schema import load_recipe
 
     recipe = load_recipe(RECIPE)

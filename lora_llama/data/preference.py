@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections import Counter
 
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat
+from lora_llama.data.loading import load_splits
 from lora_llama.data.records import rename_fields
-from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, load_splits, tokenize_splits
+from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, tokenize_splits
 from lora_llama.errors import UserError
 from lora_llama.labels import IGNORE_INDEX
 

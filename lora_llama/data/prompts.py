@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections import Counter
 
 from lora_llama.data.chat import encode_rendered, normalise_messages, render_chat
+from lora_llama.data.loading import load_splits, split
 from lora_llama.data.records import ROW, rename_fields
-from lora_llama.data.sft import load_splits, split, tokenize_splits
+from lora_llama.data.sft import tokenize_splits
 from lora_llama.errors import UserError
 
 REASONING_GYM = "reasoning-gym:"

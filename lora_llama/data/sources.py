@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-SOURCE_KEYS = ("source", "format", "fields", "config", "split", "max_examples", "system_prompt")
+SOURCE_KEYS = ("source", "format", "fields", "config", "split", "data_files", "max_examples", "system_prompt")
 
 
 def source_sections(data) -> list[tuple[str, float, object]]:

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from lora_llama.data.loading import load_splits
 from lora_llama.data.preference import as_messages, tokenize_answers
 from lora_llama.data.records import rename_fields
-from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, load_splits, tokenize_splits
+from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, tokenize_splits
 from lora_llama.errors import UserError
 from lora_llama.labels import IGNORE_INDEX, target_mask
 from lora_llama.lora.adapted import adapters_disabled

@@ -51,6 +51,7 @@ class SourceSection(Settings):
     fields: dict[str, str] = Field({}, description="as data.fields")
     config: str | None = Field(None, description="as data.config")
     split: str = Field("train", description="as data.split")
+    data_files: list[str] | None = Field(None, description="as data.data_files")
     max_examples: int | None = Field(None, gt=0, description="as data.max_examples")
     system_prompt: str | None = Field(None, description="as data.system_prompt")
 
@@ -71,6 +72,9 @@ class DataSection(Settings):
     )
     config: str | None = Field(None, description="a folder's or Hub dataset's configuration (datasets' name)")
     split: str = Field("train", description="the split read, with datasets' slices too: train[:5%], train[100:]")
+    data_files: list[str] | None = Field(
+        None, description="a folder's or Hub dataset's files to read (datasets' data_files; globs allowed)"
+    )
     format: Literal[(*data_formats(), "auto")] = Field(
         "chat",
         description=", ".join(
