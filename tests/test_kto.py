@@ -10,6 +10,7 @@ from test_preference import assert_same_grads, load_into, ours_with_random_adapt
 import helpers
 from helpers import PREFERENCE_ROWS, preference_file
 from lora_llama.cli import main
+from lora_llama.data.records import Skipped
 from lora_llama.loading.adapters import save_adapter
 from lora_llama.loading.models import load_tokenizer
 from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
@@ -109,7 +110,7 @@ def test_kto_first_step_equals_trl(preference_ckpt, tmp_path, weights):
     assert_same_grads(model, trainer.model)
 
 
-def test_unpaired_data_reads_pairs_as_trl_does_and_refuses_a_bad_label(preference_ckpt):
+def test_unpaired_data_reads_pairs_as_trl_does_and_skips_a_bad_label(preference_ckpt):
     from datasets import Dataset
 
     from lora_llama.errors import UserError
@@ -120,8 +121,13 @@ def test_unpaired_data_reads_pairs_as_trl_does_and_refuses_a_bad_label(preferenc
     from_pairs, _ = tokenize_unpaired(Dataset.from_list(pairs), tok, 128)
     from_rows, _ = tokenize_unpaired(Dataset.from_list([{**f, "label": bool(f["label"])} for f in flat]), tok, 128)
     assert from_pairs == from_rows and [e["label"] for e in from_pairs] == [True, False] * 4
-    with pytest.raises(UserError, match="'label' must be true or false"):
-        tokenize_unpaired(Dataset.from_list(flat), tok, 128)
+    examples, skipped = tokenize_unpaired(Dataset.from_list(flat), tok, 128)
+    assert not examples and list(skipped.rows) == [
+        "a 'label' that is not true or false (1)",
+        "a 'label' that is not true or false (0)",
+    ]
+    with pytest.raises(UserError, match="row 1: a 'label' that is not true or false"):
+        tokenize_unpaired(Dataset.from_list(flat), tok, 128, skipped=Skipped("feedback.jsonl", strict=True))
 
 
 def kto_args(ckpt, data, out, *extra):

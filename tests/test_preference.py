@@ -8,6 +8,7 @@ import helpers
 from helpers import preference_records
 from lora_llama import load_model
 from lora_llama.data.preference import collate_pairs, tokenize_pairs
+from lora_llama.data.records import Skipped
 from lora_llama.loading.adapters import save_adapter
 from lora_llama.loading.models import load_tokenizer
 from lora_llama.lora.adapted import adapters_disabled, apply_lora, lora_modules
@@ -236,10 +237,12 @@ def test_preference_data_bad_and_skipped_records(preference_ckpt, tmp_path):
     pairs, skipped = tokenize_pairs(
         Dataset.from_list([ok, {**ok, "chosen": "  "}, {**ok, "prompt": "hello " * 80}]), tok, 32
     )
-    assert len(pairs) == 1 and sum(skipped.values()) == 2
-    assert any("empty" in why for why in skipped) and any("max_seq_len" in why for why in skipped)
-    with pytest.raises(UserError, match="'rejected'"):
-        tokenize_pairs(Dataset.from_list([{"prompt": "a", "chosen": "b"}]), tok, 32)
+    assert len(pairs) == 1 and len(skipped) == 2
+    assert any("empty" in why for why in skipped.rows) and any("max_seq_len" in why for why in skipped.rows)
+    pairs, skipped = tokenize_pairs(Dataset.from_list([ok, {"prompt": "a", "chosen": "b", "rejected": None}]), tok, 32)
+    assert len(pairs) == 1 and skipped.rows == {"a null 'rejected'": [2]}  # rows counted from 1
+    with pytest.raises(UserError, match="data the data: row 2: a null 'rejected'"):
+        tokenize_pairs(Dataset.from_list([ok, {**ok, "rejected": None}]), tok, 32, skipped=Skipped("the data", True))
     pairs, _ = tokenize_pairs(
         Dataset.from_list([{"q": "hello", "good": "world", "bad": "dog"}]),
         tok,

@@ -8,16 +8,13 @@ prompt tokens are too with `train_on_prompt` (ORPO's NLL term then covers them; 
 
 from __future__ import annotations
 
-from collections import Counter
-
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat
 from lora_llama.data.loading import load_splits
-from lora_llama.data.records import rename_fields
+from lora_llama.data.records import Skipped, needs, rename_fields, row_of
 from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, tokenize_splits
-from lora_llama.errors import UserError
+from lora_llama.errors import BadRecord
 from lora_llama.labels import IGNORE_INDEX
 
-PAIR_FIELDS = ("prompt", "chosen", "rejected")
 EMPTY_PAIR = {"chosen": {**EMPTY_EXAMPLE, "prompt_len": 0}, "rejected": {**EMPTY_EXAMPLE, "prompt_len": 0}}
 
 
@@ -27,9 +24,7 @@ def as_messages(value, role: str, field: str, index: int) -> list[dict]:
         return [{"role": role, "content": value}]
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         return normalise_messages(value)
-    raise UserError(
-        f"record {index}: {field!r} must be a string or a list of chat messages, not {type(value).__name__}"
-    )
+    raise BadRecord(f"a {field!r} that is neither a string nor a list of chat messages")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -81,22 +76,25 @@ def tokenize_pair(tokenize: Tokenize, record: dict, index: int) -> dict | str:
 
 
 def tokenize_pairs(
-    records, tokenizer, max_seq_len: int, train_on_prompt: bool = False, fields: dict | None = None
-) -> tuple[list[dict], Counter]:
-    """Every record -> a pair, and the count of records skipped per reason."""
+    records,
+    tokenizer,
+    max_seq_len: int,
+    train_on_prompt: bool = False,
+    fields: dict | None = None,
+    skipped: Skipped | None = None,
+) -> tuple[list[dict], Skipped]:
+    """Every record -> a pair, and the rows skipped (a column missing, an empty answer, no room for one)."""
     tokenize = Tokenize(tokenizer, "chat", max_seq_len, train_on_prompt)
-    pairs, skipped = [], Counter()
-    for i, rec in enumerate(records):
-        rec = rename_fields(rec, fields or {})
-        missing = [k for k in PAIR_FIELDS if k not in rec and k != "prompt"]
-        if missing:
-            raise UserError(
-                f"preference record {i} has no {missing[0]!r} field (needs {', '.join(PAIR_FIELDS)}; "
-                "set data.fields to map columns)"
-            )
-        pair = tokenize_pair(tokenize, rec, i)
+    pairs, skipped = [], skipped if skipped is not None else Skipped("the data")
+    for i, record in enumerate(records):
+        rec = rename_fields(record, fields or {})
+        try:
+            needs(rec, ("chosen", "rejected"))
+            pair = tokenize_pair(tokenize, rec, i)
+        except BadRecord as e:
+            pair = str(e)
         if isinstance(pair, str):
-            skipped[pair] += 1
+            skipped.add(row_of(record, i), pair)
         else:
             pairs.append(pair)
     return pairs, skipped
@@ -109,7 +107,13 @@ def build_pairs(data, tokenizer, seed: int, log=print) -> tuple[list[dict], list
         tokenizer=tokenizer, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt, fields=data.fields
     )
     return tokenize_splits(
-        train_records, val_records, lambda records: tokenize_pairs(records, **kw), data.source, "preference pair", log
+        train_records,
+        val_records,
+        lambda records, skipped: tokenize_pairs(records, **kw, skipped=skipped)[0],
+        data.source,
+        "preference pair",
+        log,
+        data.strict,
     )
 
 

@@ -13,13 +13,11 @@ index (its place in the split) seeds its completions' sampling.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from lora_llama.data.chat import encode_rendered, normalise_messages, render_chat
 from lora_llama.data.loading import load_splits, split
-from lora_llama.data.records import ROW, rename_fields
+from lora_llama.data.records import ROW, Skipped, needs, rename_fields, row_of
 from lora_llama.data.sft import tokenize_splits
-from lora_llama.errors import UserError
+from lora_llama.errors import BadRecord, UserError
 
 REASONING_GYM = "reasoning-gym:"
 DEFAULT_TASK_SIZE = 1000
@@ -47,9 +45,7 @@ def prompt_ids(tokenizer, prompt, index: int, system_prompt: str | None = None) 
     if isinstance(prompt, str):
         return tokenizer((system_prompt + "\n\n" if system_prompt else "") + prompt)["input_ids"]
     if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
-        raise UserError(
-            f"prompt record {index}: 'prompt' must be a string or a list of chat messages, not {type(prompt).__name__}"
-        )
+        raise BadRecord(f"a 'prompt' that is neither a string nor a list of chat messages ({type(prompt).__name__})")
     messages = normalise_messages(prompt)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
@@ -57,17 +53,24 @@ def prompt_ids(tokenizer, prompt, index: int, system_prompt: str | None = None) 
 
 
 def prompt_examples(
-    records, tokenizer, max_prompt_len: int, fields: dict | None = None, system_prompt: str | None = None
-) -> tuple[list[dict], Counter]:
-    """Every record -> a prompt example, and the count of records skipped (prompts too long or empty)."""
-    examples, skipped = [], Counter()
-    for i, record in enumerate(records):
-        record = rename_fields(dict(record), fields or {})
-        if "prompt" not in record:
-            raise UserError(f"prompt record {i} has no 'prompt' field (set data.fields to map a column)")
-        ids = prompt_ids(tokenizer, record["prompt"], i, system_prompt)
-        if not ids or len(ids) > max_prompt_len:
-            skipped["an empty prompt" if not ids else f"a prompt over {max_prompt_len} tokens"] += 1
+    records,
+    tokenizer,
+    max_prompt_len: int,
+    fields: dict | None = None,
+    system_prompt: str | None = None,
+    skipped: Skipped | None = None,
+) -> tuple[list[dict], Skipped]:
+    """Every record -> a prompt example, and the rows skipped (a prompt missing, empty or too long)."""
+    examples, skipped = [], skipped if skipped is not None else Skipped("the data")
+    for i, raw in enumerate(records):
+        record = rename_fields(dict(raw), fields or {})
+        try:
+            needs(record, ("prompt",))
+            ids = prompt_ids(tokenizer, record["prompt"], i, system_prompt)
+            if not ids or len(ids) > max_prompt_len:
+                raise BadRecord("an empty prompt" if not ids else f"a prompt over {max_prompt_len} tokens")
+        except BadRecord as e:
+            skipped.add(row_of(raw, i), str(e))
             continue
         columns = {k: v for k, v in record.items() if k not in ("prompt", ROW)}
         examples.append({"prompt_ids": ids, "prompt": record["prompt"], "columns": columns, "index": len(examples)})
@@ -86,5 +89,11 @@ def build_prompts(data, tokenizer, seed: int, max_prompt_len: int, log=print) ->
         train_records, val_records = load_splits(data, seed)
     kw = dict(tokenizer=tokenizer, max_prompt_len=max_prompt_len, fields=data.fields, system_prompt=data.system_prompt)
     return tokenize_splits(
-        train_records, val_records, lambda records: prompt_examples(records, **kw), data.source, "prompt", log
+        train_records,
+        val_records,
+        lambda records, skipped: prompt_examples(records, **kw, skipped=skipped)[0],
+        data.source,
+        "prompt",
+        log,
+        data.strict,
     )

@@ -53,10 +53,20 @@ def rename_fields(record: dict, fields: dict[str, str]) -> dict:
 def sft_record(record: dict, fmt: str, fields: dict[str, str]) -> dict:
     """The record with the columns its format reads, or BadRecord (a column missing or null)."""
     record = rename_fields(record, fields)
-    for column in NEEDS[fmt]:
+    needs(record, NEEDS[fmt])
+    return record
+
+
+def needs(record: dict, columns) -> None:
+    """BadRecord when the record lacks one of the columns, or has it null."""
+    for column in columns:
         if record.get(column) is None:
             raise BadRecord(f"no {column!r}" if column not in record else f"a null {column!r}")
-    return record
+
+
+def row_of(record: dict, index: int) -> int:
+    """The record's row in its source (ROW, counted from 1), else its place in the split."""
+    return record.get(ROW, index + 1)
 
 
 class Skipped:

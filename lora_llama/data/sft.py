@@ -9,11 +9,10 @@ example), which the model turns into a block-diagonal causal mask.
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
 from lora_llama.data.loading import load_splits
-from lora_llama.data.records import NEEDS, ROW, Skipped, detect_format, sft_record
+from lora_llama.data.records import NEEDS, Skipped, detect_format, row_of, sft_record
 from lora_llama.errors import BadRecord, UserError
 from lora_llama.labels import IGNORE_INDEX
 
@@ -147,11 +146,11 @@ def tokenize_records(
         try:
             made = tokenize(sft_record(rec, fmt, fields))
         except BadRecord as e:
-            skipped.add(rec.get(ROW, i + 1), str(e))
+            skipped.add(row_of(rec, i), str(e))
             continue
         kept = [e for e in made if any(t != IGNORE_INDEX for t in e["labels"][1:])]
         if not kept:
-            skipped.add(rec.get(ROW, i + 1), f"no target token within data.max_seq_len ({max_seq_len})")
+            skipped.add(row_of(rec, i), f"no target token within data.max_seq_len ({max_seq_len})")
         examples += kept
     return examples
 
@@ -193,14 +192,16 @@ def collate(examples: list[dict], pad_id: int, row_length=None):
     return batch
 
 
-def tokenize_splits(train_records, val_records, tokenize, source: str, what: str, log) -> tuple[list, list]:
-    """(train, val) through tokenize(records) -> (items, Counter of skip reasons); the skipped records are counted
-    in one warning, and a training split left empty is one error."""
-    train, skipped = tokenize(train_records)
-    val, skipped_val = tokenize(val_records) if len(val_records) else ([], Counter())
-    skipped += skipped_val
-    if skipped:
-        log("warning: skipped " + ", ".join(f"{n} record(s) with {why}" for why, n in skipped.items()))
+def tokenize_splits(
+    train_records, val_records, tokenize, source: str, what: str, log, strict: bool = False
+) -> tuple[list, list]:
+    """(train, val) through tokenize(records, skipped) -> items; the rows skipped are said in one line (with
+    `strict`, the first stops the run), and a training split left empty is one error."""
+    skipped = Skipped(source, strict)
+    train = tokenize(train_records, skipped)
+    val = tokenize(val_records, skipped) if len(val_records) else []
+    if skipped.line(len(train_records) + len(val_records)):
+        log(skipped.line(len(train_records) + len(val_records)))
     if not train:
         raise UserError(f"data source {source!r} gives no usable {what}")
     return train, val

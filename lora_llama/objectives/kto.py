@@ -18,7 +18,6 @@ examples over all of them.
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +25,9 @@ from pydantic import Field
 
 from lora_llama.data.loading import load_splits
 from lora_llama.data.preference import as_messages, tokenize_answers
-from lora_llama.data.records import rename_fields
+from lora_llama.data.records import Skipped, needs, rename_fields, row_of
 from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, tokenize_splits
-from lora_llama.errors import UserError
+from lora_llama.errors import BadRecord
 from lora_llama.labels import IGNORE_INDEX, target_mask
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.base import Objective
@@ -48,38 +47,35 @@ class KTOSettings(Settings):
     undesirable_weight: float = Field(1.0, gt=0, description="weight of the undesirable examples' losses")
 
 
-def unpaired_records(rec: dict, index: int) -> list[dict]:
+def unpaired_records(rec: dict) -> list[dict]:
     """An unpaired record as it is; a preference pair as two, its chosen answer desirable and its rejected one
-    not (trl's `unpair_preference_dataset`)."""
-    if "completion" not in rec and "chosen" in rec and "rejected" in rec:
+    not (trl's `unpair_preference_dataset`). BadRecord for anything else."""
+    if rec.get("completion") is None and rec.get("chosen") is not None and rec.get("rejected") is not None:
         return [
             {**rec, "completion": rec["chosen"], "label": True},
             {**rec, "completion": rec["rejected"], "label": False},
         ]
-    missing = [k for k in UNPAIRED_FIELDS if k not in rec]
-    if missing:
-        raise UserError(
-            f"unpaired record {index} has no {missing[0]!r} field (needs {', '.join(UNPAIRED_FIELDS)}, or prompt, "
-            "chosen and rejected; set data.fields to map columns)"
-        )
+    needs(rec, UNPAIRED_FIELDS)
     if not isinstance(rec["label"], bool):
-        raise UserError(f"unpaired record {index}: 'label' must be true or false, not {rec['label']!r}")
+        raise BadRecord(f"a 'label' that is not true or false ({rec['label']!r})")
     return [rec]
 
 
-def tokenize_unpaired(records, tokenizer, max_seq_len: int, train_on_prompt=False, fields=None):
-    """Every record -> examples with their `label`, and the count of records skipped per reason."""
+def tokenize_unpaired(records, tokenizer, max_seq_len: int, train_on_prompt=False, fields=None, skipped=None):
+    """Every record -> examples with their `label`, and the rows skipped."""
     tokenize = Tokenize(tokenizer, "chat", max_seq_len, train_on_prompt)
-    examples, skipped = [], Counter()
+    examples, skipped = [], skipped if skipped is not None else Skipped("the data")
     for i, record in enumerate(records):
-        for rec in unpaired_records(rename_fields(record, fields or {}), i):
-            prompt = as_messages(rec["prompt"], "user", "prompt", i)
-            completion = as_messages(rec["completion"], "assistant", "completion", i)
-            answer = tokenize_answers(tokenize, prompt, {"completion": completion})
-            if isinstance(answer, str):
-                skipped[answer] += 1
-            else:
+        try:
+            for rec in unpaired_records(rename_fields(record, fields or {})):
+                prompt = as_messages(rec["prompt"], "user", "prompt", i)
+                completion = as_messages(rec["completion"], "assistant", "completion", i)
+                answer = tokenize_answers(tokenize, prompt, {"completion": completion})
+                if isinstance(answer, str):
+                    raise BadRecord(answer)
                 examples.append({**answer["completion"], "label": rec["label"]})
+        except BadRecord as e:
+            skipped.add(row_of(record, i), str(e))
     return examples, skipped
 
 
@@ -114,11 +110,11 @@ class KTO(Objective):
         train_records, val_records = load_splits(data, recipe.train.seed)
         kw = dict(tokenizer=tokenizer, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt)
 
-        def tokenize(records):
-            examples, skipped = tokenize_unpaired(records, fields=data.fields, **kw)
-            return with_mismatched(examples, len(examples), data.max_seq_len), skipped
+        def tokenize(records, skipped):
+            examples, _ = tokenize_unpaired(records, fields=data.fields, skipped=skipped, **kw)
+            return with_mismatched(examples, len(examples), data.max_seq_len)
 
-        return tokenize_splits(train_records, val_records, tokenize, data.source, "unpaired example", log)
+        return tokenize_splits(train_records, val_records, tokenize, data.source, "unpaired example", log, data.strict)
 
     def collate(self, examples: list[dict], pad_id: int) -> dict:
         rows = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
