@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from test_preference import assert_same_grads, load_into, ours_with_random_adapter
+from test_preference import assert_same_grads, ours_with_random_adapter, trl_trainer
 
 import helpers
 from helpers import PREFERENCE_ROWS, preference_file
@@ -13,7 +13,6 @@ from lora_llama.cli import main
 from lora_llama.data.records import Skipped
 from lora_llama.loading.adapters import save_adapter
 from lora_llama.loading.models import load_tokenizer
-from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
 from lora_llama.objectives.kto import KTO, KTOSettings, tokenize_unpaired, with_mismatched
 from lora_llama.runtime.distributed import Ranks
 
@@ -53,7 +52,6 @@ def toward_the_completions(model, examples, tok):
 @pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 1.33)])
 def test_kto_first_step_equals_trl(preference_ckpt, tmp_path, weights):
     from datasets import Dataset
-    from peft import LoraConfig
     from trl import KTOConfig, KTOTrainer
 
     tok = load_tokenizer(str(preference_ckpt))
@@ -75,15 +73,7 @@ def test_kto_first_step_equals_trl(preference_ckpt, tmp_path, weights):
         bf16=False,
         max_length=None,
     )
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=[LINEAR_NAMES[t] for t in BLOCK_LINEARS], lora_dropout=0.0)
-    trainer = KTOTrainer(
-        model=helpers.hf_model(preference_ckpt),
-        args=args,
-        train_dataset=Dataset.from_list(records),
-        processing_class=tok,
-        peft_config=config,
-    )
-    load_into(trainer.model, tmp_path / "adapter")
+    trainer = trl_trainer(KTOTrainer, args, preference_ckpt, records, tok, tmp_path / "adapter")
     # the same token ids: the prompt through the chat template with the generation prompt, then the completion
     for ex, row in zip(examples, trainer.train_dataset):
         assert ex["input_ids"] == row["prompt_ids"] + row["completion_ids"]

@@ -38,6 +38,23 @@ def load_into(peft_model, adapter_dir):
     assert not result.unexpected_keys
 
 
+def trl_trainer(trainer_class, args, preference_ckpt, records, tok, adapter):
+    """trl's trainer of `trainer_class` on the checkpoint through peft, holding our saved adapter."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[LINEAR_NAMES[t] for t in BLOCK_LINEARS], lora_dropout=0.0)
+    trainer = trainer_class(
+        model=helpers.hf_model(preference_ckpt),
+        args=args,
+        train_dataset=Dataset.from_list(records),
+        processing_class=tok,
+        peft_config=config,
+    )
+    load_into(trainer.model, adapter)
+    return trainer
+
+
 def lora_grads_by_peft_name(peft_model):
     return {
         n.replace("base_model.model.", "").replace(".default", ""): p.grad
@@ -56,7 +73,6 @@ def assert_same_grads(model, peft_model):
 
 def test_dpo_first_step_equals_trl(preference_ckpt, tmp_path):
     from datasets import Dataset
-    from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer
 
     tok = load_tokenizer(str(preference_ckpt))
@@ -75,15 +91,7 @@ def test_dpo_first_step_equals_trl(preference_ckpt, tmp_path):
         max_length=None,
         dataloader_drop_last=False,
     )
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=[LINEAR_NAMES[t] for t in BLOCK_LINEARS], lora_dropout=0.0)
-    trainer = DPOTrainer(
-        model=helpers.hf_model(preference_ckpt),
-        args=args,
-        train_dataset=Dataset.from_list(preference_records(True)),
-        processing_class=tok,
-        peft_config=config,
-    )
-    load_into(trainer.model, tmp_path / "adapter")
+    trainer = trl_trainer(DPOTrainer, args, preference_ckpt, preference_records(True), tok, tmp_path / "adapter")
     # the same token ids: prompt through the chat template with the generation prompt, then the answer
     for pair, row in zip(pairs, trainer.train_dataset):
         assert pair["chosen"]["input_ids"] == row["prompt_ids"] + row["chosen_ids"]
@@ -119,8 +127,6 @@ def test_dpo_first_step_equals_trl(preference_ckpt, tmp_path):
 def test_orpo_first_step_equals_trl(preference_ckpt, tmp_path):
     """On trl's own batch (its ORPO tokenizer adds BOS and EOS its own way): loss, rewards and gradients, with
     train_on_prompt as trl's NLL covers the prompt too."""
-    from datasets import Dataset
-    from peft import LoraConfig
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     tok = load_tokenizer(str(preference_ckpt))
@@ -134,15 +140,7 @@ def test_orpo_first_step_equals_trl(preference_ckpt, tmp_path):
         bf16=False,
         max_length=128,
     )
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=[LINEAR_NAMES[t] for t in BLOCK_LINEARS], lora_dropout=0.0)
-    trainer = ORPOTrainer(
-        model=helpers.hf_model(preference_ckpt),
-        args=args,
-        train_dataset=Dataset.from_list(preference_records(True)),
-        processing_class=tok,
-        peft_config=config,
-    )
-    load_into(trainer.model, tmp_path / "adapter")
+    trainer = trl_trainer(ORPOTrainer, args, preference_ckpt, preference_records(True), tok, tmp_path / "adapter")
     trainer.model.train()
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     their_loss, theirs = trainer.get_batch_loss_metrics(trainer.model, batch)
