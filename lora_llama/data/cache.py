@@ -7,12 +7,11 @@ template), and for local files their sizes and modification times; a change to a
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 from pathlib import Path
 
-from lora_llama.data.loading import is_glob
+from lora_llama.data.loading import glob_files, is_glob
 from lora_llama.files.atomic import atomic_dir
 from lora_llama.registry import cache_dir
 
@@ -35,10 +34,10 @@ def source_stamp(source: str) -> list:
     """Local files' (name, size, modification time), a glob's too; nothing for a Hub id or a registered name."""
     path = Path(source).expanduser()
     if is_glob(source):
-        files = [Path(f) for f in glob.glob(str(path), recursive=True)]
+        files = [Path(f) for f in glob_files(source)]
     else:
-        files = list(path.rglob("*")) if path.is_dir() else [path]
-    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(files) if p.is_file()]
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()]
 
 
 def examples_key(parts: dict, tokenizer, source: str) -> str:

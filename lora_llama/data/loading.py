@@ -96,10 +96,15 @@ def source_files(source: str) -> list[str]:
     line."""
     if not is_glob(source):
         return [str(Path(source).expanduser())]
-    files = sorted(f for f in glob.glob(str(Path(source).expanduser()), recursive=True) if Path(f).is_file())
+    files = glob_files(source)
     if not files:
         raise UserError(f"data source {source!r}: no file matches")
     return files
+
+
+def glob_files(pattern: str) -> list[str]:
+    """The files a glob (`**` for any depth, `~` for home) matches, in order."""
+    return sorted(f for f in glob.glob(str(Path(pattern).expanduser()), recursive=True) if Path(f).is_file())
 
 
 def _builder(source: str) -> str:

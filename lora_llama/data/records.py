@@ -83,12 +83,13 @@ class Skipped:
     def __len__(self) -> int:
         return sum(len(rows) for rows in self.rows.values())
 
-    def line(self, total: int) -> str | None:
-        """One warning line: how many rows were skipped, and for each reason how many and which (the first few)."""
+    def report(self, total: int, log) -> None:
+        """One warning line, when rows were skipped: how many, and for each reason how many and which (the first
+        few)."""
         if not self.rows:
-            return None
+            return
         parts = []
         for reason, rows in self.rows.items():
             shown = ", ".join(map(str, rows[:SHOWN_ROWS])) + (", ..." if len(rows) > SHOWN_ROWS else "")
             parts.append(f"{len(rows)} with {reason} (row{'s' if len(rows) > 1 else ''} {shown})")
-        return f"warning: skipped {len(self)} of {total} rows of {self.source}: " + "; ".join(parts)
+        log(f"warning: skipped {len(self)} of {total} rows of {self.source}: " + "; ".join(parts))

@@ -200,8 +200,7 @@ def tokenize_splits(
     skipped = Skipped(source, strict)
     train = tokenize(train_records, skipped)
     val = tokenize(val_records, skipped) if len(val_records) else []
-    if skipped.line(len(train_records) + len(val_records)):
-        log(skipped.line(len(train_records) + len(val_records)))
+    skipped.report(len(train_records) + len(val_records), log)
     if not train:
         raise UserError(f"data source {source!r} gives no usable {what}")
     return train, val
@@ -223,8 +222,7 @@ def build_examples(data, tokenizer, seed: int, log=print) -> tuple[list[dict], l
     )
     train = tokenize_records(train_records, **kw)
     val = tokenize_records(val_records, **kw) if len(val_records) else []
-    if skipped.line(len(train_records) + len(val_records)):
-        log(skipped.line(len(train_records) + len(val_records)))
+    skipped.report(len(train_records) + len(val_records), log)
     if not train:
         raise UserError(f"data source {data.source!r} gives no training example with a target token")
     if data.packing:

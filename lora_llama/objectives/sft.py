@@ -28,10 +28,6 @@ class SFT(Objective):
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
         return build_examples(recipe.data, tokenizer, recipe.train.seed, log)
 
-    @classmethod
-    def card_line(cls, settings: dict | None) -> str:
-        return cls.about
-
     def collate(self, examples: list[dict], pad_id: int) -> dict:
         batch = collate(examples, pad_id, self.row_length)
         return {**batch, **where_targets(batch["labels"], batch.get("segment_ids"))}

@@ -122,13 +122,10 @@ def _examples(recipe, tok, log) -> tuple[list[dict], list[dict], dict | None]:
     """(train, val, the mixture's record for metrics.jsonl or None): the objective's examples from each source,
     the training ones drawn together by weight (data/sources.py)."""
     objective, sections = objective_named(recipe.train.objective), source_sections(recipe.data)
-    names, weights, parts = [], [], []
-    for name, weight, data in sections:
-        one = recipe.model_copy(update={"data": data})
-        train, val = _source_examples(objective, one, tok, log)
-        names, weights, parts = [*names, name], [*weights, weight], [*parts, (train, val)]
-    if len(sections) == 1 and not recipe.data.sources:
+    parts = [_source_examples(objective, recipe.model_copy(update={"data": data}), tok, log) for *_, data in sections]
+    if not recipe.data.sources:
         return (*parts[0], None)
+    names, weights = [name for name, *_ in sections], [weight for _, weight, _ in sections]
     train, counts = mix([p[0] for p in parts], weights, recipe.train.seed)
     log(mixture_line(names, weights, [len(p[0]) for p in parts], counts))
     record = {"step": 0, **{f"data/{i}/rows": n for i, n in enumerate(counts)}}
