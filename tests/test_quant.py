@@ -1,8 +1,6 @@
 """Frozen int8 / nf4 base weights, weight-only: the formats against bitsandbytes and a hand computation, the
 layer against a float nn.Linear holding the dequantized weight, training, memory, resume, PEFT, merge."""
 
-import platform
-
 import pytest
 import torch
 
@@ -149,52 +147,55 @@ def test_quantized_run_trains_and_resumes_bit_for_bit(tiny_ckpt, tmp_path, kind)
     assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
 
 
-PRODUCTS = """
-import sys, torch
-from lora_llama.runtime.allocator import keep_freed_memory
-from lora_llama.quant.linear import QuantizedLinear
-if sys.argv[1] == "whole":  # each product's weight dequantized whole, into buffers of its own
-    QuantizedLinear.transient_weight = lambda self, dtype, transposed=False: (
-        self.dequantize(dtype).t() if transposed else self.dequantize(dtype))
-torch.set_num_threads(1)
-print(keep_freed_memory())
-rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
-shapes = ((2048, 1536), (1536, 2048), (2048, 2560), (2560, 2048), (1024, 2560))  # 8-20 MB in float32
-layers = [QuantizedLinear.from_linear(torch.nn.Linear(i, o, bias=False), "int8") for i, o in shapes]
-xs = [torch.randn(16, i, requires_grad=True) for i, _ in shapes]
-steps = lambda: [layer(x).sum().backward() for layer, x in zip(layers, xs)]
-steps()
-start = rss()
-for _ in range(4):
-    steps()
-print("GREW", rss() - start)
-"""
+@pytest.mark.parametrize("how", ["rows", "whole"])
+def test_products_on_a_quantized_base_allocate_nothing_weight_sized(how, monkeypatch):
+    """Products on CPU weights over kernels/workspace.WHOLE_WEIGHTS (each dequantized for forward and again for
+    backward) allocate nothing near a weight's size once the reusable buffer has grown: each weight is written into
+    that buffer a chunk at a time, so no piece of weight size is freed into the heap a training step keeps. The
+    control, each weight dequantized whole, allocates a weight-sized tensor for each forward and backward
+    product, and the measure (every op's newly allocated outputs, backward included) sees them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
+    from lora_llama.kernels import workspace
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
-def test_products_on_a_quantized_base_leave_no_weight_sized_memory_behind():
-    """Under the trainer's kept heap, products on weights of several sizes (each dequantized for forward and again
-    for backward) do not grow the process: they reuse one buffer, where whole dequantized weights fragment it."""
-    import os
-    import subprocess
-    import sys
+    if how == "whole":
+        monkeypatch.setattr(
+            QuantizedLinear,
+            "transient_weight",
+            lambda self, dtype, transposed=False: self.dequantize(dtype).t() if transposed else self.dequantize(dtype),
+        )
+    allocated = []
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))}
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {
+                t.untyped_storage().data_ptr()
+                for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)
+            }
+            allocated.extend(
+                t.untyped_storage().nbytes()
+                for t in torch.utils._pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
+            )
+            return out
 
-    def grew(how: str) -> float:  # MB, after the first round of products
-        out = subprocess.run([sys.executable, "-c", PRODUCTS, how], capture_output=True, text=True, env=env, check=True)
-        assert "keeps freed memory" in out.stdout, out.stdout
-        return float(out.stdout.split("GREW")[1])
-
-    rows = grew("rows")
-    # the control shows the measure sees fragmentation: whole weights grow the heap by 20-52 MB in most runs, and
-    # glibc's placement sometimes spares one run, so it gets three
-    whole = 0.0
-    for _ in range(3):
-        whole = max(whole, grew("whole"))
-        if whole > 15:
-            break
-    assert rows < 4 and whole > 15, (rows, whole)
+    torch.manual_seed(0)
+    shapes = ((2048, 1536), (1536, 2048), (2048, 2560), (2560, 2048), (1024, 2560))  # 12-20 MB each in float32
+    layers = [QuantizedLinear.from_linear(torch.nn.Linear(i, o, bias=False), "int8") for i, o in shapes]
+    xs = [torch.randn(16, i, requires_grad=True) for i, _ in shapes]
+    for layer, x in zip(layers, xs):  # the buffer grows to the largest weight here
+        layer(x).sum().backward()
+    with Allocations():
+        for layer, x in zip(layers, xs):
+            layer(x).sum().backward()
+    smallest = min(i * o for i, o in shapes) * 4
+    big = sum(size >= smallest for size in allocated)
+    if how == "rows":  # a chunk's float32 temporaries: CHUNK_WEIGHTS weights, 4 bytes each
+        assert max(allocated) <= workspace.CHUNK_WEIGHTS * 4 < smallest and big == 0, max(allocated)
+    else:
+        assert big >= 2 * len(shapes), big  # a weight-sized tensor at least for each forward and backward product
 
 
 def test_int8_adapter_in_peft_on_fp32_and_merge_uses_original_weights(tiny_ckpt, tmp_path):
