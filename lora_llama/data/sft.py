@@ -9,6 +9,7 @@ example), which the model turns into a block-diagonal causal mask.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
 from lora_llama.data.loading import load_splits
@@ -23,9 +24,6 @@ ALPACA_TEMPLATE = (
 )
 # an example without targets: what a rank runs when a batch leaves it nothing (ranks must run the same steps)
 EMPTY_EXAMPLE = {"input_ids": [0, 0], "labels": [IGNORE_INDEX, IGNORE_INDEX]}
-
-
-# ---------------------------------------------------------------------------- sources
 
 
 # ---------------------------------------------------------------------------- formats
@@ -133,26 +131,37 @@ def tokenize_records(
     """Every record -> examples. A row that cannot be read, or keeps no target within max_seq_len, is skipped and
     counted in `skipped` (with its `strict`, refused)."""
     fields, skipped = fields or {}, skipped if skipped is not None else Skipped("the data")
+    tokenize = record_tokenizer(
+        records.column_names, tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template, fields
+    )
+    return [e for i, rec in enumerate(records) for e in record_examples(tokenize, rec, i, fields, skipped)]
+
+
+def record_tokenizer(columns, tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template, fields) -> Tokenize:
+    """The Tokenize for records with these columns (`format: auto` detects theirs), or one line when the format
+    is not one SFT reads."""
     if fmt == "auto":
-        fmt = detect_format([*records.column_names, *fields])
+        fmt = detect_format([*columns, *fields])
     if fmt not in NEEDS:
         raise UserError(
-            f"the data's columns ({', '.join(records.column_names)}) are data.format {fmt}: set train.objective to "
+            f"the data's columns ({', '.join(columns)}) are data.format {fmt}: set train.objective to "
             f"one that reads {fmt} data, or map your columns with data.fields"
         )
-    tokenize = Tokenize(tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template)
-    examples = []
-    for i, rec in enumerate(records):
-        try:
-            made = tokenize(sft_record(rec, fmt, fields))
-        except BadRecord as e:
-            skipped.add(row_of(rec, i), str(e))
-            continue
-        kept = [e for e in made if any(t != IGNORE_INDEX for t in e["labels"][1:])]
-        if not kept:
-            skipped.add(row_of(rec, i), f"no target token within data.max_seq_len ({max_seq_len})")
-        examples += kept
-    return examples
+    return Tokenize(tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template)
+
+
+def record_examples(tokenize: Tokenize, record: dict, index: int, fields: dict, skipped: Skipped) -> list[dict]:
+    """One record's examples with a target token; none (the row counted in `skipped`) when it cannot be read or
+    keeps no target within max_seq_len."""
+    try:
+        made = tokenize(sft_record(record, tokenize.fmt, fields))
+    except BadRecord as e:
+        skipped.add(row_of(record, index), str(e))
+        return []
+    kept = [e for e in made if any(t != IGNORE_INDEX for t in e["labels"][1:])]
+    if not kept:
+        skipped.add(row_of(record, index), f"no target token within data.max_seq_len ({tokenize.max_len})")
+    return kept
 
 
 # ---------------------------------------------------------------------------- packing and batches
@@ -160,18 +169,26 @@ def tokenize_records(
 
 def pack(examples: list[dict], max_seq_len: int) -> list[dict]:
     """Concatenate examples into rows of at most max_seq_len tokens, greedily in order."""
-    rows, cur = [], None
+    return list(packed(iter(examples), max_seq_len))
+
+
+def packed(examples: Iterator[dict], max_seq_len: int) -> Iterator[dict]:
+    """`pack` as the examples come: each row is given once the next example would not fit in it."""
+    cur = None
     for ex in examples:
         n = len(ex["input_ids"])
-        if cur is None or len(cur["input_ids"]) + n > max_seq_len:
+        if cur is not None and len(cur["input_ids"]) + n > max_seq_len:
+            yield cur
+            cur = None
+        if cur is None:
             cur = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": []}
-            rows.append(cur)
         seg = cur["segment_ids"][-1] + 1 if cur["segment_ids"] else 0
         cur["input_ids"] += ex["input_ids"]
         cur["labels"] += ex["labels"]
         cur["position_ids"] += list(range(n))
         cur["segment_ids"] += [seg] * n
-    return rows
+    if cur is not None:
+        yield cur
 
 
 def collate(examples: list[dict], pad_id: int, row_length=None):

@@ -52,6 +52,7 @@ class Objective:
     row_length = None  # the length rows of up to n tokens are padded to (None: n); see bucketed_length
     cached = True  # its examples are kept between runs (data/cache.py): rows of one layout, in Arrow's types
     repeats = 1  # optimiser steps per batch of data
+    streams = False  # whether it reads data.streaming's sources (data/streaming.py gives its examples then)
 
     @classmethod
     def build(cls, recipe, tokenizer, eos_ids: list[int]) -> Objective:

@@ -42,9 +42,9 @@ def readers(fmt: str) -> list[type[Objective]]:
     return [o for o in OBJECTIVES if fmt in o.data_formats]
 
 
-def check_objective_fits_data(name: str, fmt: str, packing: bool) -> None:
-    """Raises ValueError (the schema's cross-key rule) when the objective does not read the data's format, or
-    packs none while data.packing asks for it."""
+def check_objective_fits_data(name: str, fmt: str, packing: bool, streaming: bool = False) -> None:
+    """Raises ValueError (the schema's cross-key rule) when the objective does not read the data's format, packs
+    none while data.packing asks for it, or reads no stream while data.streaming asks for one."""
     objective = objective_named(name)
     if fmt != "auto" and fmt not in objective.data_formats:
         read_by = ", ".join(o.name for o in readers(fmt))
@@ -56,3 +56,6 @@ def check_objective_fits_data(name: str, fmt: str, packing: bool) -> None:
         raise ValueError(
             f"data.packing is not supported with train.objective {name}: each of its examples needs rows of its own"
         )
+    if streaming and not objective.streams:
+        streamed = ", ".join(o.name for o in OBJECTIVES if o.streams)
+        raise ValueError(f"data.streaming is read by train.objective {streamed}, not {name}")

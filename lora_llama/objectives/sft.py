@@ -22,7 +22,7 @@ class SFT(Objective):
         "chat": "messages, or ShareGPT's conversations",
         "prompt-completion": "prompt/completion, strings or messages",
     }
-    packs, empty, stat_names, n_counts = True, EMPTY_EXAMPLE, (), 1
+    packs, streams, empty, stat_names, n_counts = True, True, EMPTY_EXAMPLE, (), 1
 
     @classmethod
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:

@@ -89,6 +89,14 @@ class DataSection(Settings):
     packing: bool = Field(
         False, description="pack several examples (GRPO: completions) into each row; attention stays inside each"
     )
+    streaming: bool = Field(
+        False,
+        description="read the sources as streams (datasets' iterable datasets), tokenized and packed as they come, "
+        "never whole in memory; needs train.max_steps, and holds out only data.val_source",
+    )
+    buffer_size: int = Field(
+        16384, ge=0, description="data.streaming: records shuffled together in a buffer (0 or 1: read in order)"
+    )
     train_on_prompt: bool = Field(False, description="also take the loss on prompt tokens")
     strict: bool = Field(
         False, description="stop at the first row that cannot be read (one line with its row); else skip and count"
@@ -245,7 +253,9 @@ class Recipe(Settings):
     def _objective_fits_data(self):
         formats = [s.format for s in self.data.sources] if self.data.sources else [self.data.format]
         for fmt in formats:
-            check_objective_fits_data(self.train.objective, fmt, self.data.packing)
+            check_objective_fits_data(self.train.objective, fmt, self.data.packing, self.data.streaming)
+        if self.data.streaming and self.train.epochs is not None:
+            raise ValueError("data.streaming has no length to count epochs in: set train.max_steps, not train.epochs")
         if self.data.sources and "source" in self.data.model_fields_set:
             raise ValueError("set data.source or data.sources, not both")
         if self.data.sources is not None and not self.data.sources:

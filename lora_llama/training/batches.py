@@ -1,8 +1,9 @@
-"""Which examples make each global micro-batch: a fresh seeded shuffle each epoch, so a position is all a resume
-needs, and the order is the one-process order whatever the number of ranks."""
+"""Which examples make each global micro-batch: a fresh seeded shuffle each epoch, or a stream's next rows, so a
+position is all a resume needs, and the order is the one-process order whatever the number of ranks."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -40,3 +41,34 @@ class MicroBatches:
         if not chosen and self.every_rank_runs:
             chosen = [self.objective.empty]
         return self.objective.collate(chosen, self.pad_id) if chosen else None
+
+
+class StreamingBatches:
+    """The micro-batches of a streamed run (data/streaming.py): the index-th global micro-batch is the stream's
+    index-th batch_size x world rows. Asked in order; a resumed run's first ask reads past the micro-batches
+    trained before (the stream from its start gives the same rows)."""
+
+    per_epoch = None  # a stream has no length: train.max_steps decides
+
+    def __init__(self, stream, batch_size: int, ranks: Ranks, objective, pad_id: int):
+        self.rows, self.batch_size, self.ranks = stream.rows(), batch_size, ranks
+        self.objective, self.pad_id = objective, pad_id
+        self.next = 0  # the index of the micro-batch the stream gives next
+
+    def __getitem__(self, index: int) -> dict:
+        if index < self.next:
+            raise IndexError(f"micro-batch {index} of a stream was read already (the next is {self.next})")
+        size = self.batch_size * self.ranks.world
+        for _ in range(index - self.next):
+            for _ in itertools.islice(self.rows, size):
+                pass
+        rows = list(itertools.islice(self.rows, size))
+        self.next = index + 1
+        return self.objective.collate(self.ranks.share(rows, self.batch_size), self.pad_id)
+
+
+def micro_batches(train, batch_size: int, seed: int, ranks: Ranks, objective, pad_id: int, every_rank_runs: bool):
+    """The run's micro-batches: of a list of examples, or of a stream (data/streaming.StreamedExamples)."""
+    if isinstance(train, list):
+        return MicroBatches(train, batch_size, seed, ranks, objective, pad_id, every_rank_runs)
+    return StreamingBatches(train, batch_size, ranks, objective, pad_id)

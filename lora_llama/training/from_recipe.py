@@ -16,6 +16,7 @@ import torch
 from lora_llama.data.cache import cached_examples, examples_key
 from lora_llama.data.chat import end_of_turn_id
 from lora_llama.data.sources import mix, mixture_line, source_sections
+from lora_llama.data.streaming import StreamedExamples, streamed_val
 from lora_llama.errors import UserError
 from lora_llama.files.shards import shard_files
 from lora_llama.harness.tasks import check_tasks, task_manager
@@ -110,7 +111,8 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     reasons = {"model.quantize": quantize_why, "train.compile": compile_why}
     _describe_setup(log, recipe, model, (precision, why), reasons, allocator, device, sharded)
     shown = f"{len(recipe.data.sources)} sources" if recipe.data.sources else recipe.data.source
-    log(f"data {shown}: {len(train)} train / {len(val)} val examples; {trainer.total} steps")
+    size = f"{len(train)}" if isinstance(train, list) else "streamed"
+    log(f"data {shown}: {size} train / {len(val)} val examples; {trainer.total} steps")
     _warn_if_stop_untrained(log, recipe, model, tok)
     if found:
         trainer.resume(found[-1])
@@ -122,6 +124,8 @@ def _examples(recipe, tok, log) -> tuple[list[dict], list[dict], dict | None]:
     """(train, val, the mixture's record for metrics.jsonl or None): the objective's examples from each source,
     the training ones drawn together by weight (data/sources.py)."""
     objective, sections = objective_named(recipe.train.objective), source_sections(recipe.data)
+    if recipe.data.streaming:
+        return StreamedExamples(sections, tok, recipe.train.seed, log), streamed_val(recipe.data, tok, log), None
     parts = [_source_examples(objective, recipe.model_copy(update={"data": data}), tok, log) for *_, data in sections]
     if not recipe.data.sources:
         return (*parts[0], None)

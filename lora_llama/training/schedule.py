@@ -19,7 +19,8 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
-def total_steps(train_cfg, n_micro_batches: int) -> int:
+def total_steps(train_cfg, n_micro_batches: int | None) -> int:
+    """The run's optimiser steps; n_micro_batches: an epoch's (None for a stream, which train.max_steps ends)."""
     if train_cfg.epochs is None:
         return train_cfg.max_steps
     steps = math.ceil(train_cfg.epochs * n_micro_batches / train_cfg.grad_accum)

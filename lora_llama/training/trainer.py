@@ -14,7 +14,7 @@ from lora_llama.data.chat import stop_token_ids
 from lora_llama.errors import UserError
 from lora_llama.objectives.catalog import build_objective
 from lora_llama.runtime.distributed import Ranks, clip_grad_norm, replicated, sharded, sum_shard_gradients
-from lora_llama.training.batches import MicroBatches
+from lora_llama.training.batches import micro_batches
 from lora_llama.training.checkpoints import Checkpoints
 from lora_llama.training.run_folder import (
     CHECKPOINTS,
@@ -35,7 +35,7 @@ class Trainer:
         recipe,
         model,
         tokenizer,
-        train: list[dict],
+        train,
         val: list[dict],
         out: Path,
         ranks: Ranks = Ranks(),
@@ -53,8 +53,11 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(model, t)
         self.pad_id = tokenizer.pad_token_id
-        self.micro_batches = MicroBatches(train, t.batch_size, t.seed, ranks, self.objective, self.pad_id, self.sharded)
-        self.total = total_steps(t, self.micro_batches.per_epoch * self.objective.repeats)
+        self.micro_batches = micro_batches(
+            train, t.batch_size, t.seed, ranks, self.objective, self.pad_id, self.sharded
+        )
+        per_epoch = self.micro_batches.per_epoch
+        self.total = total_steps(t, per_epoch * self.objective.repeats if per_epoch else None)
         self.checkpoints = Checkpoints(self.out, t, ranks)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(t.schedule, t.warmup_steps, self.total)
