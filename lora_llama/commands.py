@@ -16,14 +16,21 @@ from lora_llama.runtime.launcher import speaks_for_job
 
 def _load(args):
     """Model (with the adapter when given) and tokenizer for generate / eval."""
+    from pathlib import Path
+
     from lora_llama.loading.adapted import adapted_model
+    from lora_llama.loading.adapters import CHAT_TEMPLATE
     from lora_llama.loading.models import load_model, load_tokenizer
 
     where = dict(dtype=torch_dtype(args.dtype), quantize=getattr(args, "quantize", None), device=args.device)
     model = (
         adapted_model(args.model, adapter=args.adapter, **where)[0] if args.adapter else load_model(args.model, **where)
     )
-    return model, load_tokenizer(args.model)
+    tok = load_tokenizer(args.model)
+    kept = Path(args.adapter) / CHAT_TEMPLATE if args.adapter else None
+    if kept is not None and kept.is_file():  # the template the adapter was trained with (data.chat_template)
+        tok.chat_template = kept.read_text()
+    return model, tok
 
 
 def cmd_train(args) -> int:

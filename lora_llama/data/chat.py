@@ -27,13 +27,15 @@ _ROLES = {
 }
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation as text through the tokenizer's chat template (ChatML when it has none)."""
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools=None) -> str:
+    """The conversation as text through the tokenizer's chat template (ChatML when it has none); tools: their
+    JSON schemas (or functions), which a tool-capable template lists for the model."""
     return tokenizer.apply_chat_template(
         messages,
         chat_template=tokenizer.chat_template or CHATML_TEMPLATE,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
+        tools=tools or None,
     )
 
 

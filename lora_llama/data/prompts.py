@@ -37,9 +37,9 @@ def reasoning_gym_records(task: str, size: int, seed: int, task_args: dict) -> l
     return [{"prompt": e["question"], "answer": str(e["answer"]), "entry": e} for e in dataset]
 
 
-def prompt_ids(tokenizer, prompt, index: int, system_prompt: str | None = None) -> list[int]:
+def prompt_ids(tokenizer, prompt, index: int, system_prompt: str | None = None, tools=None) -> list[int]:
     """A prompt's token ids, ending where the model's answer begins (after a system turn, when given and the
-    prompt has none)."""
+    prompt has none); tools: the JSON schemas the template lists."""
     if isinstance(prompt, str) and tokenizer.chat_template:
         prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, str):
@@ -49,7 +49,7 @@ def prompt_ids(tokenizer, prompt, index: int, system_prompt: str | None = None) 
     messages = normalise_messages(prompt)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    return encode_rendered(tokenizer, render_chat(tokenizer, messages, add_generation_prompt=True))[0]
+    return encode_rendered(tokenizer, render_chat(tokenizer, messages, add_generation_prompt=True, tools=tools))[0]
 
 
 def prompt_examples(
@@ -59,6 +59,7 @@ def prompt_examples(
     fields: dict | None = None,
     system_prompt: str | None = None,
     skipped: Skipped | None = None,
+    tools=None,
 ) -> tuple[list[dict], Skipped]:
     """Every record -> a prompt example, and the rows skipped (a prompt missing, empty or too long)."""
     examples, skipped = [], skipped if skipped is not None else Skipped("the data")
@@ -66,7 +67,7 @@ def prompt_examples(
         record = rename_fields(dict(raw), fields or {})
         try:
             needs(record, ("prompt",))
-            ids = prompt_ids(tokenizer, record["prompt"], i, system_prompt)
+            ids = prompt_ids(tokenizer, record["prompt"], i, system_prompt, tools)
             if not ids or len(ids) > max_prompt_len:
                 raise BadRecord("an empty prompt" if not ids else f"a prompt over {max_prompt_len} tokens")
         except BadRecord as e:
@@ -77,9 +78,11 @@ def prompt_examples(
     return examples, skipped
 
 
-def build_prompts(data, tokenizer, seed: int, max_prompt_len: int, log=print) -> tuple[list[dict], list[dict]]:
+def build_prompts(
+    data, tokenizer, seed: int, max_prompt_len: int, log=print, tools=None
+) -> tuple[list[dict], list[dict]]:
     """(train, val) prompt examples for a recipe's `data` section; a prompt keeps max_prompt_len tokens at most
-    (the room its completion leaves in a row)."""
+    (the room its completion leaves in a row); tools: the JSON schemas each prompt lists."""
     if data.source.startswith(REASONING_GYM):
         records = reasoning_gym_records(
             data.source.removeprefix(REASONING_GYM), data.max_examples or DEFAULT_TASK_SIZE, seed, data.task_args
@@ -87,7 +90,13 @@ def build_prompts(data, tokenizer, seed: int, max_prompt_len: int, log=print) ->
         train_records, val_records = split(records, data.val_size, seed)
     else:
         train_records, val_records = load_splits(data, seed)
-    kw = dict(tokenizer=tokenizer, max_prompt_len=max_prompt_len, fields=data.fields, system_prompt=data.system_prompt)
+    kw = dict(
+        tokenizer=tokenizer,
+        max_prompt_len=max_prompt_len,
+        fields=data.fields,
+        system_prompt=data.system_prompt,
+        tools=tools,
+    )
     return tokenize_splits(
         train_records,
         val_records,

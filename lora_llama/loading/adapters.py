@@ -23,6 +23,7 @@ from lora_llama.registry import base_model_id
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+CHAT_TEMPLATE = "chat_template.jinja"  # data.chat_template, kept beside the adapter that was trained with it
 
 
 def save_adapter(

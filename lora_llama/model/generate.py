@@ -106,6 +106,139 @@ def generate(
     return sample_completions(model, [prompt], max_new_tokens, eos_ids, 0, temperature, top_p, seeds, **options)[0]
 
 
+def sample_turns(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids,
+    pad_id: int,
+    respond: Callable[[list[int], list[list[int]]], list[list[int] | None]],
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    seeds: list[int] | None = None,
+    group: int = 1,
+    top_k: int | None = None,
+) -> list[list[tuple[list[int], bool]]]:
+    """Completions of several turns: the model's turn, then, for the rows `respond` continues, tokens added after
+    it (a tool's answer and the template's markers for the next assistant turn), then the model's next turn, until
+    `respond` continues no row. respond(rows, turns) gets the rows still going and each one's last turn (its EOS
+    included when it has one) and returns, for each, the tokens to add or None (the row is finished).
+
+    A completion (turns and added tokens together) keeps to max_new_tokens, as trl's does: tokens that would
+    pass it are not added and the row ends, a turn is cut where it reaches it. The cache is kept from turn to turn
+    (only the added tokens run through the model), all rows advance together, and a row's sampling uniforms run
+    on across its turns (its n-th token takes its n-th uniform, as if the turns were one completion). Returns, per
+    row, its pieces in order: (token ids, True for the model's own, False for added ones)."""
+    device = next(model.parameters()).device
+    eos = set(eos_ids)
+    with torch.inference_mode():
+        was_training = model.training
+        model.eval()
+        try:
+            steps = _TurnSteps(model, prompts[::group], group, max_new_tokens, pad_id)
+            rows = len(prompts)
+            uniforms = row_uniforms(seeds, max_new_tokens, device) if temperature > 0 else None
+            pieces: list[list[tuple[list[int], bool]]] = [[] for _ in range(rows)]
+            used, sampled = [0] * rows, torch.zeros(rows, dtype=torch.long, device=device)
+            going = list(range(rows))
+            loop = _Loop(eos, pad_id, 1, None, None, None)
+
+            def choose(logits, step):
+                u = None
+                if uniforms is not None:
+                    u = uniforms.gather(1, (sampled + step).clamp(max=max_new_tokens - 1)[:, None])[:, 0]
+                return pick(logits, temperature, top_k, top_p, u)
+
+            while going:
+                done = torch.ones(rows, dtype=torch.bool, device=device)
+                done[going] = False
+                budget = max(max_new_tokens - used[i] for i in going)
+                steps.make_room(budget)
+                out = loop.run(steps, budget, choose, done)
+                turns = [_cut(out[i], eos)[: max_new_tokens - used[i]] for i in going]
+                for i, turn in zip(going, turns):
+                    pieces[i].append((turn, True))
+                    used[i] += len(turn)
+                    sampled[i] += len(turn)
+                steps.close_turn(out, going, turns)
+                asked = [(i, t) for i, t in zip(going, turns) if used[i] < max_new_tokens and t and t[-1] in eos]
+                added = respond([i for i, _ in asked], [t for _, t in asked]) if asked else []
+                going = [i for (i, _), more in zip(asked, added) if more and used[i] + len(more) <= max_new_tokens]
+                additions = {i: more for (i, _), more in zip(asked, added) if i in going}
+                for i, more in additions.items():
+                    pieces[i].append((list(more), False))
+                    used[i] += len(more)
+                if going:
+                    steps.add(additions)
+                going = [i for i in going if used[i] < max_new_tokens]  # an addition may fill the completion
+        finally:
+            model.train(was_training)
+    return pieces
+
+
+class _TurnSteps:
+    """The decoding steps of sample_turns over one growing cache: each row's positions run on by its own tokens,
+    and a position that holds padding (after a row's EOS, before a shorter addition) is never a key."""
+
+    def __init__(self, model, prompts, group: int, room: int, pad_id: int):
+        device = next(model.parameters()).device
+        ids, positions, key_mask = left_padded(prompts, pad_id, room, device)
+        self.model, self.pad_id = model, pad_id
+        self.cache = model.new_cache(ids.shape[0], key_mask.shape[1], key_mask)
+        last = torch.zeros_like(ids, dtype=torch.bool)
+        last[:, -1] = True
+        self.first = model(ids, position_ids=positions, cache=self.cache, keep=last).repeat_interleave(group, 0)
+        self.cache.repeat_rows(group)
+        self.next_pos = positions[:, -1].repeat_interleave(group, 0) + 1
+        self.turn_start = self.cache.pos
+
+    def make_room(self, n: int) -> None:
+        self.cache.make_room(n)
+        self.turn_start = self.cache.pos
+
+    def after(self, token: torch.Tensor, step: int, fed: torch.Tensor) -> torch.Tensor:
+        column = self.cache.pos
+        self.cache.key_mask[:, column] = fed
+        logits = self.model(token[:, None], position_ids=self.next_pos[:, None], cache=self.cache)[:, -1]
+        self.next_pos += fed.long()
+        return logits
+
+    def close_turn(self, out: list[list[int]], going: list[int], turns: list[list[int]]) -> None:
+        """After a turn: the tokens past each row's kept turn are no keys. A turn's last token is fed to the cache
+        only by the next step, so a row's whole turn is in it only if the loop ran past its end."""
+        written = self.cache.pos - self.turn_start  # tokens of the turn whose keys are in the cache
+        mask = self.cache.key_mask
+        mask[:, self.turn_start : self.cache.pos] = False
+        self.pending = {}
+        for i, turn in zip(going, turns):
+            kept = min(len(turn), written)
+            mask[i, self.turn_start : self.turn_start + kept] = True
+            self.pending[i] = turn[kept:]  # still to run through the model before what comes next
+
+    def add(self, additions: dict[int, list[int]]) -> None:
+        """Run each continued row's unfed turn tokens and its addition through the model, right-aligned in one
+        block (the other rows: padding, no keys); the logits at the block's last column start the next turn."""
+        rows = self.cache.k[0].shape[0]
+        seqs = {i: self.pending.get(i, []) + more for i, more in additions.items()}
+        width = max(len(t) for t in seqs.values())
+        device = self.next_pos.device
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        real = torch.zeros((rows, width), dtype=torch.bool)
+        positions = torch.zeros((rows, width), dtype=torch.long)
+        start = self.next_pos.cpu()
+        for i, seq in seqs.items():
+            ids[i, width - len(seq) :] = torch.tensor(seq)
+            real[i, width - len(seq) :] = True
+            positions[i, width - len(seq) :] = start[i] + torch.arange(len(seq))
+        self.cache.make_room(width)
+        self.cache.key_mask[:, self.cache.pos : self.cache.pos + width] = real.to(device)
+        last = torch.zeros((rows, width), dtype=torch.bool)
+        last[:, -1] = True
+        ids, positions, last = ids.to(device), positions.to(device), last.to(device)
+        self.first = self.model(ids, position_ids=positions, cache=self.cache, keep=last)
+        self.next_pos = self.next_pos + real.sum(1).to(device)
+
+
 class _Steps:
     """The logits (rows, V) of each decoding step: the prompts' last positions first (each prompt run once and
     its keys and values copied to its group), then after each token, over the static decoder, the growing cache
@@ -133,8 +266,8 @@ class _Steps:
             if group > 1:
                 cache.repeat_rows(group)
 
-    def after(self, token: torch.Tensor, step: int) -> torch.Tensor:
-        """The logits after `token` (rows,), the step-th token of each row."""
+    def after(self, token: torch.Tensor, step: int, fed: torch.Tensor) -> torch.Tensor:
+        """The logits after `token` (rows,), the step-th token of each row (fed: the rows it is not padding of)."""
         if self.decoder is not None:
             return self.decoder.step(token)
         if self.cache is None:
@@ -151,14 +284,17 @@ class _Loop:
         self.eos, self.pad_id, self.read_every = eos, pad_id, read_every
         self.stopped, self.any_rank, self.on_token = stopped, any_rank, on_token
 
-    def run(self, steps: _Steps, max_new_tokens: int, choose) -> list[list[int]]:
+    def run(self, steps, max_new_tokens: int, choose, done: torch.Tensor | None = None) -> list[list[int]]:
+        """Each row's tokens (max_new_tokens or fewer, padding after its EOS); rows `done` to begin with get only
+        padding."""
         logits = steps.first
         eos = torch.tensor(sorted(self.eos), device=logits.device, dtype=torch.long)
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device) if done is None else done.clone()
         out, streamed = [], 0
         for step in range(max_new_tokens):
             token = choose(logits, step).masked_fill(done, self.pad_id)
             out.append(token)
+            fed = ~done
             done |= torch.isin(token, eos)
             last = step == max_new_tokens - 1
             if (step + 1) % self.read_every == 0 or last:
@@ -170,7 +306,7 @@ class _Loop:
                 if every_row if self.any_rank is None else not self.any_rank(not every_row):
                     break
             if not last:
-                logits = steps.after(token, step)
+                logits = steps.after(token, step, fed)
         return torch.stack(out, 1).tolist()
 
     def _stream(self, out: list[torch.Tensor], streamed: int) -> int:

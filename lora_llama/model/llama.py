@@ -88,6 +88,17 @@ class KVCache:
         if self.key_mask is not None:
             self.key_mask = self.key_mask.repeat_interleave(times, 0)
 
+    def make_room(self, n: int) -> None:
+        """At least n more positions free (the keys and values copied into longer tensors when there are not): a
+        conversation's turns add what no one can size up front. New positions are keys once written."""
+        short = self.pos + n - self.k[0].shape[2]
+        if short <= 0:
+            return
+        grown = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], short, t.shape[3])], 2)  # noqa: E731
+        self.k, self.v = [grown(k) for k in self.k], [grown(v) for v in self.v]
+        if self.key_mask is not None:
+            self.key_mask = torch.cat([self.key_mask, self.key_mask.new_ones(self.key_mask.shape[0], short)], 1)
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         end = self.pos + k.shape[2]
         self.k[layer][:, :, self.pos : end] = k

@@ -25,13 +25,15 @@ import torch
 from pydantic import Field, model_validator
 
 from lora_llama.data.prompts import build_prompts
+from lora_llama.data.templates import renders_tools
 from lora_llama.errors import UserError
 from lora_llama.labels import target_mask
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.base import Objective
-from lora_llama.objectives.rewards import mean_std, reward_means, reward_moments
+from lora_llama.objectives.rewards import reward_means, reward_moments, score_rollouts, weighted_rewards
 from lora_llama.objectives.rollout import Rollouts
 from lora_llama.objectives.token_losses import token_logps
+from lora_llama.objectives.tools import tool_schemas
 from lora_llama.runtime.distributed import sharded
 from lora_llama.validation import Settings
 
@@ -69,45 +71,30 @@ class GRPOSettings(Settings):
         "package.module:function, or a built-in (format, reasoning_gym)",
     )
     reward_weights: list[float] | None = Field(None, description="one weight per reward; null: all 1")
+    tools: list[str] = Field(
+        [],
+        description="tool functions the model may call (path/to/file.py:function, typed and documented): each "
+        "completion runs over several turns, the calls answered between them",
+    )
+    environment: str | None = Field(
+        None,
+        description="path/to/file.py:Class (trl's environment_factory): one per completion; reset(**columns) "
+        "starts it, its public methods are tools, get_reward() an extra reward",
+    )
+    max_tool_calling_iterations: int | None = Field(
+        None, gt=0, description="rounds of tool calls answered per completion at most; null: until it stops calling"
+    )
+    tool_timeout_s: float = Field(30.0, gt=0, description="a tool call running longer is answered 'timed out'")
 
     @model_validator(mode="after")
     def _weights_fit(self):
-        if not self.rewards:
+        if not self.rewards and not self.environment:
             raise ValueError("train.grpo.rewards needs at least one reward function")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             raise ValueError(
                 f"train.grpo.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} rewards"
             )
         return self
-
-
-def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Standard deviation over the non-NaN values, with Bessel's correction (NaN for fewer than two), as trl's."""
-    if dim is None:
-        x, dim = x.reshape(-1), 0
-    count = (~x.isnan()).sum(dim)
-    var = ((x - x.nanmean(dim, keepdim=True)) ** 2).nanmean(dim)
-    return torch.where(count > 1, var * count / (count - 1), torch.nan).sqrt()
-
-
-def weighted_rewards(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(rows,) the weighted sum of each row's rewards (rows, functions), NaN where every function returned None."""
-    total = (table * weights).nansum(1)
-    return total.masked_fill(table.isnan().all(1), torch.nan)
-
-
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale: str, batch_std: float | None = None
-) -> torch.Tensor:
-    """(rewards - group mean) / (std + 1e-4), the std of the group, of the batch, or none; NaN rewards
-    (unscorable) stay out of the means and standard deviations and get advantage 0."""
-    grouped = rewards.view(-1, group_size)
-    advantages = rewards - grouped.nanmean(1).repeat_interleave(group_size)
-    if scale == "group":
-        advantages = advantages / (nanstd(grouped, 1).repeat_interleave(group_size) + 1e-4)
-    elif scale == "batch":
-        advantages = advantages / ((nanstd(rewards) if batch_std is None else batch_std) + 1e-4)
-    return advantages.nan_to_num(0.0)
 
 
 def per_token_loss(
@@ -161,12 +148,23 @@ class GRPO(Objective):
     packs, empty, n_counts = True, None, 1
     cached = False  # prompts carry the data's own columns, of any type; reading them is quick
 
-    def __init__(self, settings, tokenizer, eos_ids: list[int], seed: int, packing: bool = False, max_seq_len: int = 0):
+    def __init__(
+        self,
+        settings,
+        tokenizer,
+        eos_ids: list[int],
+        seed: int,
+        packing: bool = False,
+        max_seq_len: int = 0,
+        system_prompt: str | None = None,
+    ):
         self.settings = settings  # this run's train.grpo (the class's `settings` is its schema)
-        self.rollouts = Rollouts(settings, tokenizer, eos_ids, seed, packing, max_seq_len)
+        self.rollouts = Rollouts(settings, tokenizer, eos_ids, seed, packing, max_seq_len, system_prompt)
         self.reward_names = list(self.rollouts.reward_functions)
         self.reward_weights = torch.tensor(settings.reward_weights or [1.0] * len(self.reward_names))
         self.repeats = settings.num_iterations  # optimiser steps per generation (trl's μ)
+        if settings.reward_weights is None:  # an environment's get_reward joins the rewards, weight 1 (trl's)
+            self.reward_weights = torch.ones(len(self.reward_names))
         self.stat_names = CLIP_STATS + (("kl",) if settings.beta else ())
         self.kept: tuple[int, list[dict]] | None = None  # (generation, its rollouts), for num_iterations > 1
         self.rollout_stats: dict = {}
@@ -175,7 +173,15 @@ class GRPO(Objective):
     @classmethod
     def build(cls, recipe, tokenizer, eos_ids: list[int]) -> GRPO:
         data = recipe.data
-        return cls(recipe.train.grpo, tokenizer, list(eos_ids), recipe.train.seed, data.packing, data.max_seq_len)
+        return cls(
+            recipe.train.grpo,
+            tokenizer,
+            list(eos_ids),
+            recipe.train.seed,
+            data.packing,
+            data.max_seq_len,
+            data.system_prompt,
+        )
 
     @classmethod
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
@@ -186,7 +192,16 @@ class GRPO(Objective):
                 f"data.max_seq_len ({recipe.data.max_seq_len}) leaves no room for a prompt before "
                 f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens"
             )
-        return build_prompts(recipe.data, tokenizer, recipe.train.seed, room, log)
+        s, schemas = recipe.train.grpo, None
+        if s.tools or s.environment:
+            if not renders_tools(tokenizer):
+                raise UserError(
+                    "train.grpo.tools / environment: this model's chat template cannot render tools, calls and their "
+                    "results; set data.chat_template to a template that can (a file, or chatml-tools: the "
+                    "Hermes / Qwen2.5 form)"
+                )
+            schemas = tool_schemas(s)
+        return build_prompts(recipe.data, tokenizer, recipe.train.seed, room, log, schemas)
 
     def collate(self, prompts: list[dict], pad_id: int) -> dict:
         return {"prompts": prompts}
@@ -253,9 +268,9 @@ class GRPO(Objective):
         tables = []
         for i in range(0, count, rows_per_batch):
             batch = mine[i : i + rows_per_batch]
-            completions, rows = self.rollouts.complete(model, batch or prompts[:1], None)
+            sampled = self.rollouts.complete(model, batch or prompts[:1], None)
             if batch:
-                tables.append(self.rollouts.rewards(rows, completions))
+                tables.append(self.rollouts.rewards(sampled))
         table = torch.cat(tables) if tables else torch.zeros(0, len(self.reward_names))
         total = weighted_rewards(table, self.reward_weights)
         sums = ranks.sum_named(reward_moments(table, total, self.reward_names))
@@ -278,39 +293,6 @@ class GRPO(Objective):
             self.rollout_stats, self.completion_tokens = state["stats"], state["tokens"]
             batches = [{k: v.to(device) if k in ON_DEVICE else v for k, v in b.items()} for b in state["batches"]]
             self.kept = (state["generation"], batches)
-
-
-def score_rollouts(rolled: list[dict], ranks, weights, names: list[str], settings) -> tuple[int, dict]:
-    """Sets each batch's advantages per completion; returns the completion tokens of the global batch and the
-    rollout metrics over it (every rank's groups)."""
-    table = torch.cat([b["rewards"] for b in rolled]) if rolled else torch.zeros(0, len(names))
-    total, g = weighted_rewards(table, weights), settings.group_size
-    zero_std = torch.isclose(nanstd(total.view(-1, g), 1), torch.zeros(())).sum() * g if rolled else 0
-    lengths, truncated = (
-        torch.cat([b[k] for b in rolled]) if rolled else torch.zeros(0) for k in ("lengths", "truncated")
-    )
-    counts = [total.numel(), float(zero_std), float(lengths.sum()), float(truncated.sum())]
-    tokens = [sum(int(_targets(b).sum()) for b in rolled)]
-    sums = ranks.sum_named({**reward_moments(table, total, names), "counts": counts, "tokens": tokens})
-    mean, std = mean_std(*sums["reward"])
-    completions, zero_std_sum, length_sum, truncated_sum = sums["counts"]
-    n = max(completions, 1)
-    start = 0
-    for b in rolled:
-        rows = b["rewards"].shape[0]
-        b["advantages"] = group_advantages(total[start : start + rows], g, settings.scale_rewards, std)
-        start += rows
-    per_function = {name: mean_std(*sums[f"rewards/{name}"]) for name in names}
-    zero = (std < 1e-8) if settings.scale_rewards == "batch" else zero_std_sum / n
-    return int(sums["tokens"][0]), {
-        "reward": mean,
-        "reward_std": std,
-        "frac_reward_zero_std": float(zero),
-        **{f"rewards/{name}/mean": m for name, (m, _) in per_function.items()},
-        **{f"rewards/{name}/std": sd for name, (_, sd) in per_function.items()},
-        "completions/mean_length": length_sum / n,
-        "completions/clipped_ratio": truncated_sum / n,
-    }
 
 
 def _targets(batch: dict) -> torch.Tensor:

@@ -8,8 +8,11 @@ A recipe names each as `path/to/file.py:function`, `package.module:function` or 
                     `<answer>...</answer>`, or on the whole completion when it has none; needs the `entry`
                     column that `data.source: reasoning-gym:<task>` gives
 The prompts and completions are as the data gives them: strings for string prompts; for chat prompts (lists of
-messages) each completion is `[{"role": "assistant", "content": text}]`. The other keyword arguments are the
-data's other columns and `completion_ids`, one value per completion.
+messages) each completion is `[{"role": "assistant", "content": text}]` (with tools, all its turns and the tools'
+answers). The other keyword arguments are the data's other columns and `completion_ids`, one value per completion
+(with an environment, `environments` too).
+
+From the rewards come each completion's advantage against its group and the rollout metrics (score_rollouts).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Callable
 import torch
 
 from lora_llama.errors import UserError
+from lora_llama.labels import target_mask
 
 FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -67,31 +71,36 @@ def load_reward(spec: str) -> tuple[str, Callable]:
     """(name, function) for a recipe's reward entry; the name is the function's (trl's metric names)."""
     if spec in BUILTIN:
         return spec, BUILTIN[spec]
+    fn = import_named(
+        spec, "reward", f"path/to/file.py:function, package.module:function or a built-in ({', '.join(BUILTIN)})"
+    )
+    if not callable(fn):
+        raise UserError(f"reward {spec!r}: {spec.rpartition(':')[0]} has no function {spec.rpartition(':')[2]!r}")
+    return getattr(fn, "__name__", spec.rpartition(":")[2]), fn
+
+
+def import_named(spec: str, what: str, forms: str = "path/to/file.py:name or package.module:name"):
+    """What `path/to/file.py:name` or `package.module:name` names (None when the module has no such name); a file
+    that does not import, or a module that cannot be found, is one line naming the recipe's `what`."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise UserError(
-            f"reward {spec!r}: use path/to/file.py:function, package.module:function or a built-in "
-            f"({', '.join(BUILTIN)})"
-        )
+        raise UserError(f"{what} {spec!r}: use {forms}")
     if where.endswith(".py"):
         path = Path(where).expanduser()
         if not path.is_file():
-            raise UserError(f"reward {spec!r}: no such file {path}")
-        module_spec = importlib.util.spec_from_file_location(f"lora_llama_reward_{path.stem}", path)
+            raise UserError(f"{what} {spec!r}: no such file {path}")
+        module_spec = importlib.util.spec_from_file_location(f"lora_llama_{what}_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         try:
             module_spec.loader.exec_module(module)
         except Exception as e:
-            raise UserError(f"reward {spec!r}: importing {path} raised {type(e).__name__}: {e}") from None
+            raise UserError(f"{what} {spec!r}: importing {path} raised {type(e).__name__}: {e}") from None
     else:
         try:
             module = importlib.import_module(where)
         except Exception as e:
-            raise UserError(f"reward {spec!r}: cannot import {where} ({type(e).__name__}: {e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UserError(f"reward {spec!r}: {where} has no function {name!r}")
-    return getattr(fn, "__name__", name), fn
+            raise UserError(f"{what} {spec!r}: cannot import {where} ({type(e).__name__}: {e})") from None
+    return getattr(module, name, None)
 
 
 def _checked(name: str, values, prompts: list, n: int) -> list[float]:
@@ -169,4 +178,79 @@ def reward_means(sums: dict[str, list[float]], names) -> dict:
     return {
         "reward": mean_std(*sums["reward"])[0],
         **{f"rewards/{n}/mean": mean_std(*sums[f"rewards/{n}"])[0] for n in names},
+    }
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Standard deviation over the non-NaN values, with Bessel's correction (NaN for fewer than two), as trl's."""
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    count = (~x.isnan()).sum(dim)
+    var = ((x - x.nanmean(dim, keepdim=True)) ** 2).nanmean(dim)
+    return torch.where(count > 1, var * count / (count - 1), torch.nan).sqrt()
+
+
+def weighted_rewards(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(rows,) the weighted sum of each row's rewards (rows, functions), NaN where every function returned None."""
+    total = (table * weights).nansum(1)
+    return total.masked_fill(table.isnan().all(1), torch.nan)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str, batch_std: float | None = None
+) -> torch.Tensor:
+    """(rewards - group mean) / (std + 1e-4), the std of the group, of the batch, or none; NaN rewards
+    (unscorable) stay out of the means and standard deviations and get advantage 0."""
+    grouped = rewards.view(-1, group_size)
+    advantages = rewards - grouped.nanmean(1).repeat_interleave(group_size)
+    if scale == "group":
+        advantages = advantages / (nanstd(grouped, 1).repeat_interleave(group_size) + 1e-4)
+    elif scale == "batch":
+        advantages = advantages / ((nanstd(rewards) if batch_std is None else batch_std) + 1e-4)
+    return advantages.nan_to_num(0.0)
+
+
+def score_rollouts(rolled: list[dict], ranks, weights, names: list[str], settings) -> tuple[int, dict]:
+    """Sets each batch's advantages per completion; returns the completion tokens of the global batch and the
+    rollout metrics over it (every rank's groups)."""
+    table = torch.cat([b["rewards"] for b in rolled]) if rolled else torch.zeros(0, len(names))
+    total, g = weighted_rewards(table, weights), settings.group_size
+    zero_std = torch.isclose(nanstd(total.view(-1, g), 1), torch.zeros(())).sum() * g if rolled else 0
+    lengths, truncated = (
+        torch.cat([b[k] for b in rolled]) if rolled else torch.zeros(0) for k in ("lengths", "truncated")
+    )
+    counts = [total.numel(), float(zero_std), float(lengths.sum()), float(truncated.sum())]
+    tokens = [sum(int(target_mask(b["labels"], b.get("segment_ids")).sum()) for b in rolled)]
+    tools = (
+        [float(v) for v in torch.cat([b["tools"] for b in rolled]).sum(0)] if rolled and "tools" in rolled[0] else []
+    )
+    named = {**reward_moments(table, total, names), "counts": counts, "tokens": tokens}
+    sums = ranks.sum_named({**named, "tools": tools} if settings.tools or settings.environment else named)
+    mean, std = mean_std(*sums["reward"])
+    completions, zero_std_sum, length_sum, truncated_sum = sums["counts"]
+    n = max(completions, 1)
+    start = 0
+    for b in rolled:
+        rows = b["rewards"].shape[0]
+        b["advantages"] = group_advantages(total[start : start + rows], g, settings.scale_rewards, std)
+        start += rows
+    per_function = {name: mean_std(*sums[f"rewards/{name}"]) for name in names}
+    zero = (std < 1e-8) if settings.scale_rewards == "batch" else zero_std_sum / n
+    tool_stats = {}
+    if "tools" in sums:  # trl's tools/ metrics, and the model's turns per completion
+        calls, failures, turns = sums["tools"] or [0.0, 0.0, 0.0]
+        tool_stats = {
+            "tools/call_frequency": calls / n,
+            "tools/failure_frequency": failures / calls if calls else 0.0,
+            "tools/turns": turns / n,
+        }
+    return int(sums["tokens"][0]), {
+        **tool_stats,
+        "reward": mean,
+        "reward_std": std,
+        "frac_reward_zero_std": float(zero),
+        **{f"rewards/{name}/mean": m for name, (m, _) in per_function.items()},
+        **{f"rewards/{name}/std": sd for name, (_, sd) in per_function.items()},
+        "completions/mean_length": length_sum / n,
+        "completions/clipped_ratio": truncated_sum / n,
     }

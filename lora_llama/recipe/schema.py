@@ -105,6 +105,11 @@ class DataSection(Settings):
     prompt_template: str | None = Field(
         None, description="alpaca prompt for tokenizers without a chat template ({instruction}, {input})"
     )
+    chat_template: str | None = Field(
+        None,
+        description="the chat template instead of the tokenizer's: a Jinja file, or chatml-tools (ChatML with tools "
+        "in the Hermes / Qwen2.5 form); kept with the adapter",
+    )
     max_examples: int | None = Field(
         None, gt=0, description="use only the first N records (reasoning-gym: how many to generate, default 1000)"
     )

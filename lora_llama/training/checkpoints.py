@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 from lora_llama.errors import UserError
-from lora_llama.files.atomic import atomic_dir
+from lora_llama.files.atomic import atomic_dir, write_text_atomic
 from lora_llama.files.json_files import read_json, write_json
-from lora_llama.loading.adapters import save_adapter
+from lora_llama.loading.adapters import CHAT_TEMPLATE, save_adapter
 from lora_llama.lora.adapted import lora_state_dict
 from lora_llama.runtime.distributed import Ranks, full, full_optimizer_state, load_optimizer_state
 from lora_llama.training.run_folder import (
@@ -38,8 +38,9 @@ def whole_adapter(model) -> dict:
 class Checkpoints:
     """The checkpoints of one run folder, for a run with the recipe's `train` section on `ranks`."""
 
-    def __init__(self, out: Path, train, ranks: Ranks):
+    def __init__(self, out: Path, train, ranks: Ranks, chat_template: str | None = None):
         self.out, self.train, self.ranks = Path(out), train, ranks
+        self.chat_template = chat_template  # data.chat_template's text: the adapter keeps it, for generate and merge
 
     def save(self, step: int, total: int, model, optimizer, scheduler, objective) -> Path:
         """checkpoints/step-N, written by rank 0 (a kill mid-write leaves the previous one); the adapter and
@@ -72,6 +73,8 @@ class Checkpoints:
         adapter = whole_adapter(model)
         if self.ranks.main:
             save_adapter(model, self.out / ADAPTER, force=True, tensors=adapter)
+            if self.chat_template:
+                write_text_atomic(self.out / ADAPTER / CHAT_TEMPLATE, self.chat_template)
             plot_losses(self.out / METRICS, self.out / LOSS_PLOT)
         self.ranks.barrier()
         return self.out / ADAPTER

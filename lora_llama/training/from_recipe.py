@@ -17,6 +17,7 @@ from lora_llama.data.cache import cached_examples, examples_key
 from lora_llama.data.chat import end_of_turn_id
 from lora_llama.data.sources import mix, mixture_line, source_sections
 from lora_llama.data.streaming import StreamedExamples, streamed_val
+from lora_llama.data.templates import use_chat_template
 from lora_llama.errors import UserError
 from lora_llama.files.shards import shard_files
 from lora_llama.harness.tasks import check_tasks, task_manager
@@ -78,7 +79,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
     recipe, compile_why = _compile_resolved(recipe, device, sharded)
     torch.manual_seed(recipe.train.seed)
     random.seed(recipe.train.seed)
-    tok = load_tokenizer(source)
+    tok = use_chat_template(load_tokenizer(source), recipe.data.chat_template)
     train, val, mixture = _examples(recipe, tok, log)
     # loading's weight-sized temporaries (conversions, quantization) go back at once; the steps' memory is kept below
     allocator = return_freed_memory() if device == "cpu" else None
