@@ -78,7 +78,7 @@ class GRPOSettings(Settings):
     )
     environment: str | None = Field(
         None,
-        description="path/to/file.py:Class (trl's environment_factory): one per completion; reset(**columns) "
+        description="path/to/file.py:Class (trl's environment_factory): one per completion; reset(**row) "
         "starts it, its public methods are tools, get_reward() an extra reward",
     )
     max_tool_calling_iterations: int | None = Field(

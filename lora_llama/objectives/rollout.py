@@ -94,8 +94,8 @@ class Rollouts:
         environments = [self.environment() for _ in rows] if self.environment is not None else None
         toolboxes = [Toolbox(self.functions, env) for env in environments or [None] * len(rows)]
         prompts = [r["prompt_ids"] for r in rows]
-        if environments is not None:  # reset(**columns) starts each episode; its text joins the user's message
-            told = [env.reset(**r["columns"]) for env, r in zip(environments, rows)]
+        if environments is not None:  # reset(**row) starts each episode; its text joins the user's message
+            told = [env.reset(prompt=r["prompt"], **r["columns"]) for env, r in zip(environments, rows)]
             prompts = [
                 p if t is None else self._prompt_ids(r, t, b.schemas)
                 for p, r, t, b in zip(prompts, rows, told, toolboxes)
