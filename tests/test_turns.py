@@ -64,7 +64,8 @@ def test_turns_over_the_kept_cache_equal_turns_decoded_from_the_whole_conversati
         sequence, sampled = list(PROMPTS[r]), 0
         for ids, mine in row:
             if mine:
-                want = whole_conversation_turn(model, sequence, len(ids), None if u is None else u[r], sampled, temperature)
+                u_row = None if u is None else u[r]
+                want = whole_conversation_turn(model, sequence, len(ids), u_row, sampled, temperature)
                 assert ids == want, (r, ids, want)
                 sampled += len(ids)
             sequence += ids

@@ -1,10 +1,11 @@
 """A GRPO run's tools and how their calls are answered.
 
 train.grpo.tools lists plain functions (`path/to/file.py:function`); train.grpo.environment names a class (trl's
-environment_factory): one instance per rollout, `reset(**row)` (the prompt and the other columns) starts its episode (and may return text for the
-user's message), its public methods are that rollout's tools, and an optional `get_reward()` scores the episode.
-Each tool is described to the model by the JSON schema transformers' get_json_schema makes of its type hints and
-docstring, so a function without them is refused before the model loads.
+environment_factory): one instance per rollout, `reset(**row)` (the prompt and the other columns) starts its
+episode and may return text for the user's message, its public methods are that rollout's tools, and an optional
+`get_reward()` scores the episode. Each tool is described to the model by the JSON schema transformers'
+get_json_schema makes of its type hints and docstring, so a function without them is refused before the model
+loads.
 
 Nothing a tool does ends the run: an exception is answered with its message (`{'error': ...}`, as trl answers),
 a call past train.grpo.tool_timeout_s with a timeout error (its thread is left to finish on its own: Python
