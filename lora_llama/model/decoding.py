@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from lora_llama.model.llama import KVCache
+from lora_llama.model.cache import KVCache
 
 LENGTH_BUCKET = 128  # cache lengths are rounded up to a multiple: calls of nearby prompt lengths share a graph
 KEPT = 2  # decoders kept per model (GRPO's sampling and its greedy eval), the oldest dropped first

@@ -143,12 +143,7 @@ def sample_turns(
             going = list(range(rows))
             loop = _Loop(eos, pad_id, 1, None, None, None)
 
-            def choose(logits, step):
-                u = None
-                if uniforms is not None:
-                    u = uniforms.gather(1, (sampled + step).clamp(max=max_new_tokens - 1)[:, None])[:, 0]
-                return pick(logits, temperature, top_k, top_p, u)
-
+            choose = _picker(uniforms, sampled, temperature, top_k, top_p)
             while going:
                 done = torch.ones(rows, dtype=torch.bool, device=device)
                 done[going] = False
@@ -161,19 +156,35 @@ def sample_turns(
                     used[i] += len(turn)
                     sampled[i] += len(turn)
                 steps.close_turn(out, going, turns)
-                asked = [(i, t) for i, t in zip(going, turns) if used[i] < max_new_tokens and t and t[-1] in eos]
-                added = respond([i for i, _ in asked], [t for _, t in asked]) if asked else []
-                going = [i for (i, _), more in zip(asked, added) if more and used[i] + len(more) <= max_new_tokens]
-                additions = {i: more for (i, _), more in zip(asked, added) if i in going}
+                additions = _added(respond, going, turns, used, eos, max_new_tokens)
                 for i, more in additions.items():
-                    pieces[i].append((list(more), False))
+                    pieces[i].append((more, False))
                     used[i] += len(more)
-                if going:
+                if additions:
                     steps.add(additions)
-                going = [i for i in going if used[i] < max_new_tokens]  # an addition may fill the completion
+                going = [i for i in additions if used[i] < max_new_tokens]  # an addition may fill the completion
         finally:
             model.train(was_training)
     return pieces
+
+
+def _picker(uniforms: torch.Tensor | None, sampled: torch.Tensor, temperature: float, top_k, top_p):
+    """choose(logits, step) for a turn: each row's token takes its uniform of index (its tokens so far + step)."""
+
+    def choose(logits, step):
+        u = None
+        if uniforms is not None:
+            u = uniforms.gather(1, (sampled + step).clamp(max=uniforms.shape[1] - 1)[:, None])[:, 0]
+        return pick(logits, temperature, top_k, top_p, u)
+
+    return choose
+
+
+def _added(respond, going: list[int], turns: list[list[int]], used: list[int], eos: set[int], limit: int) -> dict:
+    """What respond adds after the turns that ended on EOS with room left, for the rows whose addition fits."""
+    asked = [(i, t) for i, t in zip(going, turns) if used[i] < limit and t and t[-1] in eos]
+    added = respond([i for i, _ in asked], [t for _, t in asked]) if asked else []
+    return {i: list(more) for (i, _), more in zip(asked, added) if more and used[i] + len(more) <= limit}
 
 
 class _TurnSteps:

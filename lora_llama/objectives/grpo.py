@@ -25,7 +25,6 @@ import torch
 from pydantic import Field, model_validator
 
 from lora_llama.data.prompts import build_prompts
-from lora_llama.data.templates import renders_tools
 from lora_llama.errors import UserError
 from lora_llama.labels import target_mask
 from lora_llama.lora.adapted import adapters_disabled
@@ -33,7 +32,7 @@ from lora_llama.objectives.base import Objective
 from lora_llama.objectives.rewards import reward_means, reward_moments, score_rollouts, weighted_rewards
 from lora_llama.objectives.rollout import Rollouts
 from lora_llama.objectives.token_losses import token_logps
-from lora_llama.objectives.tools import tool_schemas
+from lora_llama.objectives.tools import listed_tools
 from lora_llama.runtime.distributed import sharded
 from lora_llama.validation import Settings
 
@@ -192,15 +191,7 @@ class GRPO(Objective):
                 f"data.max_seq_len ({recipe.data.max_seq_len}) leaves no room for a prompt before "
                 f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens"
             )
-        s, schemas = recipe.train.grpo, None
-        if s.tools or s.environment:
-            if not renders_tools(tokenizer):
-                raise UserError(
-                    "train.grpo.tools / environment: this model's chat template cannot render tools, calls and their "
-                    "results; set data.chat_template to a template that can (a file, or chatml-tools: the "
-                    "Hermes / Qwen2.5 form)"
-                )
-            schemas = tool_schemas(s)
+        schemas = listed_tools(recipe.train.grpo, tokenizer)
         return build_prompts(recipe.data, tokenizer, recipe.train.seed, room, log, schemas)
 
     def collate(self, prompts: list[dict], pad_id: int) -> dict:

@@ -60,17 +60,16 @@ class Rollouts:
         system_prompt: str | None = None,
     ):
         self.settings, self.tokenizer, self.eos_ids, self.seed = settings, tokenizer, list(eos_ids), seed
-        self.packing, self.max_seq_len, self.system_prompt = packing, max_seq_len, system_prompt
+        self.packing, self.max_seq_len = packing, max_seq_len
         self.reward_functions = dict(load_reward(spec) for spec in settings.rewards)
-        self.functions, self.environment = load_tools(settings.tools), load_environment(settings.environment)
-        if self.environment is not None and callable(getattr(self.environment, "get_reward", None)):
-            self.reward_functions[self.environment.__name__] = environment_reward
+        self.episodes = None  # with tools: the completions run over several turns
+        if settings.tools or settings.environment:
+            self.episodes = ToolEpisodes(settings, tokenizer, eos_ids, system_prompt)
+            environment = self.episodes.environment
+            if environment is not None and callable(getattr(environment, "get_reward", None)):
+                self.reward_functions[environment.__name__] = environment_reward
         self.any_rank = None  # under fsdp: Ranks.any, so that every rank decodes as many steps
         self.row_length = None  # the training rows' length rule (objectives/base.bucketed_length when compiled)
-
-    @property
-    def multi_turn(self) -> bool:
-        return bool(self.functions or self.environment)
 
     def complete(self, model, prompts: list[dict], generation: int | None) -> Sampled:
         """group_size sampled completions per prompt (greedy, one each, when generation is None: eval)."""
@@ -82,13 +81,74 @@ class Rollouts:
             seeds = [completion_seed(self.seed, generation, p["index"], j) for p in prompts for j in range(group)]
         temperature = 0.0 if generation is None else s.temperature
         pad_id = self.tokenizer.pad_token_id
-        if self.multi_turn:
-            return self._episodes(model, rows, seeds, temperature, group)
+        if self.episodes is not None:
+            return self.episodes.run(model, rows, seeds, temperature, group)
         sampling = dict(temperature=temperature, top_p=s.top_p, seeds=seeds, group=group, any_rank=self.any_rank)
         ids = [r["prompt_ids"] for r in rows]
         return Sampled(sample_completions(model, ids, s.max_new_tokens, self.eos_ids, pad_id, **sampling), rows)
 
-    def _episodes(self, model, rows: list[dict], seeds, temperature: float, group: int) -> Sampled:
+    def rewards(self, sampled: Sampled) -> torch.Tensor:
+        """(rows, functions) rewards; completions reach the functions in the form of their prompt (as messages
+        over several turns)."""
+        rows, completions = sampled.rows, sampled.ids
+        prompts = [r["prompt"] for r in rows]
+        if sampled.messages is not None:
+            shaped = sampled.messages
+        else:
+            texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+            shaped = [
+                t if isinstance(p, str) else [{"role": "assistant", "content": t}] for t, p in zip(texts, prompts)
+            ]
+        columns = {k: [r["columns"][k] for r in rows] for k in rows[0]["columns"]} if rows else {}
+        if sampled.environments is not None:
+            columns["environments"] = sampled.environments
+        return score(self.reward_functions, prompts, shaped, {**columns, "completion_ids": completions})
+
+    def batch(self, model, prompts: list[dict], generation: int) -> dict:
+        """One micro-batch's completions as training rows, with their rewards, lengths, truncation and tool counts."""
+        sampled = self.complete(model, prompts, generation)
+        ends, n = set(self.eos_ids), self.settings.max_new_tokens
+        completions, rows = sampled.ids, sampled.rows
+        masks = sampled.mask or [[1] * len(c) for c in completions]
+        truncated = [len(c) == n and c[-1] not in ends for c in completions]
+        examples = []
+        for row, c, mask, cut in zip(rows, completions, masks, truncated):
+            masked = cut and self.settings.mask_truncated
+            targets = [IGNORE_INDEX if masked or not mine else t for t, mine in zip(c, mask)]
+            examples.append(
+                {"input_ids": row["prompt_ids"] + c, "labels": [IGNORE_INDEX] * len(row["prompt_ids"]) + targets}
+            )
+        batch = self.rows(examples)
+        batch["rewards"] = self.rewards(sampled)
+        batch["lengths"] = torch.tensor([sum(m) for m in masks], dtype=torch.float32)
+        batch["truncated"] = torch.tensor(truncated, dtype=torch.float32)
+        if self.episodes is not None:
+            batch["tools"] = torch.tensor([sampled.calls, sampled.failures, sampled.turns], dtype=torch.float32).T
+        return batch
+
+    def rows(self, examples: list[dict]) -> dict:
+        """The completions as a batch, one per row or packed several to a row, each attending only to itself;
+        `completion` (B, T) says which completion each position belongs to."""
+        if not self.packing:
+            batch = collate(examples, self.tokenizer.pad_token_id, self.row_length)
+            batch["completion"] = torch.arange(len(examples))[:, None].expand_as(batch["input_ids"]).clone()
+        else:
+            packed = pack(examples, self.max_seq_len)
+            batch = collate(packed, self.tokenizer.pad_token_id, self.row_length)
+            firsts = torch.tensor([0] + [r["segment_ids"][-1] + 1 for r in packed]).cumsum(0)[:-1]
+            batch["completion"] = (firsts[:, None] + batch["segment_ids"]).clamp(0, len(examples) - 1)  # padding: any
+        batch["completions"] = torch.tensor(len(examples))
+        return batch
+
+
+class ToolEpisodes:
+    """Completions over several turns, the tools answering between them (see the module's docstring)."""
+
+    def __init__(self, settings, tokenizer, eos_ids: list[int], system_prompt: str | None = None):
+        self.settings, self.tokenizer, self.eos_ids, self.system_prompt = settings, tokenizer, eos_ids, system_prompt
+        self.functions, self.environment = load_tools(settings.tools), load_environment(settings.environment)
+
+    def run(self, model, rows: list[dict], seeds, temperature: float, group: int) -> Sampled:
         """Completions over several turns, the tools answering between them (see the module's docstring)."""
         s, tok = self.settings, self.tokenizer
         environments = [self.environment() for _ in rows] if self.environment is not None else None
@@ -150,59 +210,6 @@ class Rollouts:
             prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
             prompt[-1]["content"] += told
         return prompt_ids(self.tokenizer, prompt, row["index"], self.system_prompt, schemas)
-
-    def rewards(self, sampled: Sampled) -> torch.Tensor:
-        """(rows, functions) rewards; completions reach the functions in the form of their prompt (as messages
-        over several turns)."""
-        rows, completions = sampled.rows, sampled.ids
-        prompts = [r["prompt"] for r in rows]
-        if sampled.messages is not None:
-            shaped = sampled.messages
-        else:
-            texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-            shaped = [
-                t if isinstance(p, str) else [{"role": "assistant", "content": t}] for t, p in zip(texts, prompts)
-            ]
-        columns = {k: [r["columns"][k] for r in rows] for k in rows[0]["columns"]} if rows else {}
-        if sampled.environments is not None:
-            columns["environments"] = sampled.environments
-        return score(self.reward_functions, prompts, shaped, {**columns, "completion_ids": completions})
-
-    def batch(self, model, prompts: list[dict], generation: int) -> dict:
-        """One micro-batch's completions as training rows, with their rewards, lengths, truncation and tool counts."""
-        sampled = self.complete(model, prompts, generation)
-        ends, n = set(self.eos_ids), self.settings.max_new_tokens
-        completions, rows = sampled.ids, sampled.rows
-        masks = sampled.mask or [[1] * len(c) for c in completions]
-        truncated = [len(c) == n and c[-1] not in ends for c in completions]
-        examples = []
-        for row, c, mask, cut in zip(rows, completions, masks, truncated):
-            masked = cut and self.settings.mask_truncated
-            targets = [IGNORE_INDEX if masked or not mine else t for t, mine in zip(c, mask)]
-            examples.append(
-                {"input_ids": row["prompt_ids"] + c, "labels": [IGNORE_INDEX] * len(row["prompt_ids"]) + targets}
-            )
-        batch = self.rows(examples)
-        batch["rewards"] = self.rewards(sampled)
-        batch["lengths"] = torch.tensor([sum(m) for m in masks], dtype=torch.float32)
-        batch["truncated"] = torch.tensor(truncated, dtype=torch.float32)
-        if self.multi_turn:
-            batch["tools"] = torch.tensor([sampled.calls, sampled.failures, sampled.turns], dtype=torch.float32).T
-        return batch
-
-    def rows(self, examples: list[dict]) -> dict:
-        """The completions as a batch, one per row or packed several to a row, each attending only to itself;
-        `completion` (B, T) says which completion each position belongs to."""
-        if not self.packing:
-            batch = collate(examples, self.tokenizer.pad_token_id, self.row_length)
-            batch["completion"] = torch.arange(len(examples))[:, None].expand_as(batch["input_ids"]).clone()
-        else:
-            packed = pack(examples, self.max_seq_len)
-            batch = collate(packed, self.tokenizer.pad_token_id, self.row_length)
-            firsts = torch.tensor([0] + [r["segment_ids"][-1] + 1 for r in packed]).cumsum(0)[:-1]
-            batch["completion"] = (firsts[:, None] + batch["segment_ids"]).clamp(0, len(examples) - 1)  # padding: any
-        batch["completions"] = torch.tensor(len(examples))
-        return batch
 
 
 def assistant_message(text: str, calls: list[dict]) -> dict:

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable
 
+from lora_llama.data.templates import renders_tools
 from lora_llama.errors import UserError
 from lora_llama.objectives.rewards import import_named
 
@@ -68,6 +69,19 @@ def load_environment(spec: str | None) -> type | None:
     for method in environment_tools(probe):
         tool_schema(method, f"{spec}.{method.__name__}")
     return cls
+
+
+def listed_tools(settings, tokenizer) -> list[dict] | None:
+    """The schemas a run's prompts list (None without tools), once the chat template is known to render tools."""
+    if not (settings.tools or settings.environment):
+        return None
+    if not renders_tools(tokenizer):
+        raise UserError(
+            "train.grpo.tools / environment: this model's chat template cannot render tools, calls and their "
+            "results; set data.chat_template to a template that can (a file, or chatml-tools: the Hermes / Qwen2.5 "
+            "form)"
+        )
+    return tool_schemas(settings)
 
 
 def tool_schemas(settings) -> list[dict]:

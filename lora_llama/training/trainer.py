@@ -58,8 +58,7 @@ class Trainer:
         )
         per_epoch = self.micro_batches.per_epoch
         self.total = total_steps(t, per_epoch * self.objective.repeats if per_epoch else None)
-        chosen = tokenizer.chat_template if recipe.data.chat_template else None
-        self.checkpoints = Checkpoints(self.out, t, ranks, chosen)
+        self.checkpoints = Checkpoints(self.out, t, ranks, recipe.data.chat_template and tokenizer.chat_template)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(t.schedule, t.warmup_steps, self.total)
         )
