@@ -281,3 +281,41 @@ def test_a_template_that_cannot_render_tools_is_refused_naming_data_chat_templat
     )
     with pytest.raises(UserError, match="set data.chat_template"):
         GRPO.examples(recipe, tok, lambda *_: None)
+
+
+def test_sft_on_tool_use_conversations_targets_the_calls_and_answers_not_the_results(tmp_path):
+    """data.chat_template chatml-tools on OpenAI-style records (an assistant's tool_calls, with arguments as a JSON
+    string, a tool turn, the record's `tools`): the system turn lists the tools, and the targets are exactly the
+    assistant's call and its answer, each with its end-of-turn token; the tool's result is context."""
+    from lora_llama.data.sft import tokenize_records
+
+    (tmp_path / "t.py").write_text(TOOLS_FILE)
+    schema = tool_schemas(GRPOSettings(tools=[f"{tmp_path / 't.py'}:add"]))
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    record = {
+        "messages": [
+            {"role": "user", "content": "what is 2 + 3?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "name": "add", "content": "5"},
+            {"role": "assistant", "content": "It is 5"},
+        ],
+        "tools": json.dumps(schema),
+    }
+    import datasets
+
+    tok = tool_tokenizer()
+    [example] = tokenize_records(datasets.Dataset.from_list([record]), tok, "auto", 1024)
+    text = tok.decode(example["input_ids"])
+    assert '<tools>\n{"type": "function", "function": {"name": "add"' in text
+    assert "<tool_response>\n5\n</tool_response>" in text
+    runs, run = [], []
+    for t, label in zip(example["input_ids"], example["labels"]):
+        if label != -100:
+            run.append(t)
+        elif run:
+            runs.append(tok.decode(run))
+            run = []
+    runs += [tok.decode(run)] if run else []
+    # a turn's target runs through its rendering's end, the newline after its end-of-turn token too, as trl's
+    # training templates mark it (qwen2_5_training.jinja's generation blocks)
+    assert runs == [CALL + "<|im_end|>\n", "It is 5<|im_end|>\n"]

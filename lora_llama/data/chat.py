@@ -88,6 +88,37 @@ def normalise_messages(msgs) -> list[dict]:
     return [_message(m) for m in msgs]
 
 
+def tool_list(tools) -> list[dict] | None:
+    """A record's `tools` column (OpenAI's list of function schemas, or that list as a JSON string) as the chat
+    template takes it; None when the record has none."""
+    if tools is None or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise BadRecord("a 'tools' column that is not JSON") from None
+    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRecord("a 'tools' column that is not a list of function schemas")
+    return tools
+
+
+def _call_arguments(call: dict) -> dict:
+    """A tool call with its arguments as an object: OpenAI writes them as a JSON string, templates render objects."""
+    if not isinstance(call, dict):
+        raise BadRecord("a tool call that is not an object")
+    function = call.get("function", call)
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise BadRecord("a tool call whose arguments are not JSON") from None
+        function = {**function, "arguments": parsed}
+        return {**call, "function": function} if "function" in call else function
+    return call
+
+
 def _message(m: dict) -> dict:
     role = m.get("role") if m.get("role") is not None else m.get("from")
     if role not in _ROLES:
@@ -112,7 +143,7 @@ def _message(m: dict) -> dict:
         )
     out = {"role": _ROLES[role], "content": content}
     if calls:
-        out["tool_calls"] = calls
+        out["tool_calls"] = [_call_arguments(c) for c in calls]
     for key in ("tool_call_id", "name"):
         if m.get(key) is not None and out["role"] == "tool":
             out[key] = m[key]

@@ -11,7 +11,14 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat, special_token_ids
+from lora_llama.data.chat import (
+    close_with_eos,
+    encode_rendered,
+    normalise_messages,
+    render_chat,
+    special_token_ids,
+    tool_list,
+)
 from lora_llama.data.loading import load_splits
 from lora_llama.data.records import NEEDS, Skipped, detect_format, row_of, sft_record
 from lora_llama.errors import BadRecord, UserError
@@ -46,7 +53,7 @@ class Tokenize:
                 raise BadRecord(f"{type(record['text']).__name__} text")
             return self.text(record["text"])
         if self.fmt == "chat":
-            return [self.chat(normalise_messages(record["messages"]))]
+            return [self.chat(normalise_messages(record["messages"]), tool_list(record.get("tools")))]
         if self.fmt == "prompt-completion":
             return [self.prompt_completion(record["prompt"], record["completion"])]
         return [self.alpaca(record)]
@@ -65,19 +72,20 @@ class Tokenize:
         windows = [ids[i : i + self.max_len] for i in range(0, len(ids), self.max_len)]
         return [{"input_ids": w, "labels": list(w)} for w in windows if len(w) > 1]
 
-    def chat(self, messages: list[dict]) -> dict:
-        """Render with the chat template; targets are the assistant turns with the token that ends them.
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
+        """Render with the chat template (listing `tools`, a record's tool schemas, where it has them); targets
+        are the assistant turns with the token that ends them.
 
         An assistant turn spans from the end of the template's generation prompt to the end of the
         turn's rendering, so the system prompt and the generation prompt are never targets.
         """
-        text = render_chat(self.tok, messages)
+        text = render_chat(self.tok, messages, tools=tools)
         spans = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = render_chat(self.tok, messages[:i], add_generation_prompt=True)
-            through = render_chat(self.tok, messages[: i + 1])
+            before = render_chat(self.tok, messages[:i], add_generation_prompt=True, tools=tools)
+            through = render_chat(self.tok, messages[: i + 1], tools=tools)
             if not (text.startswith(before) and text.startswith(through)):
                 raise UserError(
                     "the chat template renders a conversation differently from its first turns, "
