@@ -319,3 +319,80 @@ def test_sft_on_tool_use_conversations_targets_the_calls_and_answers_not_the_res
     # a turn's target runs through its rendering's end, the newline after its end-of-turn token too, as trl's
     # training templates mark it (qwen2_5_training.jinja's generation blocks)
     assert runs == [CALL + "<|im_end|>\n", "It is 5<|im_end|>\n"]
+
+
+def tool_run(ckpt, tmp_path, out, *overrides):
+    from test_grpo_train import grpo_recipe
+
+    (tmp_path / "calc.py").write_text(TOOLS_FILE)
+    return grpo_recipe(
+        ckpt,
+        tmp_path,
+        "data.chat_template=chatml-tools",
+        "data.max_seq_len=1024",
+        "train.grpo.max_new_tokens=160",
+        f"train.grpo.environment={tmp_path / 'calc.py'}:Adder",
+        "train.grpo.max_tool_calling_iterations=2",
+        "train.max_steps=4",
+        "train.save_every=2",
+        "train.eval_every=4",
+        f"output.dir={out}",
+        *overrides,
+    )
+
+
+def calls_on_even_first_tokens(monkeypatch, tok):
+    """Stand-ins for what a random model never does, the rollouts still a function of the sampled tokens alone: a
+    sampled turn ends where its row's uniform is over 0.8, and a turn whose first token is even calls add."""
+    real = rollout.tool_calls
+
+    def read(text):
+        first = tok(text, add_special_tokens=False)["input_ids"][:1]
+        if first and first[0] % 2 == 0:
+            return [{"name": "add", "arguments": {"a": first[0], "b": 1}}], []
+        return real(text)
+
+    monkeypatch.setattr(rollout, "tool_calls", read)
+    from lora_llama.model import generate
+
+    pick = generate.pick
+
+    def ending(logits, temperature, top_k, top_p, u):  # a sampled turn ends where its uniform is high: short turns
+        token = pick(logits, temperature, top_k, top_p, u)
+        return token if u is None else token.masked_fill(u > 0.8, tok.eos_token_id)
+
+    monkeypatch.setattr(generate, "pick", ending)
+
+
+def test_a_killed_tool_calling_run_resumes_exactly_and_logs_the_tools(tiny_ckpt, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    from test_grpo_train import metrics
+
+    import lora_llama.training.trainer as trainer
+    from lora_llama.training.from_recipe import train_from_recipe
+
+    calls_on_even_first_tokens(monkeypatch, make_tokenizer())
+    ckpt = build_checkpoint(tmp_path / "ckpt", max_position_embeddings=2048)
+    (tmp_path / "a").mkdir()
+    train_from_recipe(tool_run(ckpt, tmp_path / "a", tmp_path / "full"), log=lambda *_: None)
+    rows = [m for m in metrics(tmp_path / "full") if "loss" in m]
+    assert all(m["tools/call_frequency"] > 0 for m in rows) and all(m["tools/turns"] > 1 for m in rows), rows
+    assert all(m["tools/failure_frequency"] == 0 for m in rows) and "rewards/Adder/mean" in rows[0]
+    assert (tmp_path / "full" / "adapter" / "chat_template.jinja").read_text() == chat_template_text("chatml-tools")
+
+    (tmp_path / "b").mkdir()
+    cut = tool_run(ckpt, tmp_path / "b", tmp_path / "cut")
+    original = trainer.Trainer.train_step
+
+    def stop_at_2(self):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", stop_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        train_from_recipe(cut, log=lambda *_: None)
+    monkeypatch.setattr(trainer.Trainer, "train_step", original)
+    train_from_recipe(cut, log=lambda *_: None)
+    a, b = (load_file(tmp_path / r / "adapter" / "adapter_model.safetensors") for r in ("full", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

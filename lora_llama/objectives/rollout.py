@@ -18,6 +18,7 @@ import torch
 from lora_llama.data.prompts import prompt_ids
 from lora_llama.data.sft import collate, pack
 from lora_llama.data.templates import TAGGED_CALL, tool_calls, tool_suffix_ids
+from lora_llama.errors import UserError
 from lora_llama.labels import IGNORE_INDEX
 from lora_llama.model.generate import sample_completions, sample_turns
 from lora_llama.objectives.rewards import load_reward, score
@@ -82,6 +83,8 @@ class Rollouts:
         temperature = 0.0 if generation is None else s.temperature
         pad_id = self.tokenizer.pad_token_id
         if self.episodes is not None:
+            if self.any_rank is not None:  # fsdp: every rank would have to run as many turns and prefills
+                raise UserError("train.grpo.tools / environment run on one process or under ddp, not fsdp")
             return self.episodes.run(model, rows, seeds, temperature, group)
         sampling = dict(temperature=temperature, top_p=s.top_p, seeds=seeds, group=group, any_rank=self.any_rank)
         ids = [r["prompt_ids"] for r in rows]
