@@ -341,27 +341,30 @@ def tool_run(ckpt, tmp_path, out, *overrides):
     )
 
 
-def calls_on_even_first_tokens(monkeypatch, tok):
-    """Stand-ins for what a random model never does, the rollouts still a function of the sampled tokens alone: a
-    sampled turn ends where its row's uniform is over 0.8, and a turn whose first token is even calls add."""
-    real = rollout.tool_calls
+# Stand-ins for what a random model never does, the rollouts still a function of the sampled tokens alone: a
+# sampled turn ends where its row's uniform is over 0.8 (EOS, id 2, is the test tokenizer's end of turn), and a
+# turn of even length in characters calls add.
+STAND_INS = """
+import lora_llama.model.generate as _generate
+import lora_llama.objectives.rollout as _rollout
+_pick, _read = _generate.pick, _rollout.tool_calls
+def ending(logits, temperature, top_k, top_p, u):
+    token = _pick(logits, temperature, top_k, top_p, u)
+    return token if u is None else token.masked_fill(u > 0.8, 2)
+def read(text):
+    if text and len(text) % 2 == 0:
+        return [{"name": "add", "arguments": {"a": len(text), "b": 1}}], []
+    return _read(text)
+"""
 
-    def read(text):
-        first = tok(text, add_special_tokens=False)["input_ids"][:1]
-        if first and first[0] % 2 == 0:
-            return [{"name": "add", "arguments": {"a": first[0], "b": 1}}], []
-        return real(text)
 
-    monkeypatch.setattr(rollout, "tool_calls", read)
+def with_stand_ins(monkeypatch):
     from lora_llama.model import generate
 
-    pick = generate.pick
-
-    def ending(logits, temperature, top_k, top_p, u):  # a sampled turn ends where its uniform is high: short turns
-        token = pick(logits, temperature, top_k, top_p, u)
-        return token if u is None else token.masked_fill(u > 0.8, tok.eos_token_id)
-
-    monkeypatch.setattr(generate, "pick", ending)
+    made = {}
+    exec(STAND_INS, made)
+    monkeypatch.setattr(generate, "pick", made["ending"])
+    monkeypatch.setattr(rollout, "tool_calls", made["read"])
 
 
 def test_a_killed_tool_calling_run_resumes_exactly_and_logs_the_tools(tiny_ckpt, tmp_path, monkeypatch):
@@ -371,7 +374,7 @@ def test_a_killed_tool_calling_run_resumes_exactly_and_logs_the_tools(tiny_ckpt,
     import lora_llama.training.trainer as trainer
     from lora_llama.training.from_recipe import train_from_recipe
 
-    calls_on_even_first_tokens(monkeypatch, make_tokenizer())
+    with_stand_ins(monkeypatch)
     ckpt = build_checkpoint(tmp_path / "ckpt", max_position_embeddings=2048)
     (tmp_path / "a").mkdir()
     train_from_recipe(tool_run(ckpt, tmp_path / "a", tmp_path / "full"), log=lambda *_: None)
@@ -396,3 +399,50 @@ def test_a_killed_tool_calling_run_resumes_exactly_and_logs_the_tools(tiny_ckpt,
     train_from_recipe(cut, log=lambda *_: None)
     a, b = (load_file(tmp_path / r / "adapter" / "adapter_model.safetensors") for r in ("full", "cut"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tool_calling_run_on_two_processes_equals_one(tmp_path, monkeypatch):
+    """ddp: each process runs its own rows' episodes; rewards, advantages and the tools/ metrics are the global
+    batch's, as one process's."""
+    from lora_llama.cli import main
+    from two_processes import assert_same_runs, patched_script, rows, torchrun
+
+    ckpt = build_checkpoint(tmp_path / "ckpt", max_position_embeddings=2048)
+    tool_run(ckpt, tmp_path, tmp_path / "unused")  # writes the prompt, reward and tools files
+    common = [
+        f"model.source={ckpt}",
+        f"data.source={tmp_path / 'p.jsonl'}",
+        "data.format=prompt",
+        "data.val_size=0.25",
+        "data.max_seq_len=1024",
+        "data.chat_template=chatml-tools",
+        "train.objective=grpo",
+        f"train.grpo.rewards=[{tmp_path / 'rewards.py'}:low_ids]",
+        f"train.grpo.environment={tmp_path / 'calc.py'}:Adder",
+        "train.grpo.group_size=4",
+        "train.grpo.max_new_tokens=160",
+        "train.grpo.scale_rewards=batch",
+        "train.precision=fp32",
+        "model.device=cpu",
+        "train.warmup_steps=0",
+        "train.lr=1e-3",
+        "train.max_steps=3",
+        "train.eval_every=3",
+        "train.save_every=1",
+        "lora.targets=[q,v]",
+        "train.collective_timeout_s=60",
+        "train.distributed=ddp",
+    ]
+    (tmp_path / "empty.yaml").write_text("")
+    recipe = str(tmp_path / "empty.yaml")
+    with_stand_ins(monkeypatch)
+    assert main(["train", recipe, *common, "train.batch_size=2", f"output.dir={tmp_path / 'one'}"]) == 0
+    script = patched_script(tmp_path, STAND_INS + "_generate.pick = ending\n_rollout.tool_calls = read\n")
+    argv = ["train", recipe, *common, "train.batch_size=1", f"output.dir={tmp_path / 'two'}"]
+    code, out, err = torchrun(argv, script=script)
+    assert code == 0, err[-3000:]
+    keys = ("loss", "reward", "tools/call_frequency", "tools/failure_frequency", "tools/turns", "eval_reward")
+    assert_same_runs(tmp_path / "one", tmp_path / "two", keys)
+    assert any(r.get("tools/call_frequency", 0) > 0 for r in rows(tmp_path / "one"))
