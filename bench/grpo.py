@@ -3,7 +3,9 @@ the same model, prompts, reward and settings, each in its own process in one run
 and the update), completions/s, completion tokens/s and peak resident memory (VmHWM; on a GPU also the
 peak of CUDA memory). The first step (compilation, caches) is left out of the medians. On a GPU it first runs
 bench.decode (GRPO's sampling alone at SmolLM2-135M and Llama-3.2-1B shapes: completion tokens/s, a decode step
-against its bandwidth floor) and keeps its figures beside the step's.
+against its bandwidth floor) and keeps its figures beside the step's. With --tools MODEL both run the calculator
+agent's GRPO (docs/agents.md): completions over several turns, the calculator answering between them (trl's
+tools loop against lora-llama's turns over a kept cache).
 The figures go to bench/results/grpo.jsonl.
 """
 
@@ -16,6 +18,18 @@ import sys
 from bench.common import ROOT, cpu_line, record, scratch_dir
 
 RECIPE = ROOT / "recipes" / "smollm2-grpo-cpu.yaml"
+# --tools: the calculator agent's GRPO (recipes/smollm2-tools-grpo-cpu.yaml) on both libraries, completions over
+# several turns with the calculator answering between them
+TOOLS = [
+    "data.source=calculator-questions",
+    "data.chat_template=chatml-tools",
+    "data.system_prompt=null",
+    "data.max_seq_len=384",
+    "train.grpo.tools=[recipes/tools/calculator.py:calculate]",
+    "train.grpo.rewards=[recipes/tools/calculator.py:correct]",
+    "train.grpo.max_new_tokens=96",
+    "train.grpo.max_tool_calling_iterations=2",
+]
 OURS = """
 import json, sys, time, torch
 from bench.common import status_mb
@@ -42,6 +56,7 @@ def overrides(a) -> list[str]:
     model and the task (a GPU machine without the embedded model or reasoning-gym)."""
     extra = [f"model.source={a.source}"] if a.source else []
     extra += [f"data.source={a.data}", "train.grpo.rewards=[format]"] if a.data else []
+    extra += [*TOOLS, f"model.source={a.tools}"] if a.tools else []
     return extra + ["data.val_size=0", f"model.device={a.device}", *a.overrides]
 
 
@@ -110,11 +125,17 @@ def main():
     ap.add_argument("--no-peer", action="store_true", help="lora-llama only")
     ap.add_argument("--source", help="another model.source (an HF folder with a chat tokenizer)")
     ap.add_argument("--data", help="a prompt JSONL instead of the reasoning-gym task (reward: format)")
+    ap.add_argument(
+        "--tools",
+        metavar="MODEL",
+        help="the calculator agent's multi-turn GRPO from MODEL, one that calls tools (docs/agents.md: the SFT "
+        "recipe's merged model)",
+    )
     ap.add_argument("overrides", nargs="*", help="more recipe overrides, for both libraries (key.path=value)")
     a = ap.parse_args()
     from lora_llama.recipe.schema import load_recipe
 
-    t = load_recipe(str(RECIPE)).train
+    t = load_recipe(str(RECIPE), TOOLS if a.tools else []).train
     completions = t.batch_size * t.grpo.group_size
     decoded = decoding(a) if a.device == "cuda" else None
     runs = {"lora-llama": figures(ours(a, scratch_dir("lora-llama-grpo-") / "run"), completions)}

@@ -13,10 +13,14 @@ from bench.grpo import RECIPE
 
 
 def _prompt(r, prompt):
-    """The prompt as build_prompts renders it: a system turn first when the recipe gives one."""
-    if not r.data.system_prompt:
+    """The prompt as build_prompts renders it: a system turn first when the recipe gives one (with tools, always
+    as messages: trl's tools loop reads conversations)."""
+    tools = r.train.grpo.tools
+    if not r.data.system_prompt and not (tools and isinstance(prompt, str)):
         return prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not r.data.system_prompt:
+        return messages
     return [{"role": "system", "content": r.data.system_prompt}, *messages]
 
 
@@ -37,17 +41,29 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
     from trl import GRPOConfig, GRPOTrainer
 
     from lora_llama.data.prompts import build_prompts
+    from lora_llama.data.templates import use_chat_template
     from lora_llama.loading.models import resolve_source
     from lora_llama.model.config import LINEAR_NAMES
     from lora_llama.objectives.rewards import load_reward
+    from lora_llama.objectives.tools import listed_tools, load_tools
 
     source = resolve_source(r.model.source)  # the installed SmolLM2 GGUF is read by transformers' own loader
     where = dict(gguf_file=source.name) if source.suffix == ".gguf" else {}
     folder = source.parent if source.suffix == ".gguf" else source
-    tok = AutoTokenizer.from_pretrained(folder, **where)
+    tok = use_chat_template(AutoTokenizer.from_pretrained(folder, **where), r.data.chat_template)
     model = AutoModelForCausalLM.from_pretrained(folder, **where, dtype=torch.float32)
+    tools = load_tools(r.train.grpo.tools)
+    if tools:  # trl reads calls through a response template; the chatml-tools calls are Qwen's
+        from trl.chat_template_utils import qwen3_template
+
+        tok.response_template = qwen3_template
     train, _ = build_prompts(
-        r.data, tok, r.train.seed, r.data.max_seq_len - r.train.grpo.max_new_tokens, log=lambda *_: None
+        r.data,
+        tok,
+        r.train.seed,
+        r.data.max_seq_len - r.train.grpo.max_new_tokens,
+        log=lambda *_: None,
+        tools=listed_tools(r.train.grpo, tok),
     )
     entries = [p["columns"].get("entry") for p in train] if "entry" in train[0]["columns"] else None
     rewards = [_reward(load_reward(spec)[1], entries) for spec in r.train.grpo.rewards]
@@ -70,6 +86,7 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
         logging_steps=1,
         save_strategy="no",
         seed=t.seed,
+        max_tool_calling_iterations=g.max_tool_calling_iterations,
     )
     lora = LoraConfig(
         r=r.lora.r,
@@ -78,9 +95,16 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
         target_modules=[LINEAR_NAMES[x] for x in r.lora.targets],
         task_type="CAUSAL_LM",
     )
-    data = Dataset.from_list([{"prompt": _prompt(r, p["prompt"]), "index": i} for i, p in enumerate(train)])
+    columns = lambda p: {k: v for k, v in p["columns"].items() if k != "entry"}  # noqa: E731
+    rows = [{"prompt": _prompt(r, p["prompt"]), "index": i, **columns(p)} for i, p in enumerate(train)]
     return GRPOTrainer(
-        model=model, reward_funcs=rewards, args=cfg, train_dataset=data, processing_class=tok, peft_config=lora
+        model=model,
+        reward_funcs=rewards,
+        args=cfg,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        peft_config=lora,
+        tools=tools or None,
     )
 
 

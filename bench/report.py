@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from bench.data_rows import agent_rows, data_cache_rows, streaming_rows
 from bench.part_rows import (
     demo_rows,
     dequant_rows,
@@ -58,6 +59,9 @@ PAGES = {
         "lm_eval_speed",
         "int8",
         "dequant",
+        "data_cache",
+        "streaming",
+        "agent",
     ),
 }
 # pages whose table leaves out the CPU runs on other models than the default (`--model`; a product page's short
@@ -94,6 +98,9 @@ ROWS = {
     "lm_eval_speed": lm_eval_speed_rows,
     "int8": int8_rows,
     "dequant": dequant_rows,
+    "data_cache": data_cache_rows,
+    "streaming": streaming_rows,
+    "agent": agent_rows,
 }
 
 

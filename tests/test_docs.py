@@ -20,7 +20,8 @@ PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").g
 SCRIPT_VALUES = {"SLURM_NNODES": "2", "SLURM_NODEID": "0", "HEAD": "node-0"}
 OTHER_TOOLS = {"pip", "llama-cli", "llama-quantize", "ollama", "cd", "hf"}
 # documented commands that need what a CPU-only machine without the Hub lacks (GPUs, a Hub login, 7-8B weights,
-# a finished GRPO run)
+# a finished GRPO run), or more than one short step (the agent's recipes: a finished SFT run, prompts that list
+# tools; bench.agent runs them)
 NEEDS_MORE = (
     "--nproc-per-node 8",
     "llama3-8b",
@@ -31,6 +32,7 @@ NEEDS_MORE = (
     "runs/int8",
     "runs/smollm2-grpo",
     "runs/my-run",  # the evaluation guide's standard benchmarks, whose data is on the Hub
+    "smollm2-tools",
 )
 
 

@@ -12,7 +12,7 @@ from lora_llama.data.templates import chat_template_text, renders_tools
 from lora_llama.errors import UserError
 from lora_llama.objectives import rollout
 from lora_llama.objectives.grpo import GRPO, GRPOSettings
-from lora_llama.objectives.tools import tool_schemas
+from lora_llama.objectives.tools import load_tools, tool_schemas
 
 
 def test_a_template_that_cannot_render_tools_is_refused_naming_data_chat_template(tiny_ckpt, tmp_path):
@@ -199,3 +199,47 @@ def test_a_tool_calling_run_on_two_processes_equals_one(tmp_path, monkeypatch):
     keys = ("loss", "reward", "tools/call_frequency", "tools/failure_frequency", "tools/turns", "eval_reward")
     assert_same_runs(tmp_path / "one", tmp_path / "two", keys)
     assert any(r.get("tools/call_frequency", 0) > 0 for r in rows(tmp_path / "one"))
+
+
+def test_the_template_an_adapter_was_trained_with_goes_with_it_into_merge_and_generate(tiny_ckpt, tmp_path):
+    """An adapter folder holding chat_template.jinja (data.chat_template's): `merge` writes it as the merged
+    model's template, and the generate / eval commands' tokenizer renders with it."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from helpers import make_adapter
+    from lora_llama.commands import _load
+    from lora_llama.outputs.merge import merge_checkpoint
+
+    adapter = make_adapter(tiny_ckpt, tmp_path / "adapter")
+    (tmp_path / "adapter" / "chat_template.jinja").write_text(chat_template_text("chatml-tools"))
+    merge_checkpoint(tiny_ckpt, adapter, tmp_path / "merged")
+    merged = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert merged.chat_template == chat_template_text("chatml-tools") and renders_tools(merged)
+    args = argparse.Namespace(model=str(tiny_ckpt), adapter=str(adapter), dtype="float32", device="cpu")
+    assert renders_tools(_load(args)[1]) and not renders_tools(AutoTokenizer.from_pretrained(tiny_ckpt))
+
+
+def test_the_calculator_data_lists_the_calculator_tool_as_transformers_describes_it():
+    """calculator-chats carry recipes/tools/calculator.py's schema, so SFT and GRPO show the model the same
+    listing; each conversation's call computes its answer, and the reward scores the last number."""
+    from pathlib import Path
+
+    from lora_llama.data.loading import CALCULATOR_TOOL, REGISTERED_RECORDS
+    from lora_llama.objectives.rewards import load_reward
+
+    root = Path(__file__).resolve().parents[1]
+    calculate = load_tools([f"{root}/recipes/tools/calculator.py:calculate"])[0]
+    correct = load_reward(f"{root}/recipes/tools/calculator.py:correct")[1]
+    assert tool_schemas(GRPOSettings(tools=[f"{root}/recipes/tools/calculator.py:calculate"])) == [CALCULATOR_TOOL]
+    chats, questions = REGISTERED_RECORDS["calculator-chats"](), REGISTERED_RECORDS["calculator-questions"]()
+    for chat in chats[:50]:
+        call, result = chat["messages"][1]["tool_calls"][0]["function"], chat["messages"][2]["content"]
+        assert calculate(**call["arguments"]) == result and chat["tools"] == [CALCULATOR_TOOL]
+    assert {q["prompt"].split()[0] for q in questions} == {"What", "How", "Add", "Subtract", "Multiply"}
+    assert correct(None, [[{"role": "assistant", "content": "482 * 37 = 17834."}]] * 2, ["17834", "17835"]) == [
+        1.0,
+        0.0,
+    ]
+    assert calculate("482 * 37") == "17834" and calculate("7 / 2") == "3.5"

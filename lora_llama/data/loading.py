@@ -100,15 +100,35 @@ CALCULATOR_TOOL = {
 }
 
 
-def _calculator_questions(seed: int = 0, n: int = 2000) -> list[dict]:
+# how a question may put each operation: calculator-chats teach the first form, the questions use them all
+PHRASINGS = {
+    "+": ("What is {a} + {b}?", "How much is {a} plus {b}?", "Add {a} and {b}.", "What do {a} and {b} make together?"),
+    "-": (
+        "What is {a} - {b}?",
+        "How much is {a} minus {b}?",
+        "Subtract {b} from {a}.",
+        "What is left of {a} after {b}?",
+    ),
+    "*": (
+        "What is {a} * {b}?",
+        "How much is {a} times {b}?",
+        "Multiply {a} by {b}.",
+        "What is the product of {a} and {b}?",
+    ),
+}
+
+
+def _calculator_questions(seed: int = 0, n: int = 2000, varied: bool = True) -> list[dict]:
     """Arithmetic a small model gets wrong by heart: a sum or difference of 3-digit numbers, or a 3-digit number
-    times a 2-digit one, as a question (`prompt`) and its `answer`."""
+    times a 2-digit one, as a question (`prompt`, in any of PHRASINGS' forms, or the first alone) and its
+    `answer`."""
     rng, rows = random.Random(seed), []
     for _ in range(n):
         op = rng.choice("+-*")
         a, b = rng.randint(100, 999), rng.randint(10, 99) if op == "*" else rng.randint(100, 999)
         value = a + b if op == "+" else a - b if op == "-" else a * b
-        rows.append({"prompt": f"What is {a} {op} {b}?", "answer": str(value), "expression": f"{a} {op} {b}"})
+        form = rng.choice(PHRASINGS[op]) if varied else PHRASINGS[op][0]
+        rows.append({"prompt": form.format(a=a, b=b), "answer": str(value), "expression": f"{a} {op} {b}"})
     return rows
 
 
@@ -116,7 +136,7 @@ def _calculator_chats() -> list[dict]:
     """Conversations that answer such questions through the calculator: the call, its result, the answer; with
     the tool's schema in each record's `tools` (other draws than calculator-questions')."""
     chats = []
-    for q in _calculator_questions(seed=1):
+    for q in _calculator_questions(seed=1, varied=False):
         call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": q["expression"]}}}
         messages = [
             {"role": "user", "content": q["prompt"]},

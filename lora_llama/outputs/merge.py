@@ -20,7 +20,7 @@ import torch
 
 from lora_llama.errors import UserError
 from lora_llama.files.atomic import atomic_dir, refuse_existing
-from lora_llama.files.json_files import read_config, write_json
+from lora_llama.files.json_files import read_config, read_json, write_json
 from lora_llama.files.shards import (
     INDEX_FILE,
     SAFETENSORS_DTYPES,
@@ -30,7 +30,7 @@ from lora_llama.files.shards import (
     write_safetensors_streaming,
 )
 from lora_llama.files.tokenizer_files import copy_tokenizer_files
-from lora_llama.loading.adapters import adapter_deltas, embedding_changes, read_adapter_tensors
+from lora_llama.loading.adapters import CHAT_TEMPLATE, adapter_deltas, embedding_changes, read_adapter_tensors
 from lora_llama.loading.models import resolve_source
 from lora_llama.lora.layer import fold
 from lora_llama.model.config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
@@ -209,4 +209,10 @@ def merge_checkpoint(
         if (merger.folder / "generation_config.json").is_file():
             shutil.copy2(merger.folder / "generation_config.json", tmp / "generation_config.json")
         copy_tokenizer_files(merger.folder, tmp)
+        kept = Path(adapter) / CHAT_TEMPLATE if adapter is not None else None
+        if kept is not None and kept.is_file():  # the template the adapter was trained with (data.chat_template)
+            shutil.copy2(kept, tmp / CHAT_TEMPLATE)
+            cfg = read_json(tmp / "tokenizer_config.json") if (tmp / "tokenizer_config.json").is_file() else None
+            if cfg is not None and "chat_template" in cfg:  # the copy inside the config (for transformers 4.x) too
+                write_json(tmp / "tokenizer_config.json", {**cfg, "chat_template": kept.read_text()})
     return {"out": str(out), "bytes": total, "seconds": time.perf_counter() - start, "shards": n}

@@ -1,0 +1,55 @@
+"""The calculator agent of docs/agents.md, end to end through `lora-llama`: the base SmolLM2-135M-Instruct's
+held-out accuracy and tool-call rate (the GRPO recipe's eval at step 0 on the base), then
+`recipes/smollm2-tools-sft-cpu.yaml`, `lora-llama merge`, `recipes/smollm2-tools-grpo-cpu.yaml`; each stage's
+held-out accuracy (greedy, the right number in the last message), share of answers that call the calculator,
+and minutes. The line goes to bench/results/agent.jsonl."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from bench.common import ROOT, cpu_line, record, scratch_dir
+
+
+def lora_llama(*args) -> float:
+    """Minutes one command takes; its output is kept only when it fails."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "lora_llama", *args], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"lora-llama {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return (time.perf_counter() - start) / 60
+
+
+def evals(run) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "eval_reward" in r]
+
+
+def main():
+    tmp = scratch_dir("lora-llama-agent-")
+    grpo, sft = "recipes/smollm2-tools-grpo-cpu.yaml", "recipes/smollm2-tools-sft-cpu.yaml"
+    lora_llama("train", grpo, "model.source=smollm2-135m-instruct", "train.max_steps=1", f"output.dir={tmp / 'base'}")
+    base = evals(tmp / "base")[0]
+    sft_minutes = lora_llama("train", sft, f"output.dir={tmp / 'sft'}")
+    merge_minutes = lora_llama(
+        "merge", "--base", "smollm2-135m-instruct", "--adapter", str(tmp / "sft" / "adapter"), "--out", str(tmp / "m")
+    )
+    grpo_minutes = lora_llama("train", grpo, f"model.source={tmp / 'm'}", f"output.dir={tmp / 'grpo'}")
+    after_sft, *_, after_grpo = evals(tmp / "grpo")
+    stages = {"base": base, "sft": after_sft, "grpo": after_grpo}
+    figures = {f"{k}_accuracy": v["eval_reward"] for k, v in stages.items()}
+    figures |= {f"{k}_tool_calling": v["eval_tools/calling"] for k, v in stages.items()}
+    figures |= {"sft_minutes": sft_minutes, "merge_minutes": merge_minutes, "grpo_minutes": grpo_minutes}
+    figures = {k: round(v, 3) for k, v in figures.items()}
+    print(cpu_line())
+    for k, v in stages.items():
+        print(f"{k}: held-out accuracy {v['eval_reward']:.3f}, answers calling the tool {v['eval_tools/calling']:.3f}")
+    print(f"minutes: sft {sft_minutes:.1f}, merge {merge_minutes:.2f}, grpo {grpo_minutes:.1f}")
+    record("agent", figures)
+
+
+if __name__ == "__main__":
+    main()
