@@ -34,18 +34,14 @@ def _reward(fn, entries):
     return reward
 
 
-def trl_trainer(r, steps: int, precision: str, device: str, out: str):
-    from datasets import Dataset
-    from peft import LoraConfig
+def _model_and_tokenizer(r):
+    """transformers' model and tokenizer of the recipe's source (with data.chat_template), and its tool functions:
+    with tools, the tokenizer reads calls through trl's response template for the chatml-tools (Qwen) form."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
 
-    from lora_llama.data.prompts import build_prompts
     from lora_llama.data.templates import use_chat_template
     from lora_llama.loading.models import resolve_source
-    from lora_llama.model.config import LINEAR_NAMES
-    from lora_llama.objectives.rewards import load_reward
-    from lora_llama.objectives.tools import listed_tools, load_tools
+    from lora_llama.objectives.tools import load_tools
 
     source = resolve_source(r.model.source)  # the installed SmolLM2 GGUF is read by transformers' own loader
     where = dict(gguf_file=source.name) if source.suffix == ".gguf" else {}
@@ -53,10 +49,24 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
     tok = use_chat_template(AutoTokenizer.from_pretrained(folder, **where), r.data.chat_template)
     model = AutoModelForCausalLM.from_pretrained(folder, **where, dtype=torch.float32)
     tools = load_tools(r.train.grpo.tools)
-    if tools:  # trl reads calls through a response template; the chatml-tools calls are Qwen's
+    if tools:
         from trl.chat_template_utils import qwen3_template
 
         tok.response_template = qwen3_template
+    return model, tok, tools
+
+
+def trl_trainer(r, steps: int, precision: str, device: str, out: str):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lora_llama.data.prompts import build_prompts
+    from lora_llama.model.config import LINEAR_NAMES
+    from lora_llama.objectives.rewards import load_reward
+    from lora_llama.objectives.tools import listed_tools
+
+    model, tok, tools = _model_and_tokenizer(r)
     train, _ = build_prompts(
         r.data,
         tok,
