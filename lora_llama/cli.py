@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from lora_llama.commands import cmd_eval, cmd_export, cmd_generate, cmd_merge, cmd_push, cmd_train
+from lora_llama.commands import cmd_eval, cmd_export, cmd_generate, cmd_merge, cmd_push, cmd_studio, cmd_train
 from lora_llama.errors import UserError
 from lora_llama.model.config import DTYPE_NAMES, QUANTIZE_KINDS
 from lora_llama.runtime.launcher import speaks_for_job
@@ -181,6 +181,15 @@ def _add_eval(sub):
     e.set_defaults(func=cmd_eval)
 
 
+def _add_studio(sub):
+    s = sub.add_parser("studio", help="a local web page: runs and their curves, a form that starts new ones")
+    s.add_argument("--runs", default="runs", metavar="DIR", help="the runs folder it shows and writes (default: runs)")
+    s.add_argument("--host", default="127.0.0.1", help="the address to bind (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=NOT_NEGATIVE, default=7860, help="(default: 7860; 0: any free port)")
+    s.add_argument("--auth", metavar="USER:PASS", help="HTTP basic auth; needed to bind another address")
+    s.set_defaults(func=cmd_studio)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its mistakes in one line, as every other mistake (`--help` shows the usage)."""
 
@@ -191,7 +200,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lora-llama", description="LoRA fine-tuning for LLaMA-family models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_train, _add_merge, _add_export, _add_push, _add_generate, _add_eval):
+    for add in (_add_train, _add_merge, _add_export, _add_push, _add_generate, _add_eval, _add_studio):
         add(sub)
     return p
 

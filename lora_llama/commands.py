@@ -259,3 +259,18 @@ def _eval_tasks(args) -> int:
     write_text_atomic(out, to_json(results) + "\n")
     print(f"results: {out}")
     return 0
+
+
+def cmd_studio(args) -> int:
+    from pathlib import Path
+
+    from lora_llama.studio.server import serve
+
+    serve(
+        Path(args.runs),
+        args.host,
+        args.port,
+        args.auth,
+        ready=lambda url: print(f"lora-llama studio: {url}", flush=True),
+    )
+    return 0

@@ -33,6 +33,7 @@ NEEDS_MORE = (
     "runs/smollm2-grpo",
     "runs/my-run",  # the evaluation guide's standard benchmarks, whose data is on the Hub
     "smollm2-tools",
+    "lora-llama studio",  # a server: it runs until stopped (tests/test_studio.py drives it)
 )
 
 

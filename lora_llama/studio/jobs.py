@@ -1,0 +1,58 @@
+"""The runs a studio starts: each `lora-llama train` in a process of its own, its output in a log beside the run
+folder, so the page survives a run that crashes and the folder holds what the CLI writes. Stop sends SIGTERM
+(the trainer saves a checkpoint at the next step and ends); Resume starts the same command again, which resumes
+from the folder's checkpoint. The run folder's lock keeps two studios (or a studio and a terminal) from running
+one run twice."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from lora_llama.errors import UserError
+from lora_llama.studio.runs import is_running, log_path
+
+
+class Jobs:
+    """The processes this studio started, by run folder."""
+
+    def __init__(self, runs: Path):
+        self.runs = runs
+        self.processes: dict[Path, subprocess.Popen] = {}
+
+    def start(self, run: Path, command: list[str]) -> None:
+        """Run `lora-llama ARGS` (command without the program's name) for the run folder, unless it runs already."""
+        if is_running(run):
+            raise UserError(f"{run.name} is running already")
+        run.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path(run), "w")
+        log.write(f"$ {shlex.join(['lora-llama', *command])}\n")
+        log.flush()
+        self.processes[run] = subprocess.Popen(
+            [sys.executable, "-m", "lora_llama", *command],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # Ctrl-C on the studio does not stop its runs
+        )
+        log.close()
+
+    def stop(self, run: Path) -> None:
+        """SIGTERM to the run's trainer: it saves a checkpoint at the next step boundary and ends."""
+        process = self.processes.get(run)
+        if process is None or process.poll() is not None:
+            raise UserError(f"{run.name} is not running from this studio")
+        process.send_signal(signal.SIGTERM)
+
+    def command_of(self, run: Path) -> list[str]:
+        """The command the studio last started for the run (its log's first line), to resume it."""
+        log = log_path(run)
+        first = log.read_text().splitlines()[0] if log.is_file() else ""
+        if not first.startswith("$ lora-llama "):
+            raise UserError(f"{run.name} was not started from the studio: resume it with the command that started it")
+        return shlex.split(first[2:])[1:]

@@ -1,0 +1,119 @@
+"""The run folders under the studio's runs folder, as the page shows them: each one's status (running, finished,
+stopped, failed with its one-line error, not started), its step, its metrics, eval.prompts' answers, lm-eval's
+before and after, and its resolved recipe. Everything is read from what `lora-llama train` writes; a run is
+running while it holds its folder's lock."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from pathlib import Path
+
+from lora_llama.training.run_folder import (
+    ADAPTER,
+    METRICS,
+    RECIPE,
+    SAMPLES,
+    benchmark_files,
+    checkpoints,
+)
+
+LOG = ".{}.studio.log"  # beside the run folder, as its lock is: `--force` may delete the folder itself
+
+
+def is_running(run: Path) -> bool:
+    """Whether a `lora-llama train` holds the run folder's lock (taken by the kernel from a killed one)."""
+    lock = run.parent / f".{run.name}.lock"
+    if not lock.is_file():
+        return False
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
+def log_path(run: Path) -> Path:
+    return run.parent / LOG.format(run.name)
+
+
+def last_error(run: Path) -> str | None:
+    """The one-line error of the last studio-started process of this run, when it ended with one."""
+    log = log_path(run)
+    if not log.is_file():
+        return None
+    errors = [line for line in output_lines(log) if line.startswith("lora-llama train: error:")]
+    return errors[-1].removeprefix("lora-llama train: error: ") if errors else None
+
+
+def output_lines(log: Path) -> list[str]:
+    """A process's output as a terminal shows it: a progress bar's redraws (carriage returns) leave its last one."""
+    return [line.rsplit("\r", 1)[-1] for line in log.read_text(errors="replace").split("\n") if line.strip()]
+
+
+def metrics(run: Path) -> list[dict]:
+    path = run / METRICS
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            continue
+    return rows
+
+
+def status(run: Path) -> str:
+    if is_running(run):
+        return "running"
+    if (run / ADAPTER / "adapter_config.json").is_file():
+        return "finished"
+    if last_error(run):
+        return "failed"
+    return "stopped" if checkpoints(run) else "not started"
+
+
+def summary(run: Path) -> dict:
+    """One line of the runs list."""
+    rows = metrics(run)
+    steps = [r["step"] for r in rows if "loss" in r]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    return {
+        "name": run.name,
+        "status": status(run),
+        "failure": last_error(run) if status(run) == "failed" else None,
+        "step": steps[-1] if steps else 0,
+        "loss": losses[-1] if losses else None,
+        "modified": max((p.stat().st_mtime for p in (run / METRICS, run / RECIPE) if p.is_file()), default=0),
+    }
+
+
+def list_runs(root: Path) -> list[dict]:
+    """Every run folder under root (one holding a recipe.yaml or metrics.jsonl, or a studio log), newest first."""
+    folders = {p for p in root.iterdir() if p.is_dir() and ((p / RECIPE).is_file() or (p / METRICS).is_file())}
+    folders |= {root / p.name[1 : -len(".studio.log")] for p in root.glob(".*.studio.log")}
+    return sorted((summary(p) for p in folders), key=lambda s: -s["modified"])
+
+
+def detail(run: Path) -> dict:
+    """What the run's page shows: the summary, metrics rows, eval.prompts' answers, lm-eval's results per step,
+    the resolved recipe and the studio process's last lines."""
+    samples = run / SAMPLES
+    benchmarks = {}
+    for step, f in benchmark_files(run).items():
+        results = json.loads(f.read_text()).get("results", {})
+        benchmarks[step] = {
+            task: {k: v for k, v in r.items() if isinstance(v, (int, float))} for task, r in results.items()
+        }
+    log = log_path(run)
+    return {
+        **summary(run),
+        "metrics": metrics(run),
+        "samples": [json.loads(line) for line in samples.read_text().splitlines()] if samples.is_file() else [],
+        "benchmarks": benchmarks,
+        "recipe": (run / RECIPE).read_text() if (run / RECIPE).is_file() else "",
+        "log": output_lines(log)[-20:] if log.is_file() else [],
+    }

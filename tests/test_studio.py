@@ -1,0 +1,188 @@
+"""lora-llama studio in a real browser (Debian's chromium, driven by Playwright): a finished run's curves, a run
+started from the form that trains as the CLI does, a run stopped with its checkpoint, a bad value's one-line
+error with nothing started; and the server's refusals."""
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from lora_llama.cli import main
+from lora_llama.errors import UserError
+from lora_llama.studio.server import serve
+
+CHROMIUM = shutil.which("chromium")
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+
+
+def tiny_run(ckpt, out, *extra, process=False):
+    """A short SFT run of the tiny model through the CLI (in a process of its own, as the studio runs one)."""
+    (out.parent / "empty.yaml").write_text("")
+    args = [
+        "train",
+        str(out.parent / "empty.yaml"),
+        f"model.source={ckpt}",
+        "data.source=chatterbot-corpus",
+        "data.max_examples=40",
+        "data.max_seq_len=64",
+        "train.max_steps=3",
+        "train.eval_every=3",
+        "train.save_every=3",
+        "train.precision=fp32",
+        "lora.dropout=0.0",
+        f"output.dir={out}",
+        *extra,
+    ]
+    if process:
+        import subprocess
+        import sys
+
+        assert (
+            subprocess.run([sys.executable, "-m", "lora_llama", *args], cwd=ROOT, capture_output=True).returncode == 0
+        )
+    else:
+        assert main(args) == 0
+
+
+@pytest.fixture
+def studio(tmp_path):
+    """The studio on a runs folder, in a thread, at a free port; its URL."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    ready = []
+    thread = threading.Thread(target=serve, args=(runs, "127.0.0.1", 0, None, ready.append), daemon=True)
+    thread.start()
+    while not ready:
+        time.sleep(0.05)
+    return runs, ready[0]
+
+
+@pytest.fixture
+def page():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+        )
+        yield browser.new_page(viewport={"width": 1280, "height": 900})
+        browser.close()
+
+
+def shot(page, name: str, tmp_path: Path) -> None:
+    """A screenshot for docs/studio.md when LORA_LLAMA_SCREENSHOTS names a folder (else into the test's folder)."""
+    folder = Path(os.environ.get("LORA_LLAMA_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / f"studio-{name}.png"), full_page=False)
+
+
+def test_a_finished_run_shows_its_curves_and_recipe(tiny_ckpt, studio, page, tmp_path):
+    """Among 50 runs the page lists at once (in under 2 s)."""
+    runs, url = studio
+    tiny_run(tiny_ckpt, runs / "done")
+    for i in range(49):
+        shutil.copytree(runs / "done", runs / f"other-{i:02d}", ignore=shutil.ignore_patterns("checkpoints"))
+    start = time.perf_counter()
+    page.goto(url)
+    page.wait_for_selector("tr.run[data-name=done]")
+    assert time.perf_counter() - start < 2.0 and page.locator("tr.run").count() == 50
+    assert "finished" in page.inner_text("tr.run[data-name=done]")
+    page.click("tr.run[data-name=done]")
+    page.wait_for_selector("#detail svg.chart polyline")
+    assert page.get_attribute("#detail svg.chart", "data-keys") == "loss"
+    assert "eval_loss" in page.inner_html("#detail")
+    assert f"dir: {runs / 'done'}" in page.inner_text("#detail-recipe")
+    shot(page, "runs", tmp_path)
+
+
+def test_a_run_started_from_the_form_trains_as_the_cli_does(tiny_ckpt, studio, page, tmp_path):
+    runs, url = studio
+    tiny_run(tiny_ckpt, runs / "done")
+    page.goto(url)
+    page.click("#tab-new")
+    page.select_option("#base", "run done")
+    page.wait_for_selector("#fields[data-base='run done']")
+    page.fill("#run-name", "fresh")
+    page.fill("[data-path='train.lr']", "0.002")
+    page.wait_for_function("document.getElementById('command').textContent.includes('train.lr=0.002')")
+    command = page.inner_text("#command")
+    assert command.endswith(f"train.lr=0.002 output.dir={runs / 'fresh'}"), command
+    page.evaluate("window.scrollTo(0, 0)")
+    shot(page, "new-run", tmp_path)
+    page.click("#start")
+    page.wait_for_selector("#detail[data-name=fresh][data-status=finished]", timeout=120_000)
+    (tmp_path / "cli-runs").mkdir()
+    tiny_run(tiny_ckpt, tmp_path / "cli-runs" / "cli", "train.lr=0.002", process=True)
+    ours, cli = (
+        load_file(r / "adapter" / "adapter_model.safetensors") for r in (runs / "fresh", tmp_path / "cli-runs" / "cli")
+    )
+    assert ours.keys() == cli.keys() and all((ours[k] == cli[k]).all() for k in ours)
+
+
+def test_a_bad_value_is_the_clis_one_line_and_starts_nothing(tiny_ckpt, studio, page):
+    runs, url = studio
+    page.goto(url)
+    page.click("#tab-new")
+    page.wait_for_function("document.getElementById('command').textContent.includes('lora-llama train')")
+    page.fill("#run-name", "bad")
+    page.fill("[data-path='train.lr']", "-1")
+    page.wait_for_function("document.getElementById('form-error').textContent.length > 0")
+    assert page.inner_text("#form-error") == "recipe key 'train.lr': Input should be greater than 0 (got -1)"
+    page.click("#start")
+    time.sleep(0.5)
+    assert not (runs / "bad").exists() and not list(runs.glob(".bad*"))
+
+
+def test_stop_ends_a_run_with_its_checkpoint_and_resume_continues_from_it(tiny_ckpt, studio, page, tmp_path):
+    runs, url = studio
+    tiny_run(tiny_ckpt, runs / "done")
+    page.goto(url)
+    page.click("#tab-new")
+    page.select_option("#base", "run done")
+    page.wait_for_selector("#fields[data-base='run done']")
+    page.fill("#run-name", "long")
+    page.fill("[data-path='train.max_steps']", "100000")
+    page.fill("[data-path='train.save_every']", "100000")
+    page.wait_for_function("document.getElementById('command').textContent.includes('train.max_steps=100000')")
+    page.click("#start")
+    page.wait_for_selector("#detail[data-name=long][data-status=running] #stop", timeout=60_000)
+    page.wait_for_function("Number(document.getElementById('detail-step').textContent) > 2", timeout=60_000)
+    page.click("#stop")
+    page.wait_for_selector("#detail[data-name=long][data-status=stopped]", timeout=60_000)
+    [saved] = (runs / "long" / "checkpoints").glob("step-*")
+    assert "stopped by SIGTERM" in page.inner_text("#detail-log")
+    shot(page, "stopped", tmp_path)
+    page.click("#resume")
+    page.wait_for_function(
+        f"document.getElementById('detail-log').textContent.includes('resuming from {saved}')", timeout=60_000
+    )
+    page.wait_for_selector("#detail[data-name=long][data-status=running] #stop", timeout=60_000)
+    page.click("#stop")
+    page.wait_for_selector("#detail[data-name=long][data-status=stopped]", timeout=60_000)
+
+
+def test_the_server_refuses_another_address_without_auth(tmp_path):
+    with pytest.raises(UserError, match="--auth USER:PASS"):
+        serve(tmp_path, "0.0.0.0", 0, None)
+
+
+def test_a_run_that_fails_shows_the_clis_one_line(tiny_ckpt, studio, page):
+    runs, url = studio
+    tiny_run(tiny_ckpt, runs / "done")
+    page.goto(url)
+    page.click("#tab-new")
+    page.select_option("#base", "run done")
+    page.wait_for_selector("#fields[data-base='run done']")
+    page.fill("#run-name", "broken")
+    page.fill("[data-path='data.source']", "missing.jsonl")
+    page.wait_for_function("document.getElementById('command').textContent.includes('missing.jsonl')")
+    page.click("#start")
+    page.wait_for_selector("#detail[data-name=broken][data-status=failed]", timeout=60_000)
+    assert page.inner_text("#detail-status").startswith("failed: data source not found: 'missing.jsonl'")
+    assert "failed: data source not found" in page.inner_text("tr.run[data-name=broken]")
