@@ -1,5 +1,5 @@
-"""Table rows of the data and agent benchmarks' results: the tokenized cache, streaming's memory against the
-corpus, the calculator agent's stages; each function takes one result line and gives (what, lora-llama, peer,
+"""Table rows of the data, agent and studio benchmarks' results: the tokenized cache, streaming's memory against the
+corpus, the calculator agent's stages, a run's speed with a studio page open on it; each function takes one result line and gives (what, lora-llama, peer,
 ratio)."""
 
 from __future__ import annotations
@@ -48,3 +48,14 @@ def agent_rows(r: dict) -> list[tuple]:
         )
     )
     return rows
+
+
+def studio_rows(r: dict) -> list[tuple]:
+    return [
+        (
+            "training tokens/s with a studio page open on the run, against the run alone",
+            f"{r['watched_tokens_per_s']:.0f} tok/s",
+            f"{r['alone_tokens_per_s']:.0f} tok/s alone",
+            f"{r['ratio']:.2f}x",
+        )
+    ]

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.data_rows import agent_rows, data_cache_rows, streaming_rows
+from bench.data_rows import agent_rows, data_cache_rows, streaming_rows, studio_rows
 from bench.part_rows import (
     demo_rows,
     dequant_rows,
@@ -62,6 +62,7 @@ PAGES = {
         "data_cache",
         "streaming",
         "agent",
+        "studio",
     ),
 }
 # pages whose table leaves out the CPU runs on other models than the default (`--model`; a product page's short
@@ -101,6 +102,7 @@ ROWS = {
     "data_cache": data_cache_rows,
     "streaming": streaming_rows,
     "agent": agent_rows,
+    "studio": studio_rows,
 }
 
 

@@ -4,6 +4,7 @@ error with nothing started; and the server's refusals."""
 
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from lora_llama.cli import main
 from lora_llama.errors import UserError
+from lora_llama.studio.runs import is_running
 from lora_llama.studio.server import serve
 
 CHROMIUM = shutil.which("chromium")
@@ -59,7 +61,14 @@ def studio(tmp_path):
     thread.start()
     while not ready:
         time.sleep(0.05)
-    return runs, ready[0]
+    yield runs, ready[0]
+    for lock in runs.glob(".*.lock"):  # a run a failed test left going: its lock, still held, holds its pid
+        pid = lock.read_text().strip()
+        if pid.isdigit() and is_running(runs / lock.name[1 : -len(".lock")]):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture
@@ -186,3 +195,53 @@ def test_a_run_that_fails_shows_the_clis_one_line(tiny_ckpt, studio, page):
     page.wait_for_selector("#detail[data-name=broken][data-status=failed]", timeout=60_000)
     assert page.inner_text("#detail-status").startswith("failed: data source not found: 'missing.jsonl'")
     assert "failed: data source not found" in page.inner_text("tr.run[data-name=broken]")
+
+
+def test_chat_shows_the_base_and_the_adapter_as_generate_does_and_ship_merges(tiny_ckpt, studio, page, tmp_path):
+    """A finished run's page: a prompt answered by the base and by the adapter side by side (each what `lora-llama
+    generate` prints for the same prompt and seed), Merge writing run/merged, a bad repository refused in one
+    line."""
+    import subprocess
+    import sys
+
+    runs, url = studio
+    tiny_run(tiny_ckpt, runs / "done")
+    page.goto(url)
+    page.click("tr.run[data-name=done]")
+    page.fill("#chat-prompt", "What can you eat?")
+    page.fill("#chat-seed", "3")
+    page.click("#send")
+    page.wait_for_selector("#chat-base[data-done=true]", timeout=60_000)
+    page.wait_for_selector("#chat-adapter[data-done=true]", timeout=60_000)
+    common = ["generate", "--model", str(tiny_ckpt), "--chat", "--prompt", "What can you eat?", "--seed", "3"]
+    common += ["--max-new-tokens", "64", "--temperature", "0.7"]
+    for pane, extra in (("#chat-base", []), ("#chat-adapter", ["--adapter", str(runs / "done" / "adapter")])):
+        cli = subprocess.run([sys.executable, "-m", "lora_llama", *common, *extra], capture_output=True, text=True)
+        assert page.inner_text(pane).strip() == cli.stdout.strip() != "", pane
+    page.locator("#chat").scroll_into_view_if_needed()
+    shot(page, "chat", tmp_path)
+    page.click("#merge")
+    page.wait_for_selector("#ship-output[data-done=true]", timeout=60_000)
+    assert "merged into" in page.inner_text("#ship-output")
+    assert (runs / "done" / "merged" / "model.safetensors.index.json").is_file()
+    page.fill("#repo-id", "not a repo")
+    page.click("#push")
+    page.wait_for_function("document.getElementById('ship-output').textContent.startsWith('push needs')")
+
+
+def test_auth_guards_every_page_and_call(tmp_path):
+    """--auth USER:PASS: without the credentials, 401 and nothing read; with them, the page and the API."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    ready = []
+    threading.Thread(target=serve, args=(tmp_path, "127.0.0.1", 0, "ann:secret", ready.append), daemon=True).start()
+    while not ready:
+        time.sleep(0.05)
+    for path in ("", "api/runs"):
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(ready[0] + path)
+        request = urllib.request.Request(ready[0] + path)
+        request.add_header("Authorization", "Basic " + base64.b64encode(b"ann:secret").decode())
+        assert urllib.request.urlopen(request).status == 200

@@ -22,17 +22,22 @@ class Jobs:
 
     def __init__(self, runs: Path):
         self.runs = runs
-        self.processes: dict[Path, subprocess.Popen] = {}
+        self.processes: dict[tuple[Path, str], subprocess.Popen] = {}
 
-    def start(self, run: Path, command: list[str]) -> None:
-        """Run `lora-llama ARGS` (command without the program's name) for the run folder, unless it runs already."""
-        if is_running(run):
+    def start(self, run: Path, command: list[str], what: str = "studio") -> None:
+        """Run `lora-llama ARGS` (command without the program's name) for the run folder: its training (what
+        "studio"), unless it runs already, or a command on its adapter (chat, ship), its output in its own log."""
+        if what == "studio" and is_running(run):
             raise UserError(f"{run.name} is running already")
+        if what == "studio" and self.busy(run, what):  # it let go of the run folder's lock: it is ending
+            self.processes[run, what].wait(timeout=60)
+        if self.busy(run, what):
+            raise UserError(f"{run.name}: the last {what} command is still running")
         run.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path(run), "w")
+        log = open(log_path(run, what), "w")
         log.write(f"$ {shlex.join(['lora-llama', *command])}\n")
         log.flush()
-        self.processes[run] = subprocess.Popen(
+        self.processes[run, what] = subprocess.Popen(
             [sys.executable, "-m", "lora_llama", *command],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -42,9 +47,13 @@ class Jobs:
         )
         log.close()
 
+    def busy(self, run: Path, what: str) -> bool:
+        process = self.processes.get((run, what))
+        return process is not None and process.poll() is None
+
     def stop(self, run: Path) -> None:
         """SIGTERM to the run's trainer: it saves a checkpoint at the next step boundary and ends."""
-        process = self.processes.get(run)
+        process = self.processes.get((run, "studio"))
         if process is None or process.poll() is not None:
             raise UserError(f"{run.name} is not running from this studio")
         process.send_signal(signal.SIGTERM)

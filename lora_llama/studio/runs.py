@@ -18,14 +18,25 @@ from lora_llama.training.run_folder import (
     checkpoints,
 )
 
-LOG = ".{}.studio.log"  # beside the run folder, as its lock is: `--force` may delete the folder itself
+# beside the run folder, as its lock is (`--force` may delete the folder itself): the output of the run's training
+# process, and of what the page asks of its adapter (chat-base, chat-adapter, ship)
+LOG = ".{}.{}.log"
 
 
 def is_running(run: Path) -> bool:
-    """Whether a `lora-llama train` holds the run folder's lock (taken by the kernel from a killed one)."""
+    """Whether a `lora-llama train` holds the run folder's lock (the kernel drops a killed one's). Read from
+    /proc/locks, so that looking never takes the lock a starting run is about to take; elsewhere, a probe."""
     lock = run.parent / f".{run.name}.lock"
     if not lock.is_file():
         return False
+    locks = Path("/proc/locks")
+    if locks.is_file():
+        inode = lock.stat().st_ino
+        return any(
+            line.split()[1] == "FLOCK" and line.split()[5].endswith(f":{inode}")
+            for line in locks.read_text().splitlines()
+            if len(line.split()) > 5
+        )
     with open(lock, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -35,8 +46,8 @@ def is_running(run: Path) -> bool:
     return False
 
 
-def log_path(run: Path) -> Path:
-    return run.parent / LOG.format(run.name)
+def log_path(run: Path, what: str = "studio") -> Path:
+    return run.parent / LOG.format(run.name, what)
 
 
 def last_error(run: Path) -> str | None:
@@ -94,7 +105,7 @@ def summary(run: Path) -> dict:
 def list_runs(root: Path) -> list[dict]:
     """Every run folder under root (one holding a recipe.yaml or metrics.jsonl, or a studio log), newest first."""
     folders = {p for p in root.iterdir() if p.is_dir() and ((p / RECIPE).is_file() or (p / METRICS).is_file())}
-    folders |= {root / p.name[1 : -len(".studio.log")] for p in root.glob(".*.studio.log")}
+    folders |= {root / p.name[1 : -len(".studio.log")] for p in root.glob(LOG.format("*", "studio"))}
     return sorted((summary(p) for p in folders), key=lambda s: -s["modified"])
 
 

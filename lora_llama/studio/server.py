@@ -1,6 +1,6 @@
 """`lora-llama studio`: the page and its small JSON API over the standard library's HTTP server. The page is one
-HTML file (page.html); the API reads run folders (runs.py), makes runs from the form (form.py) and starts and
-stops them (jobs.py). It binds 127.0.0.1; another address needs --auth USER:PASS (HTTP basic auth). Runs are
+HTML file (page.html); the API reads run folders (runs.py), makes runs from the form (form.py), starts and
+stops them (jobs.py), and runs chat and ship commands on a finished run's adapter (actions.py). It binds 127.0.0.1; another address needs --auth USER:PASS (HTTP basic auth). Runs are
 confined to the runs folder, and a run starts from a shipped recipe or a run's own."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from urllib.parse import parse_qs, urlparse
 
 from lora_llama.errors import UserError
 from lora_llama.recipe.schema import load_recipe
+from lora_llama.studio.actions import chat_commands, ship_command
 from lora_llama.studio.form import fields, flat_values, plan
 from lora_llama.studio.jobs import Jobs
-from lora_llama.studio.runs import detail, list_runs
+from lora_llama.studio.runs import detail, list_runs, log_path, output_lines
 from lora_llama.training.run_folder import RECIPE
 
 PAGE = Path(__file__).with_name("page.html")
@@ -58,6 +59,13 @@ class Studio:
             return list_runs(self.runs) if self.runs.is_dir() else []
         if path == "/api/run":
             return detail(self.run_folder(query.get("name", "")))
+        if path == "/api/output":  # a chat or ship command's output so far, and whether it still runs
+            run, what = self.run_folder(query.get("name", "")), query.get("what", "")
+            if what not in ("chat-base", "chat-adapter", "ship"):
+                raise UserError(f"no output {what!r}")
+            log = log_path(run, what)
+            lines = output_lines(log)[1:] if log.is_file() else []  # the first line is the command
+            return {"lines": lines, "running": self.jobs.busy(run, what)}
         if path == "/api/form":
             bases = base_recipes(self.runs)
             label = query.get("base") or next(iter(bases))
@@ -72,7 +80,19 @@ class Studio:
                 self.jobs.start(run, ["train", self.base(body["base"]), *made["overrides"]])
             return made
         run = self.run_folder(body.get("name", ""))
-        if path == "/api/stop":
+        if path == "/api/chat":
+            made = chat_commands(
+                run,
+                str(body.get("prompt", "")),
+                int(body.get("seed", 0)),
+                int(body.get("max_new_tokens", 64)),
+                float(body.get("temperature", 0.7)),
+            )
+            for what, command in made.items():
+                self.jobs.start(run, command, what)
+        elif path == "/api/ship":
+            self.jobs.start(run, ship_command(run, str(body.get("action", "")), str(body.get("repo_id", ""))), "ship")
+        elif path == "/api/stop":
             self.jobs.stop(run)
         elif path == "/api/resume":
             self.jobs.start(run, self.jobs.command_of(run))
