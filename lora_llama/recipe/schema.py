@@ -62,7 +62,7 @@ class DataSection(Settings):
     source: str = Field(
         "chatterbot-corpus",
         description="JSON/JSONL/CSV/Parquet/text file, folder, Hub dataset id "
-        "or registered name (chatterbot-corpus, chatterbot-pairs, shakespeare)",
+        "or registered name (chatterbot-corpus, chatterbot-pairs, shakespeare, calculator-chats, calculator-questions)",
     )
     sources: list[SourceSection] | None = Field(
         None,
