@@ -1,6 +1,6 @@
-"""Table rows of the data, agent and studio benchmarks' results: the tokenized cache, streaming's memory against the
-corpus, the calculator agent's stages, a run's speed with a studio page open on it; each function takes one result line and gives (what, lora-llama, peer,
-ratio)."""
+"""Table rows of the data, agent and studio benchmarks' results: the tokenized cache, streaming's memory against
+the corpus, the calculator agent's stages, a run's speed with a studio page open on it; each function takes one
+result line and gives (what, lora-llama, peer, ratio)."""
 
 from __future__ import annotations
 

@@ -71,8 +71,6 @@ def sources_args(tiny_ckpt, sources, out, *extra):
 
 
 def test_three_sources_train_in_their_proportions_and_a_killed_run_resumes_exactly(tiny_ckpt, tmp_path):
-    from safetensors.torch import load_file
-
     sources = three_sources(tmp_path)
     out, err, code = run_cli(sources_args(tiny_ckpt, sources, tmp_path / "whole"))
     assert code == 0, err[-2000:]
@@ -83,7 +81,10 @@ def test_three_sources_train_in_their_proportions_and_a_killed_run_resumes_exact
         assert abs(n / sum(counts) - weight) < 0.03, counts
     assert "data mixture of 3 sources" in out + err
     # killed (-9) right after the checkpoint of step 2, then the same command again: the uninterrupted adapter
-    kill = """import lora_llama.training.checkpoints as c
+    assert_killed_run_resumes_exactly(tiny_ckpt, sources, tmp_path)
+
+
+KILL_AFTER_STEP_2 = """import lora_llama.training.checkpoints as c
 _save = c.Checkpoints.save
 def save(self, step, *a, **k):
     path = _save(self, step, *a, **k)
@@ -92,8 +93,15 @@ def save(self, step, *a, **k):
     return path
 c.Checkpoints.save = save
 """
-    args = sources_args(tiny_ckpt, sources, tmp_path / "killed")
-    assert run_cli(args, patch=kill)[2] == -9
+
+
+def assert_killed_run_resumes_exactly(tiny_ckpt, sources, tmp_path, *extra):
+    """A run of the sources killed (-9) right after its checkpoint of step 2, then the same command again, ends
+    with the adapter of the run in tmp_path/whole (difference 0.0)."""
+    from safetensors.torch import load_file
+
+    args = sources_args(tiny_ckpt, sources, tmp_path / "killed", *extra)
+    assert run_cli(args, patch=KILL_AFTER_STEP_2)[2] == -9
     out, err, code = run_cli(args)
     assert code == 0 and "resuming from" in out + err, err[-2000:]
     whole = load_file(tmp_path / "whole" / "adapter" / "adapter_model.safetensors")

@@ -5,7 +5,7 @@ import itertools
 import json
 
 import pytest
-from test_data_sources import sources_args, three_sources
+from test_data_sources import assert_killed_run_resumes_exactly, sources_args, three_sources
 from test_reliability import run_cli
 
 from helpers import PEAK_MEMORY_HELPERS, fresh_python
@@ -95,29 +95,13 @@ def test_streamed_sources_are_drawn_by_their_weights(tiny_ckpt, tmp_path):
 def test_a_killed_streamed_run_resumes_exactly(tiny_ckpt, tmp_path):
     """kill -9 right after the checkpoint of step 2, then the same command: the adapter an uninterrupted run
     gives, over three sources read as streams, shuffled and packed."""
-    from safetensors.torch import load_file
 
     sources = three_sources(tmp_path)
     extra = ["data.streaming=true", "data.buffer_size=64", "data.packing=true", "data.val_size=0"]
     out, err, code = run_cli(sources_args(tiny_ckpt, sources, tmp_path / "whole", *extra))
     assert code == 0, err[-2000:]
     assert "streamed train" in out + err
-    kill = """import lora_llama.training.checkpoints as c
-_save = c.Checkpoints.save
-def save(self, step, *a, **k):
-    path = _save(self, step, *a, **k)
-    if step == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return path
-c.Checkpoints.save = save
-"""
-    args = sources_args(tiny_ckpt, sources, tmp_path / "killed", *extra)
-    assert run_cli(args, patch=kill)[2] == -9
-    out, err, code = run_cli(args)
-    assert code == 0 and "resuming from" in out + err, err[-2000:]
-    whole = load_file(tmp_path / "whole" / "adapter" / "adapter_model.safetensors")
-    resumed = load_file(tmp_path / "killed" / "adapter" / "adapter_model.safetensors")
-    assert all(float((whole[k] - resumed[k]).abs().max()) == 0.0 for k in whole)
+    assert_killed_run_resumes_exactly(tiny_ckpt, sources, tmp_path, *extra)
 
 
 @pytest.mark.parametrize(

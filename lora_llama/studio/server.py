@@ -1,7 +1,8 @@
 """`lora-llama studio`: the page and its small JSON API over the standard library's HTTP server. The page is one
 HTML file (page.html); the API reads run folders (runs.py), makes runs from the form (form.py), starts and
-stops them (jobs.py), and runs chat and ship commands on a finished run's adapter (actions.py). It binds 127.0.0.1; another address needs --auth USER:PASS (HTTP basic auth). Runs are
-confined to the runs folder, and a run starts from a shipped recipe or a run's own."""
+stops them (jobs.py), and runs chat and ship commands on a finished run's adapter (actions.py). It binds
+127.0.0.1; another address needs --auth USER:PASS (HTTP basic auth). Runs are confined to the runs folder, and
+a run starts from a shipped recipe or a run's own."""
 
 from __future__ import annotations
 
