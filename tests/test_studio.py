@@ -2,6 +2,7 @@
 started from the form that trains as the CLI does, a run stopped with its checkpoint, a bad value's one-line
 error with nothing started; and the server's refusals."""
 
+import json
 import os
 import shutil
 import signal
@@ -95,6 +96,10 @@ def test_a_finished_run_shows_its_curves_and_recipe(tiny_ckpt, studio, page, tmp
     """Among 50 runs the page lists at once (in under 2 s)."""
     runs, url = studio
     tiny_run(tiny_ckpt, runs / "done")
+    (runs / "done" / "eval").mkdir()
+    for step, acc in ((0, 0.25), (3, 0.375)):  # what eval.tasks writes: lm-eval's results, the base's at step 0
+        results = {"results": {"arc_easy": {"alias": "arc_easy", "acc,none": acc, "acc_stderr,none": 0.01}}}
+        (runs / "done" / "eval" / f"lm-eval-step-{step}.json").write_text(json.dumps(results))
     for i in range(49):
         shutil.copytree(runs / "done", runs / f"other-{i:02d}", ignore=shutil.ignore_patterns("checkpoints"))
     start = time.perf_counter()
@@ -106,6 +111,8 @@ def test_a_finished_run_shows_its_curves_and_recipe(tiny_ckpt, studio, page, tmp
     page.wait_for_selector("#detail svg.chart polyline")
     assert page.get_attribute("#detail svg.chart", "data-keys") == "loss"
     assert "eval_loss" in page.inner_html("#detail")
+    table = page.inner_text("#benchmarks")
+    assert "base\tstep 3" in table and "arc_easy\tacc,none\t0.2500\t0.3750" in table, table
     assert f"dir: {runs / 'done'}" in page.inner_text("#detail-recipe")
     shot(page, "runs", tmp_path)
 
@@ -171,7 +178,10 @@ def test_stop_ends_a_run_with_its_checkpoint_and_resume_continues_from_it(tiny_c
     shot(page, "stopped", tmp_path)
     page.click("#resume")
     page.wait_for_selector("#detail[data-name=long][data-status=running] #stop", timeout=60_000)
-    assert f"resuming from {saved}" in (runs / ".long.studio.log").read_text()
+    log, deadline = runs / ".long.studio.log", time.monotonic() + 60  # the run takes its lock, then loads and says
+    while f"resuming from {saved}" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert f"resuming from {saved}" in log.read_text()
     page.click("#stop")
     page.wait_for_selector("#detail[data-name=long][data-status=stopped]", timeout=60_000)
 
