@@ -148,14 +148,14 @@ def sample_turns(
                 done = torch.ones(rows, dtype=torch.bool, device=device)
                 done[going] = False
                 budget = max(max_new_tokens - used[i] for i in going)
-                steps.make_room(budget)
+                steps.start_turn(budget)
                 out = loop.run(steps, budget, choose, done)
                 turns = [_cut(out[i], eos)[: max_new_tokens - used[i]] for i in going]
                 for i, turn in zip(going, turns):
                     pieces[i].append((turn, True))
                     used[i] += len(turn)
                     sampled[i] += len(turn)
-                steps.close_turn(out, going, turns)
+                steps.close_turn(going, turns)
                 additions = _added(respond, going, turns, used, eos, max_new_tokens)
                 for i, more in additions.items():
                     pieces[i].append((more, False))
@@ -187,6 +187,13 @@ def _added(respond, going: list[int], turns: list[list[int]], used: list[int], e
     return {i: list(more) for (i, _), more in zip(asked, added) if more and used[i] + len(more) <= limit}
 
 
+def _last_logits(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """Run a block of ids (B, T) into the cache; the logits (B, V) at its last column (rows are right-aligned)."""
+    last = torch.zeros_like(ids, dtype=torch.bool)
+    last[:, -1] = True
+    return model(ids, position_ids=positions, cache=cache, keep=last)
+
+
 class _TurnSteps:
     """The decoding steps of sample_turns over one growing cache: each row's positions run on by its own tokens,
     and a position that holds padding (after a row's EOS, before a shorter addition) is never a key."""
@@ -196,15 +203,14 @@ class _TurnSteps:
         ids, positions, key_mask = left_padded(prompts, pad_id, room, device)
         self.model, self.pad_id = model, pad_id
         self.cache = model.new_cache(ids.shape[0], key_mask.shape[1], key_mask)
-        last = torch.zeros_like(ids, dtype=torch.bool)
-        last[:, -1] = True
-        self.first = model(ids, position_ids=positions, cache=self.cache, keep=last).repeat_interleave(group, 0)
+        self.first = _last_logits(model, ids, positions, self.cache).repeat_interleave(group, 0)
         self.cache.repeat_rows(group)
         self.next_pos = positions[:, -1].repeat_interleave(group, 0) + 1
         self.turn_start = self.cache.pos
 
-    def make_room(self, n: int) -> None:
-        self.cache.make_room(n)
+    def start_turn(self, room: int) -> None:
+        """A turn of up to `room` tokens starts here: the cache has room for them."""
+        self.cache.make_room(room)
         self.turn_start = self.cache.pos
 
     def after(self, token: torch.Tensor, step: int, fed: torch.Tensor) -> torch.Tensor:
@@ -214,7 +220,7 @@ class _TurnSteps:
         self.next_pos += fed.long()
         return logits
 
-    def close_turn(self, out: list[list[int]], going: list[int], turns: list[list[int]]) -> None:
+    def close_turn(self, going: list[int], turns: list[list[int]]) -> None:
         """After a turn: the tokens past each row's kept turn are no keys. A turn's last token is fed to the cache
         only by the next step, so a row's whole turn is in it only if the loop ran past its end."""
         written = self.cache.pos - self.turn_start  # tokens of the turn whose keys are in the cache
@@ -243,10 +249,7 @@ class _TurnSteps:
             positions[i, width - len(seq) :] = start[i] + torch.arange(len(seq))
         self.cache.make_room(width)
         self.cache.key_mask[:, self.cache.pos : self.cache.pos + width] = real.to(device)
-        last = torch.zeros((rows, width), dtype=torch.bool)
-        last[:, -1] = True
-        ids, positions, last = ids.to(device), positions.to(device), last.to(device)
-        self.first = self.model(ids, position_ids=positions, cache=self.cache, keep=last)
+        self.first = _last_logits(self.model, ids.to(device), positions.to(device), self.cache)
         self.next_pos = self.next_pos + real.sum(1).to(device)
 
 
@@ -265,9 +268,7 @@ class _Steps:
             return
         padded = len({len(p) for p in prompts}) > 1
         cache = model.new_cache(ids.shape[0], key_mask.shape[1], key_mask if padded or static else None)
-        last = torch.zeros_like(ids, dtype=torch.bool)
-        last[:, -1] = True
-        self.first = model(ids, position_ids=positions, cache=cache, keep=last).repeat_interleave(group, 0)
+        self.first = _last_logits(model, ids, positions, cache).repeat_interleave(group, 0)
         self.next_pos = positions[:, -1].repeat_interleave(group, 0) + 1
         if static:
             self.decoder = decoder_for(model, len(prompts) * group, key_mask.shape[1])

@@ -16,6 +16,7 @@ others waiting no longer than it takes.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
@@ -105,9 +106,13 @@ class Toolbox:
     """The tools one rollout can call (the recipe's functions and its environment's methods), by name."""
 
     def __init__(self, functions: list[Callable], environment=None):
-        tools = list(functions) + (environment_tools(environment) if environment is not None else [])
-        self.tools = {fn.__name__: fn for fn in tools}
-        self.schemas = [tool_schema(fn, fn.__name__) for fn in tools]
+        self.listed = list(functions) + (environment_tools(environment) if environment is not None else [])
+        self.tools = {fn.__name__: fn for fn in self.listed}
+
+    @functools.cached_property
+    def schemas(self) -> list[dict]:
+        """The tools' JSON schemas, made when a prompt is rendered with them (not for every rollout's toolbox)."""
+        return [tool_schema(fn, fn.__name__) for fn in self.listed]
 
 
 class _Call(threading.Thread):

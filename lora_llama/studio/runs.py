@@ -89,13 +89,13 @@ def status(run: Path) -> str:
 
 def summary(run: Path) -> dict:
     """One line of the runs list."""
-    rows = metrics(run)
+    rows, state = metrics(run), status(run)
     steps = [r["step"] for r in rows if "loss" in r]
     losses = [r["loss"] for r in rows if "loss" in r]
     return {
         "name": run.name,
-        "status": status(run),
-        "failure": last_error(run) if status(run) == "failed" else None,
+        "status": state,
+        "failure": last_error(run) if state == "failed" else None,
         "step": steps[-1] if steps else 0,
         "loss": losses[-1] if losses else None,
         "modified": max((p.stat().st_mtime for p in (run / METRICS, run / RECIPE) if p.is_file()), default=0),

@@ -75,10 +75,10 @@ class Studio:
 
     def post(self, path: str, body: dict) -> dict:
         if path in ("/api/plan", "/api/start"):
-            made = plan(self.base(body.get("base", "")), body.get("values", {}), self.runs, body.get("name", ""))
+            base = self.base(body.get("base", ""))
+            made = plan(base, body.get("values", {}), self.runs, body.get("name", ""))
             if path == "/api/start" and "error" not in made:
-                run = self.run_folder(body["name"])
-                self.jobs.start(run, ["train", self.base(body["base"]), *made["overrides"]])
+                self.jobs.start(self.run_folder(body["name"]), ["train", base, *made["overrides"]])
             return made
         run = self.run_folder(body.get("name", ""))
         if path == "/api/chat":
