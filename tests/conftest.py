@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -57,3 +61,40 @@ def chat_data(tmp_path):
     from two_processes import QA
 
     return chat_file(tmp_path / "d.jsonl", QA)
+
+
+@pytest.fixture
+def studio(tmp_path):
+    """The studio on a runs folder, in a thread, at a free port; its URL."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    from lora_llama.studio.runs import is_running
+    from lora_llama.studio.server import serve
+
+    ready = []
+    thread = threading.Thread(target=serve, args=(runs, "127.0.0.1", 0, None, ready.append), daemon=True)
+    thread.start()
+    while not ready:
+        time.sleep(0.05)
+    yield runs, ready[0]
+    for lock in runs.glob(".*.lock"):  # a run a failed test left going: its lock, still held, holds its pid
+        pid = lock.read_text().strip()
+        if pid.isdigit() and is_running(runs / lock.name[1 : -len(".lock")]):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def page():
+    """A headless Chromium page (Debian's chromium: Playwright cannot download its own browsers here)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=shutil.which("chromium"),
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+        )
+        yield browser.new_page(viewport={"width": 1280, "height": 900})
+        browser.close()

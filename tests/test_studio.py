@@ -3,99 +3,24 @@ started from the form that trains as the CLI does, a run stopped with its checkp
 error with nothing started; and the server's refusals."""
 
 import json
-import os
 import shutil
-import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from studio_page import needs_chromium, shot, tiny_run
 
-from lora_llama.cli import main
 from lora_llama.errors import UserError
-from lora_llama.studio.runs import is_running
 from lora_llama.studio.server import serve
 
-CHROMIUM = shutil.which("chromium")
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
-
-
-def tiny_run(ckpt, out, *extra, process=False):
-    """A short SFT run of the tiny model through the CLI (in a process of its own, as the studio runs one)."""
-    (out.parent / "empty.yaml").write_text("")
-    args = [
-        "train",
-        str(out.parent / "empty.yaml"),
-        f"model.source={ckpt}",
-        "data.source=chatterbot-corpus",
-        "data.max_examples=40",
-        "data.max_seq_len=64",
-        "train.max_steps=3",
-        "train.eval_every=3",
-        "train.save_every=3",
-        "train.precision=fp32",
-        "lora.dropout=0.0",
-        f"output.dir={out}",
-        *extra,
-    ]
-    if process:
-        import subprocess
-        import sys
-
-        assert (
-            subprocess.run([sys.executable, "-m", "lora_llama", *args], cwd=ROOT, capture_output=True).returncode == 0
-        )
-    else:
-        assert main(args) == 0
-
-
-@pytest.fixture
-def studio(tmp_path):
-    """The studio on a runs folder, in a thread, at a free port; its URL."""
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    ready = []
-    thread = threading.Thread(target=serve, args=(runs, "127.0.0.1", 0, None, ready.append), daemon=True)
-    thread.start()
-    while not ready:
-        time.sleep(0.05)
-    yield runs, ready[0]
-    for lock in runs.glob(".*.lock"):  # a run a failed test left going: its lock, still held, holds its pid
-        pid = lock.read_text().strip()
-        if pid.isdigit() and is_running(runs / lock.name[1 : -len(".lock")]):
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-@pytest.fixture
-def page():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
-        )
-        yield browser.new_page(viewport={"width": 1280, "height": 900})
-        browser.close()
-
-
-def shot(page, name: str, tmp_path: Path) -> None:
-    """A screenshot for docs/studio.md when LORA_LLAMA_SCREENSHOTS names a folder (else into the test's folder)."""
-    folder = Path(os.environ.get("LORA_LLAMA_SCREENSHOTS") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(folder / f"studio-{name}.png"), full_page=False)
+pytestmark = needs_chromium
 
 
 def test_a_finished_run_shows_its_curves_and_recipe(tiny_ckpt, studio, page, tmp_path):
     """Among 50 runs the page lists at once (in under 2 s)."""
     runs, url = studio
-    tiny_run(tiny_ckpt, runs / "done")
+    tiny_run(tiny_ckpt, runs / "done", 'eval.prompts=["What can you eat?"]', "eval.max_new_tokens=8")
     (runs / "done" / "eval").mkdir()
     for step, acc in ((0, 0.25), (3, 0.375)):  # what eval.tasks writes: lm-eval's results, the base's at step 0
         results = {"results": {"arc_easy": {"alias": "arc_easy", "acc,none": acc, "acc_stderr,none": 0.01}}}
@@ -114,6 +39,11 @@ def test_a_finished_run_shows_its_curves_and_recipe(tiny_ckpt, studio, page, tmp
     table = page.inner_text("#benchmarks")
     assert "base\tstep 3" in table and "arc_easy\tacc,none\t0.2500\t0.3750" in table, table
     assert f"dir: {runs / 'done'}" in page.inner_text("#detail-recipe")
+    written = [json.loads(line) for line in (runs / "done" / "samples.jsonl").read_text().splitlines()]
+    shown = [row.split("\t") for row in page.inner_text("#samples").split("\n")[1:]]  # newest step first
+    assert shown == [[str(w["step"]), "What can you eat?", w["samples"]["What can you eat?"]] for w in written[::-1]]
+    assert [w["step"] for w in written] == [0, 3]
+    assert page.inner_text("#detail-chats") == "chat with the adapter step 3"
     shot(page, "runs", tmp_path)
 
 
@@ -201,38 +131,6 @@ def test_a_run_that_fails_shows_the_clis_one_line(tiny_ckpt, studio, page):
     page.wait_for_selector("#detail[data-name=broken][data-status=failed]", timeout=60_000)
     assert page.inner_text("#detail-status").startswith("failed: data source not found: 'missing.jsonl'")
     assert "failed: data source not found" in page.inner_text("tr.run[data-name=broken]")
-
-
-def test_chat_shows_the_base_and_the_adapter_as_generate_does_and_ship_merges(tiny_ckpt, studio, page, tmp_path):
-    """A finished run's page: a prompt answered by the base and by the adapter side by side (each what `lora-llama
-    generate` prints for the same prompt and seed), Merge writing run/merged, a bad repository refused in one
-    line."""
-    import subprocess
-    import sys
-
-    runs, url = studio
-    tiny_run(tiny_ckpt, runs / "done")
-    page.goto(url)
-    page.click("tr.run[data-name=done]")
-    page.fill("#chat-prompt", "What can you eat?")
-    page.fill("#chat-seed", "3")
-    page.click("#send")
-    page.wait_for_selector("#chat-base[data-done=true]", timeout=60_000)
-    page.wait_for_selector("#chat-adapter[data-done=true]", timeout=60_000)
-    common = ["generate", "--model", str(tiny_ckpt), "--chat", "--prompt", "What can you eat?", "--seed", "3"]
-    common += ["--max-new-tokens", "64", "--temperature", "0.7"]
-    for pane, extra in (("#chat-base", []), ("#chat-adapter", ["--adapter", str(runs / "done" / "adapter")])):
-        cli = subprocess.run([sys.executable, "-m", "lora_llama", *common, *extra], capture_output=True, text=True)
-        assert page.inner_text(pane).strip() == cli.stdout.strip() != "", pane
-    page.locator("#chat").scroll_into_view_if_needed()
-    shot(page, "chat", tmp_path)
-    page.click("#merge")
-    page.wait_for_selector("#ship-output[data-done=true]", timeout=60_000)
-    assert "merged into" in page.inner_text("#ship-output")
-    assert (runs / "done" / "merged" / "model.safetensors.index.json").is_file()
-    page.fill("#repo-id", "not a repo")
-    page.click("#push")
-    page.wait_for_function("document.getElementById('ship-output').textContent.startsWith('push needs')")
 
 
 def test_auth_guards_every_page_and_call(tmp_path):

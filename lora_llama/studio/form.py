@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from lora_llama.errors import UserError
 from lora_llama.recipe.schema import Recipe, load_recipe
+from lora_llama.training.run_folder import RECIPE
 
 
 def _section(annotation) -> type[BaseModel] | None:
@@ -92,3 +93,14 @@ def plan(base: str, values: dict[str, str], runs: Path, name: str) -> dict:
         return {"error": str(e)}
     command = shlex.join(["lora-llama", "train", base, *overrides])
     return {"overrides": overrides, "command": command, "yaml": yaml.safe_dump(recipe.model_dump(mode="json"))}
+
+
+def base_recipes(runs: Path) -> dict[str, str]:
+    """{label: path} of the recipes a run may start from: the shipped ones (recipes/ here or in the checkout the
+    package runs from), then each run's resolved recipe."""
+    shipped = {}
+    for folder in (Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"):
+        for f in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+            shipped.setdefault(f"recipes/{f.name}", str(f))
+    own = {f"run {p.parent.name}": str(p) for p in sorted(runs.glob(f"*/{RECIPE}"))}
+    return {**shipped, **own}

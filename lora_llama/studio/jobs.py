@@ -24,9 +24,10 @@ class Jobs:
         self.runs = runs
         self.processes: dict[tuple[Path, str], subprocess.Popen] = {}
 
-    def start(self, run: Path, command: list[str], what: str = "studio") -> None:
-        """Run `lora-llama ARGS` (command without the program's name) for the run folder: its training (what
-        "studio"), unless it runs already, or a command on its adapter (chat, ship), its output in its own log."""
+    def start(self, run: Path, command: list[str], what: str = "studio", log: Path | None = None) -> None:
+        """Run `lora-llama ARGS` (command without the program's name) for a folder: a run's training (what
+        "studio"), unless it runs already, or another command (ship, chat), its output in its own log (by default
+        beside the run folder)."""
         if what == "studio" and is_running(run):
             raise UserError(f"{run.name} is running already")
         if what == "studio" and self.busy(run, what):  # it let go of the run folder's lock: it is ending
@@ -34,18 +35,18 @@ class Jobs:
         if self.busy(run, what):
             raise UserError(f"{run.name}: the last {what} command is still running")
         run.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path(run, what), "w")
-        log.write(f"$ {shlex.join(['lora-llama', *command])}\n")
-        log.flush()
+        output = open(log or log_path(run, what), "w")
+        output.write(f"$ {shlex.join(['lora-llama', *command])}\n")
+        output.flush()
         self.processes[run, what] = subprocess.Popen(
             [sys.executable, "-m", "lora_llama", *command],
-            stdout=log,
+            stdout=output,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,  # Ctrl-C on the studio does not stop its runs
         )
-        log.close()
+        output.close()
 
     def busy(self, run: Path, what: str) -> bool:
         process = self.processes.get((run, what))

@@ -111,7 +111,7 @@ def list_runs(root: Path) -> list[dict]:
 
 def detail(run: Path) -> dict:
     """What the run's page shows: the summary, metrics rows, eval.prompts' answers, lm-eval's results per step,
-    the resolved recipe and the studio process's last lines."""
+    the checkpoints' steps and the resolved recipe (the run's output is followed as it grows: server.py)."""
     samples = run / SAMPLES
     benchmarks = {}
     for step, f in benchmark_files(run).items():
@@ -119,12 +119,11 @@ def detail(run: Path) -> dict:
         benchmarks[step] = {
             task: {k: v for k, v in r.items() if isinstance(v, (int, float))} for task, r in results.items()
         }
-    log = log_path(run)
     return {
         **summary(run),
         "metrics": metrics(run),
         "samples": [json.loads(line) for line in samples.read_text().splitlines()] if samples.is_file() else [],
         "benchmarks": benchmarks,
         "recipe": (run / RECIPE).read_text() if (run / RECIPE).is_file() else "",
-        "log": output_lines(log)[-20:] if log.is_file() else [],
+        "checkpoints": [int(p.name[5:]) for p in checkpoints(run)],
     }

@@ -1,40 +1,33 @@
 """`lora-llama studio`: the page and its small JSON API over the standard library's HTTP server. The page is one
 HTML file (page.html); the API reads run folders (runs.py), makes runs from the form (form.py), starts and
-stops them (jobs.py), and runs chat and ship commands on a finished run's adapter (actions.py). It binds
+stops them (jobs.py), runs chat and ship commands (actions.py), and streams a command's output as it grows. It binds
 127.0.0.1; another address needs --auth USER:PASS (HTTP basic auth). Runs are confined to the runs folder, and
 a run starts from a shipped recipe or a run's own."""
 
 from __future__ import annotations
 
 import base64
+import codecs
 import hmac
 import json
+import time
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 from urllib.parse import parse_qs, urlparse
 
 from lora_llama.errors import UserError
 from lora_llama.recipe.schema import load_recipe
-from lora_llama.studio.actions import chat_commands, ship_command
-from lora_llama.studio.form import fields, flat_values, plan
+from lora_llama.studio.actions import chat_choices, chat_commands, ship_command
+from lora_llama.studio.form import base_recipes, fields, flat_values, plan
 from lora_llama.studio.jobs import Jobs
-from lora_llama.studio.runs import detail, list_runs, log_path, output_lines
-from lora_llama.training.run_folder import RECIPE
+from lora_llama.studio.runs import detail, is_running, list_runs, log_path
 
 PAGE = Path(__file__).with_name("page.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def base_recipes(runs: Path) -> dict[str, str]:
-    """{label: path} of the recipes a run may start from: the shipped ones (recipes/ here or in the checkout the
-    package runs from), then each run's resolved recipe."""
-    shipped = {}
-    for folder in (Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"):
-        for f in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
-            shipped.setdefault(f"recipes/{f.name}", str(f))
-    own = {f"run {p.parent.name}": str(p) for p in sorted(runs.glob(f"*/{RECIPE}"))}
-    return {**shipped, **own}
+FOLLOW_EVERY_S = 0.1  # how often a followed log is read: a token's time on a small model
+CHAT_PANES = ("chat-base", "chat-adapter")  # a model alone and with an adapter: one chat at a time per studio
 
 
 class Studio:
@@ -60,18 +53,25 @@ class Studio:
             return list_runs(self.runs) if self.runs.is_dir() else []
         if path == "/api/run":
             return detail(self.run_folder(query.get("name", "")))
-        if path == "/api/output":  # a chat or ship command's output so far, and whether it still runs
-            run, what = self.run_folder(query.get("name", "")), query.get("what", "")
-            if what not in ("chat-base", "chat-adapter", "ship"):
-                raise UserError(f"no output {what!r}")
-            log = log_path(run, what)
-            lines = output_lines(log)[1:] if log.is_file() else []  # the first line is the command
-            return {"lines": lines, "running": self.jobs.busy(run, what)}
+        if path == "/api/chat":
+            return chat_choices(self.runs)
         if path == "/api/form":
             bases = base_recipes(self.runs)
             label = query.get("base") or next(iter(bases))
             return {"fields": fields(), "values": flat_values(load_recipe(self.base(label))), "bases": list(bases)}
         raise UserError(f"no such page {path}")
+
+    def output(self, query: dict) -> tuple[Path, Callable[[], bool]]:
+        """A command's log and whether it still runs: a run's training ("studio") or ship, or a chat pane."""
+        what = query.get("what", "")
+        if what in CHAT_PANES:
+            return self.runs / f".{what}.log", lambda: self.jobs.busy(self.runs, what)
+        if what not in ("studio", "ship"):
+            raise UserError(f"no output {what!r}")
+        run = self.run_folder(query.get("name", ""))
+        if what == "studio":
+            return log_path(run), lambda: is_running(run) or self.jobs.busy(run, what)
+        return log_path(run, what), lambda: self.jobs.busy(run, what)
 
     def post(self, path: str, body: dict) -> dict:
         if path in ("/api/plan", "/api/start"):
@@ -80,18 +80,17 @@ class Studio:
             if path == "/api/start" and "error" not in made:
                 self.jobs.start(self.run_folder(body["name"]), ["train", base, *made["overrides"]])
             return made
-        run = self.run_folder(body.get("name", ""))
         if path == "/api/chat":
-            made = chat_commands(
-                run,
-                str(body.get("prompt", "")),
-                int(body.get("seed", 0)),
-                int(body.get("max_new_tokens", 64)),
-                float(body.get("temperature", 0.7)),
-            )
+            settings = {k: body.get(k, v) for k, v in (("seed", 0), ("max_new_tokens", 64), ("temperature", 0.7))}
+            model, adapter, prompt = (str(body.get(k, "")) for k in ("model", "adapter", "prompt"))
+            made = chat_commands(self.runs, model, adapter, prompt, **settings)
+            if any(self.jobs.busy(self.runs, what) for what in CHAT_PANES):
+                raise UserError("the last chat is still answering")
             for what, command in made.items():
-                self.jobs.start(run, command, what)
-        elif path == "/api/ship":
+                self.jobs.start(self.runs, command, what, self.runs / f".{what}.log")
+            return {"panes": list(made)}
+        run = self.run_folder(body.get("name", ""))
+        if path == "/api/ship":
             self.jobs.start(run, ship_command(run, str(body.get("action", "")), str(body.get("repo_id", ""))), "ship")
         elif path == "/api/stop":
             self.jobs.stop(run)
@@ -144,7 +143,45 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
             return
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        if url.path == "/api/follow":
+            try:
+                log, running = self.studio.output(query)
+            except UserError as e:
+                self._send(400, {"error": str(e)})
+                return
+            self._follow(log, running)
+            return
         self._answer(lambda: self.studio.get(url.path, query))
+
+    def _follow(self, log: Path, running: Callable[[], bool]) -> None:
+        """A command's output as server-sent events while it grows: each new piece of text as it is written (a
+        generate's tokens, a trainer's lines), then "end" once the command has ended and its last text is sent."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
+        try:
+            while True:
+                alive = running()  # asked before reading, so that the text written before it ended is sent
+                size = log.stat().st_size if log.is_file() else 0
+                if size < offset:  # the log was started again: a new command
+                    decoder.reset()
+                    offset = 0
+                    self.wfile.write(b"event: restart\ndata: {}\n\n")
+                if size > offset:
+                    with open(log, "rb") as f:
+                        f.seek(offset)
+                        piece = f.read(size - offset)
+                    offset = size
+                    self.wfile.write(b"data: " + json.dumps(decoder.decode(piece)).encode() + b"\n\n")
+                    self.wfile.flush()
+                if not alive:
+                    self.wfile.write(b"event: end\ndata: {}\n\n")
+                    return
+                time.sleep(FOLLOW_EVERY_S)
+        except (BrokenPipeError, ConnectionResetError):  # the page closed or moved on
+            return
 
     def do_POST(self):
         if not self._allowed():
@@ -163,6 +200,7 @@ def serve(runs: Path, host: str = "127.0.0.1", port: int = 7860, auth: str | Non
     runs.mkdir(parents=True, exist_ok=True)
     handler = type("StudioHandler", (Handler,), {"studio": Studio(runs), "auth": auth})
     server = ThreadingHTTPServer((host, port), partial(handler))
+    server.daemon_threads = True  # a page following a long run does not keep the studio from ending
     url = f"http://{host}:{server.server_address[1]}/"
     (ready or print)(url)
     try:
