@@ -53,7 +53,12 @@ def agent_rows(r: dict) -> list[tuple]:
 def studio_rows(r: dict) -> list[tuple]:
     return [
         (
-            "training tokens/s with a studio page open on the run, against the run alone",
+            "training tokens/s with a studio page open on the run, against the run alone"
+            + (
+                f" (the page and the studio: {r['page_and_studio_core_share']:.1%} of a core)"
+                if "page_and_studio_core_share" in r
+                else ""
+            ),
             f"{r['watched_tokens_per_s']:.0f} tok/s",
             f"{r['alone_tokens_per_s']:.0f} tok/s alone",
             f"{r['ratio']:.2f}x",
