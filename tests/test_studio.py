@@ -149,3 +149,35 @@ def test_auth_guards_every_page_and_call(tmp_path):
         request = urllib.request.Request(ready[0] + path)
         request.add_header("Authorization", "Basic " + base64.b64encode(b"ann:secret").decode())
         assert urllib.request.urlopen(request).status == 200
+
+
+def test_two_studios_on_one_runs_folder_never_run_one_run_twice(tiny_ckpt, studio):
+    """The second studio meets the run folder's lock: one line, nothing started; the first one stops its run."""
+    import urllib.error
+    import urllib.request
+
+    from lora_llama.studio.runs import is_running
+
+    runs, url = studio
+    tiny_run(tiny_ckpt, runs / "done")
+    other = []
+    threading.Thread(target=serve, args=(runs, "127.0.0.1", 0, None, other.append), daemon=True).start()
+    while not other:
+        time.sleep(0.05)
+    long = {"train.max_steps": "100000", "train.save_every": "100000", "train.eval_every": "100000"}
+    start = json.dumps({"base": "run done", "name": "long", "values": long}).encode()
+
+    def post(at: str, path: str, body: bytes):
+        return urllib.request.urlopen(urllib.request.Request(at + path, body, method="POST"))
+
+    post(url, "api/start", start)
+    deadline = time.monotonic() + 60
+    while not is_running(runs / "long") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post(other[0], "api/start", start)
+    assert json.loads(refused.value.read()) == {"error": "long is running already"}
+    post(url, "api/stop", json.dumps({"name": "long"}).encode())
+    while is_running(runs / "long") and time.monotonic() < deadline + 60:
+        time.sleep(0.1)
+    assert not is_running(runs / "long")
