@@ -70,6 +70,7 @@ def test_chat_loads_only_the_models_recipes_name_and_the_adapters_under_the_runs
         ({"model": "/etc"}, "unknown model '/etc': chat loads a model a recipe names or a run wrote"),
         ({"adapter": "../done/adapter"}, f"no adapter '../done/adapter' under {runs}"),
         ({"prompt": " "}, "write a prompt first"),
+        ({"seed": "--adapter"}, "seed and max new tokens are whole numbers, temperature a number"),
     ):
         request = urllib.request.Request(url + "api/chat", json.dumps({**chat, **changed}).encode(), method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:

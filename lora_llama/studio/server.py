@@ -27,6 +27,7 @@ from lora_llama.studio.runs import detail, is_running, list_runs, log_path
 PAGE = Path(__file__).with_name("page.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 FOLLOW_EVERY_S = 0.1  # how often a followed log is read: a token's time on a small model
+CHAT_SETTINGS = {"seed": 0, "max_new_tokens": 64, "temperature": 0.7}  # generate's, as the page sends them
 CHAT_PANES = ("chat-base", "chat-adapter")  # a model alone and with an adapter: one chat at a time per studio
 
 
@@ -81,7 +82,11 @@ class Studio:
                 self.jobs.start(self.run_folder(body["name"]), ["train", base, *made["overrides"]])
             return made
         if path == "/api/chat":
-            settings = {k: body.get(k, v) for k, v in (("seed", 0), ("max_new_tokens", 64), ("temperature", 0.7))}
+            settings = {k: body.get(k, v) for k, v in CHAT_SETTINGS.items()}
+            try:  # numbers, so that no value reaches generate's command line as an option
+                settings = {k: type(CHAT_SETTINGS[k])(v) for k, v in settings.items()}
+            except (TypeError, ValueError):
+                raise UserError("seed and max new tokens are whole numbers, temperature a number") from None
             model, adapter, prompt = (str(body.get(k, "")) for k in ("model", "adapter", "prompt"))
             made = chat_commands(self.runs, model, adapter, prompt, **settings)
             if any(self.jobs.busy(self.runs, what) for what in CHAT_PANES):
