@@ -26,7 +26,8 @@ from lora_llama.studio.runs import detail, is_running, list_runs, log_path
 
 PAGE = Path(__file__).with_name("page.html")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-FOLLOW_EVERY_S = 0.1  # how often a followed log is read: a token's time on a small model
+# how often a followed log is read: a chat's about a token's time on a small model; a trainer's, a step's at most
+CHAT_EVERY_S, OTHER_EVERY_S = 0.1, 0.5
 CHAT_SETTINGS = {"seed": 0, "max_new_tokens": 64, "temperature": 0.7}  # generate's, as the page sends them
 CHAT_PANES = ("chat-base", "chat-adapter")  # a model alone and with an adapter: one chat at a time per studio
 
@@ -50,8 +51,14 @@ class Studio:
         return bases[label]
 
     def get(self, path: str, query: dict) -> dict | list:
-        if path == "/api/runs":
-            return list_runs(self.runs) if self.runs.is_dir() else []
+        if path == "/api/runs":  # and the open run's page, so that a page watching a run asks once a refresh
+            runs = list_runs(self.runs) if self.runs.is_dir() else []
+            if "open" not in query:
+                return {"runs": runs}
+            try:
+                return {"runs": runs, "open": detail(self.run_folder(query["open"]))}
+            except UserError as e:
+                return {"runs": runs, "open": {"error": str(e)}}
         if path == "/api/run":
             return detail(self.run_folder(query.get("name", "")))
         if path == "/api/chat":
@@ -62,17 +69,18 @@ class Studio:
             return {"fields": fields(), "values": flat_values(load_recipe(self.base(label))), "bases": list(bases)}
         raise UserError(f"no such page {path}")
 
-    def output(self, query: dict) -> tuple[Path, Callable[[], bool]]:
-        """A command's log and whether it still runs: a run's training ("studio") or ship, or a chat pane."""
+    def output(self, query: dict) -> tuple[Path, Callable[[], bool], float]:
+        """A command's log, whether it still runs and how often to read it: a run's training ("studio") or ship,
+        or a chat pane."""
         what = query.get("what", "")
         if what in CHAT_PANES:
-            return self.runs / f".{what}.log", lambda: self.jobs.busy(self.runs, what)
+            return self.runs / f".{what}.log", lambda: self.jobs.busy(self.runs, what), CHAT_EVERY_S
         if what not in ("studio", "ship"):
             raise UserError(f"no output {what!r}")
         run = self.run_folder(query.get("name", ""))
         if what == "studio":
-            return log_path(run), lambda: is_running(run) or self.jobs.busy(run, what)
-        return log_path(run, what), lambda: self.jobs.busy(run, what)
+            return log_path(run), lambda: is_running(run) or self.jobs.busy(run, what), OTHER_EVERY_S
+        return log_path(run, what), lambda: self.jobs.busy(run, what), OTHER_EVERY_S
 
     def post(self, path: str, body: dict) -> dict:
         if path in ("/api/plan", "/api/start"):
@@ -150,15 +158,15 @@ class Handler(BaseHTTPRequestHandler):
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         if url.path == "/api/follow":
             try:
-                log, running = self.studio.output(query)
+                log, running, every_s = self.studio.output(query)
             except UserError as e:
                 self._send(400, {"error": str(e)})
                 return
-            self._follow(log, running)
+            self._follow(log, running, every_s)
             return
         self._answer(lambda: self.studio.get(url.path, query))
 
-    def _follow(self, log: Path, running: Callable[[], bool]) -> None:
+    def _follow(self, log: Path, running: Callable[[], bool], every_s: float) -> None:
         """A command's output as server-sent events while it grows: each new piece of text as it is written (a
         generate's tokens, a trainer's lines), then "end" once the command has ended and its last text is sent."""
         self.send_response(200)
@@ -184,7 +192,7 @@ class Handler(BaseHTTPRequestHandler):
                 if not alive:
                     self.wfile.write(b"event: end\ndata: {}\n\n")
                     return
-                time.sleep(FOLLOW_EVERY_S)
+                time.sleep(every_s)
         except (BrokenPipeError, ConnectionResetError):  # the page closed or moved on
             return
 
