@@ -50,7 +50,7 @@ class Studio:
             raise UserError(f"unknown base recipe {label!r}")
         return bases[label]
 
-    def get(self, path: str, query: dict) -> dict | list:
+    def get(self, path: str, query: dict) -> dict:
         if path == "/api/runs":  # and the open run's page, so that a page watching a run asks once a refresh
             runs = list_runs(self.runs) if self.runs.is_dir() else []
             if "open" not in query:
