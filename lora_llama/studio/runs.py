@@ -16,10 +16,11 @@ from lora_llama.training.run_folder import (
     SAMPLES,
     benchmark_files,
     checkpoints,
+    read_metrics,
 )
 
 # beside the run folder, as its lock is (`--force` may delete the folder itself): the output of the run's training
-# process, and of what the page asks of its adapter (chat-base, chat-adapter, ship)
+# process, and of what the page asks of its adapter (ship)
 LOG = ".{}.{}.log"
 
 
@@ -64,38 +65,26 @@ def output_lines(log: Path) -> list[str]:
     return [line.rsplit("\r", 1)[-1] for line in log.read_text(errors="replace").split("\n") if line.strip()]
 
 
-def metrics(run: Path) -> list[dict]:
-    path = run / METRICS
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            continue
-    return rows
-
-
-def status(run: Path) -> str:
+def status(run: Path) -> tuple[str, str | None]:
+    """The run's state, and its one-line error when it failed."""
     if is_running(run):
-        return "running"
+        return "running", None
     if (run / ADAPTER / "adapter_config.json").is_file():
-        return "finished"
-    if last_error(run):
-        return "failed"
-    return "stopped" if checkpoints(run) else "not started"
+        return "finished", None
+    if error := last_error(run):
+        return "failed", error
+    return ("stopped" if checkpoints(run) else "not started"), None
 
 
-def summary(run: Path) -> dict:
-    """One line of the runs list."""
-    rows, state = metrics(run), status(run)
+def summary(run: Path, rows: list[dict]) -> dict:
+    """One line of the runs list; rows: the run's metrics."""
+    state, failure = status(run)
     steps = [r["step"] for r in rows if "loss" in r]
     losses = [r["loss"] for r in rows if "loss" in r]
     return {
         "name": run.name,
         "status": state,
-        "failure": last_error(run) if state == "failed" else None,
+        "failure": failure,
         "step": steps[-1] if steps else 0,
         "loss": losses[-1] if losses else None,
         "modified": max((p.stat().st_mtime for p in (run / METRICS, run / RECIPE) if p.is_file()), default=0),
@@ -106,23 +95,23 @@ def list_runs(root: Path) -> list[dict]:
     """Every run folder under root (one holding a recipe.yaml or metrics.jsonl, or a studio log), newest first."""
     folders = {p for p in root.iterdir() if p.is_dir() and ((p / RECIPE).is_file() or (p / METRICS).is_file())}
     folders |= {root / p.name[1 : -len(".studio.log")] for p in root.glob(LOG.format("*", "studio"))}
-    return sorted((summary(p) for p in folders), key=lambda s: -s["modified"])
+    return sorted((summary(p, read_metrics(p / METRICS)) for p in folders), key=lambda s: -s["modified"])
 
 
 def detail(run: Path) -> dict:
     """What the run's page shows: the summary, metrics rows, eval.prompts' answers, lm-eval's results per step,
     the checkpoints' steps and the resolved recipe (the run's output is followed as it grows: server.py)."""
-    samples = run / SAMPLES
     benchmarks = {}
     for step, f in benchmark_files(run).items():
         results = json.loads(f.read_text()).get("results", {})
         benchmarks[step] = {
             task: {k: v for k, v in r.items() if isinstance(v, (int, float))} for task, r in results.items()
         }
+    rows = read_metrics(run / METRICS)
     return {
-        **summary(run),
-        "metrics": metrics(run),
-        "samples": [json.loads(line) for line in samples.read_text().splitlines()] if samples.is_file() else [],
+        **summary(run, rows),
+        "metrics": rows,
+        "samples": read_metrics(run / SAMPLES),  # JSONL as metrics.jsonl is: a line being written is left for later
         "benchmarks": benchmarks,
         "recipe": (run / RECIPE).read_text() if (run / RECIPE).is_file() else "",
         "checkpoints": [int(p.name[5:]) for p in checkpoints(run)],

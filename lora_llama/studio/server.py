@@ -69,12 +69,16 @@ class Studio:
             return {"fields": fields(), "values": flat_values(load_recipe(self.base(label))), "bases": list(bases)}
         raise UserError(f"no such page {path}")
 
+    def chat_log(self, pane: str) -> Path:
+        """A chat pane's output, in the runs folder (a chat belongs to no run)."""
+        return self.runs / f".{pane}.log"
+
     def output(self, query: dict) -> tuple[Path, Callable[[], bool], float]:
         """A command's log, whether it still runs and how often to read it: a run's training ("studio") or ship,
         or a chat pane."""
         what = query.get("what", "")
         if what in CHAT_PANES:
-            return self.runs / f".{what}.log", lambda: self.jobs.busy(self.runs, what), CHAT_EVERY_S
+            return self.chat_log(what), lambda: self.jobs.busy(self.runs, what), CHAT_EVERY_S
         if what not in ("studio", "ship"):
             raise UserError(f"no output {what!r}")
         run = self.run_folder(query.get("name", ""))
@@ -100,7 +104,7 @@ class Studio:
             if any(self.jobs.busy(self.runs, what) for what in CHAT_PANES):
                 raise UserError("the last chat is still answering")
             for what, command in made.items():
-                self.jobs.start(self.runs, command, what, self.runs / f".{what}.log")
+                self.jobs.start(self.runs, command, what, self.chat_log(what))
             return {"panes": list(made)}
         run = self.run_folder(body.get("name", ""))
         if path == "/api/ship":
