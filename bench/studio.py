@@ -11,10 +11,10 @@ import shutil
 import statistics
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from bench.common import cpu_line, record, scratch_dir
+from lora_llama.studio.client import StudioClient
 
 STEPS, WARMUP = 24, 4
 SETTLE_S = 30  # a browser's first seconds: its start-up work, before any run
@@ -24,8 +24,7 @@ SETTINGS = {"train.max_steps": str(STEPS), "train.eval_every": "1000", "train.sa
 
 def start(url: str, name: str) -> None:
     """The run started from the studio, as its New run form does."""
-    body = json.dumps({"base": RECIPE, "name": name, "values": SETTINGS}).encode()
-    urllib.request.urlopen(urllib.request.Request(url + "api/start", body, method="POST"))
+    StudioClient(url).call("api/start", {"base": RECIPE, "name": name, "values": SETTINGS})
 
 
 def wait_finished(run: Path) -> None:
@@ -79,7 +78,7 @@ def main():
     from lora_llama.studio.server import serve
 
     runs, speeds, shares, ready = scratch_dir("lora-llama-studio-"), {"alone": [], "watched": []}, [], []
-    threading.Thread(target=serve, args=(runs, "127.0.0.1", 0, None, ready.append), daemon=True).start()
+    threading.Thread(target=serve, args=(runs, "127.0.0.1", 0), kwargs={"ready": ready.append}, daemon=True).start()
     while not ready:
         time.sleep(0.05)
     with sync_playwright() as p:

@@ -63,6 +63,7 @@ def _checked(convert, ok, fault: str):
 
 POSITIVE = _checked(int, lambda n: n >= 1, "is less than 1")
 NOT_NEGATIVE = _checked(int, lambda n: n >= 0, "is below 0")
+PORT = _checked(int, lambda n: 0 <= n <= 65535, "is not a port (0 to 65535)")
 SHARE = _checked(float, lambda p: 0 < p <= 1, "is not in (0, 1]")
 AT_LEAST_ZERO = _checked(float, lambda x: x >= 0, "is below 0")
 
@@ -185,8 +186,19 @@ def _add_studio(sub):
     s = sub.add_parser("studio", help="a local web page: runs and their curves, a form that starts new ones")
     s.add_argument("--runs", default="runs", metavar="DIR", help="the runs folder it shows and writes (default: runs)")
     s.add_argument("--host", default="127.0.0.1", help="the address to bind (default: 127.0.0.1, this machine only)")
-    s.add_argument("--port", type=NOT_NEGATIVE, default=7860, help="(default: 7860; 0: any free port)")
-    s.add_argument("--auth", metavar="USER:PASS", help="HTTP basic auth; needed to bind another address")
+    s.add_argument("--port", type=PORT, default=7860, help="(default: 7860; 0: any free port)")
+    s.add_argument(
+        "--token", help="the token every request carries (default: a new random one, printed in the studio's URL)"
+    )
+    s.add_argument(
+        "--auth", metavar="USER:PASS", help="HTTP basic auth besides the token; needed to bind another address"
+    )
+    s.add_argument(
+        "--allowed-hosts",
+        default="",
+        metavar="NAME,...",
+        help="host names the studio answers to besides loopback and --host's (a name a proxy or DNS gives it)",
+    )
     s.set_defaults(func=cmd_studio)
 
 

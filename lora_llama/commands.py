@@ -270,7 +270,9 @@ def cmd_studio(args) -> int:
         Path(args.runs),
         args.host,
         args.port,
-        args.auth,
+        auth=args.auth,
+        token=args.token,
+        allowed_hosts=args.allowed_hosts.split(","),
         ready=lambda url: print(f"lora-llama studio: {url}", flush=True),
     )
     return 0

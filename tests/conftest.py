@@ -65,14 +65,14 @@ def chat_data(tmp_path):
 
 @pytest.fixture
 def studio(tmp_path):
-    """The studio on a runs folder, in a thread, at a free port; its URL."""
+    """The studio on a runs folder, in a thread, at a free port; the URL it printed (with its token)."""
     runs = tmp_path / "runs"
     runs.mkdir()
     from lora_llama.studio.runs import is_running
     from lora_llama.studio.server import serve
 
     ready = []
-    thread = threading.Thread(target=serve, args=(runs, "127.0.0.1", 0, None, ready.append), daemon=True)
+    thread = threading.Thread(target=serve, args=(runs, "127.0.0.1", 0), kwargs={"ready": ready.append}, daemon=True)
     thread.start()
     while not ready:
         time.sleep(0.05)

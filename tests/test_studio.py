@@ -6,12 +6,14 @@ import json
 import shutil
 import threading
 import time
+from urllib.parse import urlparse
 
 import pytest
 from safetensors.torch import load_file
 from studio_page import needs_chromium, shot, tiny_run
 
 from lora_llama.errors import UserError
+from lora_llama.studio.client import StudioClient
 from lora_llama.studio.server import serve
 
 pytestmark = needs_chromium
@@ -77,10 +79,12 @@ def test_a_run_started_from_the_form_trains_as_the_cli_does(tiny_ckpt, studio, p
 
 
 def test_a_bad_value_is_the_clis_one_line_and_starts_nothing(tiny_ckpt, studio, page):
+    """On the form as it opens: from the default recipe."""
     runs, url = studio
     page.goto(url)
     page.click("#tab-new")
     page.wait_for_function("document.getElementById('command').textContent.includes('lora-llama train')")
+    assert page.input_value("#base") == "recipes/smollm2-chat-cpu.yaml"  # the default recipe, which trains anywhere
     page.fill("#run-name", "bad")
     page.fill("[data-path='train.lr']", "-1")
     page.wait_for_function("document.getElementById('form-error').textContent.length > 0")
@@ -118,7 +122,7 @@ def test_stop_ends_a_run_with_its_checkpoint_and_resume_continues_from_it(tiny_c
 
 def test_the_server_refuses_another_address_without_auth(tmp_path):
     with pytest.raises(UserError, match="--auth USER:PASS"):
-        serve(tmp_path, "0.0.0.0", 0, None)
+        serve(tmp_path, "0.0.0.0", 0)
 
 
 def test_a_run_that_fails_shows_the_clis_one_line(tiny_ckpt, studio, page):
@@ -134,50 +138,49 @@ def test_a_run_that_fails_shows_the_clis_one_line(tiny_ckpt, studio, page):
 
 
 def test_auth_guards_every_page_and_call(tmp_path):
-    """--auth USER:PASS: without the credentials, 401 and nothing read; with them, the page and the API."""
+    """--auth USER:PASS: without the credentials, 401 and nothing read; with them (and the token), the page and the
+    API."""
     import base64
     import urllib.error
     import urllib.request
 
     ready = []
-    threading.Thread(target=serve, args=(tmp_path, "127.0.0.1", 0, "ann:secret", ready.append), daemon=True).start()
+    kwargs = {"auth": "ann:secret", "ready": ready.append}
+    threading.Thread(target=serve, args=(tmp_path, "127.0.0.1", 0), kwargs=kwargs, daemon=True).start()
     while not ready:
         time.sleep(0.05)
+    client = StudioClient(ready[0])
     for path in ("", "api/runs"):
         with pytest.raises(urllib.error.HTTPError, match="401"):
-            urllib.request.urlopen(ready[0] + path)
-        request = urllib.request.Request(ready[0] + path)
+            client.open(path)
+        request = client.request(path)
         request.add_header("Authorization", "Basic " + base64.b64encode(b"ann:secret").decode())
+        request.add_header("Cookie", f"lora-llama-studio-{urlparse(ready[0]).port}={client.token}")
         assert urllib.request.urlopen(request).status == 200
 
 
 def test_two_studios_on_one_runs_folder_never_run_one_run_twice(tiny_ckpt, studio):
     """The second studio meets the run folder's lock: one line, nothing started; the first one stops its run."""
     import urllib.error
-    import urllib.request
 
     from lora_llama.studio.runs import is_running
 
     runs, url = studio
     tiny_run(tiny_ckpt, runs / "done")
     other = []
-    threading.Thread(target=serve, args=(runs, "127.0.0.1", 0, None, other.append), daemon=True).start()
+    threading.Thread(target=serve, args=(runs, "127.0.0.1", 0), kwargs={"ready": other.append}, daemon=True).start()
     while not other:
         time.sleep(0.05)
     long = {"train.max_steps": "100000", "train.save_every": "100000", "train.eval_every": "100000"}
-    start = json.dumps({"base": "run done", "name": "long", "values": long}).encode()
-
-    def post(at: str, path: str, body: bytes):
-        return urllib.request.urlopen(urllib.request.Request(at + path, body, method="POST"))
-
-    post(url, "api/start", start)
+    start = {"base": "run done", "name": "long", "values": long}
+    StudioClient(url).call("api/start", start)
     deadline = time.monotonic() + 60
     while not is_running(runs / "long") and time.monotonic() < deadline:
         time.sleep(0.1)
     with pytest.raises(urllib.error.HTTPError) as refused:
-        post(other[0], "api/start", start)
+        StudioClient(other[0]).open("api/start", start)
     assert json.loads(refused.value.read()) == {"error": "long is running already"}
-    post(url, "api/stop", json.dumps({"name": "long"}).encode())
+    StudioClient(url).call("api/stop", {"name": "long"})
     while is_running(runs / "long") and time.monotonic() < deadline + 60:
         time.sleep(0.1)
     assert not is_running(runs / "long")

@@ -9,10 +9,11 @@ import subprocess
 import sys
 import threading
 import urllib.error
-import urllib.request
 
 import pytest
 from studio_page import ROOT, needs_chromium, shot, tiny_run
+
+from lora_llama.studio.client import StudioClient
 
 
 def generated(model, prompt: str, seed: int, max_new_tokens: int, adapter=None) -> str:
@@ -72,15 +73,15 @@ def test_chat_loads_only_the_models_recipes_name_and_the_adapters_under_the_runs
         ({"prompt": " "}, "write a prompt first"),
         ({"seed": "--adapter"}, "seed and max new tokens are whole numbers, temperature a number"),
     ):
-        request = urllib.request.Request(url + "api/chat", json.dumps({**chat, **changed}).encode(), method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request)
+            StudioClient(url).open("api/chat", {**chat, **changed})
         assert json.loads(refused.value.read()) == {"error": error}
     assert not list(runs.glob(".chat-*.log"))
 
 
 @needs_chromium
-def test_ship_merges_a_finished_run_and_chat_offers_the_merged_model(tiny_ckpt, studio, page):
+def test_ship_merges_a_finished_run_and_chat_offers_the_merged_model(tiny_ckpt, studio, page, tmp_path, monkeypatch):
+    """And a push from the page makes a private repository unless public is ticked."""
     runs, url = studio
     tiny_run(tiny_ckpt, runs / "done")
     page.goto(url)
@@ -93,6 +94,15 @@ def test_ship_merges_a_finished_run_and_chat_offers_the_merged_model(tiny_ckpt, 
     page.fill("#repo-id", "not a repo")
     page.click("#push")
     page.wait_for_function("document.getElementById('ship-output').textContent.startsWith('push needs')")
+    monkeypatch.delenv("HF_TOKEN", raising=False)  # no login here: the push fails at once, after its command line
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for public, flag in ((False, " --private"), (True, "")):
+        page.set_checked("#push-public", public)
+        page.fill("#repo-id", "ann/tuned")
+        page.click("#push")
+        page.wait_for_selector("#ship-output[data-done=true]", timeout=60_000)
+        command = page.inner_text("#ship-output").splitlines()[0]
+        assert command == f"$ lora-llama push {runs / 'done' / 'adapter'} --repo-id ann/tuned{flag}", command
     page.click("#tab-chat")
     page.wait_for_selector(f"#chat-model option[value='{runs / 'done' / 'merged'}']", state="attached")
 
@@ -108,7 +118,7 @@ def test_a_commands_output_is_pushed_as_it_is_written(studio, monkeypatch):
     monkeypatch.setattr(Jobs, "busy", lambda self, run, what: running.is_set())
     log = runs / ".chat-base.log"
     log.write_text("$ lora-llama generate\n")
-    stream = urllib.request.urlopen(url + "api/follow?what=chat-base", timeout=20)
+    stream = StudioClient(url).open("api/follow?what=chat-base", timeout=20)
 
     def event() -> list[str]:
         lines = []

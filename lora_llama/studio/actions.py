@@ -63,8 +63,9 @@ def chat_commands(runs: Path, model: str, adapter: str, prompt: str, **settings)
     return {**made, "chat-adapter": [*common, "--adapter", str(runs / adapter)]} if adapter else made
 
 
-def ship_command(run: Path, action: str, repo_id: str = "") -> list[str]:
-    """merge into run/merged, export to run/model.gguf, or push the adapter to a Hub repository."""
+def ship_command(run: Path, action: str, repo_id: str = "", private: bool = True) -> list[str]:
+    """merge into run/merged, export to run/model.gguf, or push the adapter to a Hub repository (a new one private
+    unless asked otherwise: a fine-tune is published only by choice)."""
     adapter = run / ADAPTER
     if not (adapter / "adapter_config.json").is_file():
         raise UserError(f"{run.name} has no adapter yet: it must finish first")
@@ -76,5 +77,5 @@ def ship_command(run: Path, action: str, repo_id: str = "") -> list[str]:
     if action == "push":
         if not REPO_ID.match(repo_id):
             raise UserError(f"push needs a repository as USER/NAME (got {repo_id!r})")
-        return ["push", str(adapter), "--repo-id", repo_id]
+        return ["push", str(adapter), "--repo-id", repo_id, *(["--private"] if private else [])]
     raise UserError(f"unknown action {action!r} (merge, export, push)")

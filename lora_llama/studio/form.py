@@ -17,6 +17,8 @@ from lora_llama.errors import UserError
 from lora_llama.recipe.schema import Recipe, load_recipe
 from lora_llama.training.run_folder import RECIPE
 
+DEFAULT_RECIPE = "smollm2-chat-cpu.yaml"  # the one `make demo` trains
+
 
 def _section(annotation) -> type[BaseModel] | None:
     """The settings class a field holds, when it is a section (possibly optional) rather than a value."""
@@ -97,10 +99,12 @@ def plan(base: str, values: dict[str, str], runs: Path, name: str) -> dict:
 
 def base_recipes(runs: Path) -> dict[str, str]:
     """{label: path} of the recipes a run may start from: the shipped ones (recipes/ here or in the checkout the
-    package runs from), then each run's resolved recipe."""
+    package runs from), the default recipe first (the form opens on it: it trains on any CPU), then each run's
+    resolved recipe."""
     shipped = {}
     for folder in (Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"):
         for f in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
             shipped.setdefault(f"recipes/{f.name}", str(f))
+    shipped = dict(sorted(shipped.items(), key=lambda item: item[0] != f"recipes/{DEFAULT_RECIPE}"))
     own = {f"run {p.parent.name}": str(p) for p in sorted(runs.glob(f"*/{RECIPE}"))}
     return {**shipped, **own}

@@ -1,17 +1,16 @@
 """`lora-llama studio`: the page and its small JSON API over the standard library's HTTP server. The page is one
 HTML file (page.html); the API reads run folders (runs.py), makes runs from the form (form.py), starts and
-stops them (jobs.py), runs chat and ship commands (actions.py), and streams a command's output as it grows. It binds
-127.0.0.1; another address needs --auth USER:PASS (HTTP basic auth). Runs are confined to the runs folder, and
-a run starts from a shipped recipe or a run's own."""
+stops them (jobs.py), runs chat and ship commands (actions.py), and streams a command's output as it grows. Every
+request passes the guard first (guard.py: the token, Host, Origin, a bounded JSON body). It binds 127.0.0.1; another
+address needs --auth USER:PASS (HTTP basic auth). Runs are confined to the runs folder, and a run starts from a
+shipped recipe or a run's own."""
 
 from __future__ import annotations
 
-import base64
 import codecs
-import hmac
 import json
+import sys
 import time
-from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
@@ -21,11 +20,11 @@ from lora_llama.errors import UserError
 from lora_llama.recipe.schema import load_recipe
 from lora_llama.studio.actions import chat_choices, chat_commands, ship_command
 from lora_llama.studio.form import base_recipes, fields, flat_values, plan
+from lora_llama.studio.guard import LOOPBACK_NAMES, WILDCARDS, Guard, Refused, body_length, new_token, served_hosts
 from lora_llama.studio.jobs import Jobs
 from lora_llama.studio.runs import detail, is_running, list_runs, log_path
 
 PAGE = Path(__file__).with_name("page.html")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # how often a followed log is read: a chat's about a token's time on a small model; a trainer's, a step's at most
 CHAT_EVERY_S, OTHER_EVERY_S = 0.1, 0.5
 CHAT_SETTINGS = {"seed": 0, "max_new_tokens": 64, "temperature": 0.7}  # generate's, as the page sends them
@@ -88,10 +87,13 @@ class Studio:
 
     def post(self, path: str, body: dict) -> dict:
         if path in ("/api/plan", "/api/start"):
-            base = self.base(body.get("base", ""))
-            made = plan(base, body.get("values", {}), self.runs, body.get("name", ""))
+            base = self.base(str(body.get("base", "")))
+            values, name = body.get("values", {}), str(body.get("name", ""))
+            if not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values()):
+                raise UserError("the form's values are a JSON object of strings")
+            made = plan(base, values, self.runs, name)
             if path == "/api/start" and "error" not in made:
-                self.jobs.start(self.run_folder(body["name"]), ["train", base, *made["overrides"]])
+                self.jobs.start(self.run_folder(name), ["train", base, *made["overrides"]])
             return made
         if path == "/api/chat":
             settings = {k: body.get(k, v) for k, v in CHAT_SETTINGS.items()}
@@ -106,9 +108,10 @@ class Studio:
             for what, command in made.items():
                 self.jobs.start(self.runs, command, what, self.chat_log(what))
             return {"panes": list(made)}
-        run = self.run_folder(body.get("name", ""))
-        if path == "/api/ship":
-            self.jobs.start(run, ship_command(run, str(body.get("action", "")), str(body.get("repo_id", ""))), "ship")
+        run = self.run_folder(str(body.get("name", "")))
+        if path == "/api/ship":  # a push makes a private repository unless the page ticks public
+            action, repo_id = str(body.get("action", "")), str(body.get("repo_id", ""))
+            self.jobs.start(run, ship_command(run, action, repo_id, private=body.get("public") is not True), "ship")
         elif path == "/api/stop":
             self.jobs.stop(run)
         elif path == "/api/resume":
@@ -120,31 +123,45 @@ class Studio:
 
 class Handler(BaseHTTPRequestHandler):
     studio: Studio
-    auth: str | None = None
+    guard: Guard
 
     def log_message(self, *args):  # the terminal shows the studio's address, not every request
         pass
 
-    def _allowed(self) -> bool:
-        if self.auth is None:
-            return True
-        given = self.headers.get("Authorization", "")
-        expected = "Basic " + base64.b64encode(self.auth.encode()).decode()
-        if hmac.compare_digest(given, expected):
-            return True
-        self.send_response(401)
-        self.send_header("WWW-Authenticate", 'Basic realm="lora-llama studio"')
-        self.end_headers()
-        return False
-
-    def _send(self, code: int, payload, content_type="application/json"):
+    def _send(self, code: int, payload, content_type="application/json", headers: dict | None = None):
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
+        for key, value in {"Content-Type": content_type, "Content-Length": str(len(data)), **(headers or {})}.items():
+            self.send_header(key, value)
         self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
         self.wfile.write(data)
+
+    def _admitted(self, url) -> dict | None:
+        """The request's query when the guard admits it (its body read, for a POST, into self.body); else the
+        refusal answered and None. A body refused for its size is never read, and its connection is closed."""
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        try:
+            self.guard.check(self.command, self.headers, query)
+            length = body_length(self.command, self.headers)
+        except Refused as e:
+            # in the terminal, as Jupyter logs what it blocks: a page or a user trying the studio should be seen
+            print(f"lora-llama studio: refused {self.command} {url.path}: {e}", file=sys.stderr, flush=True)
+            self.close_connection = self.command == "POST"  # an unread body must not be taken for the next request
+            challenge = {"WWW-Authenticate": 'Basic realm="lora-llama studio"'} if e.status == 401 else {}
+            self._send(e.status, {"error": str(e)}, headers=challenge)
+            return None
+        if self.command == "POST":
+            try:
+                self.body = json.loads(self.rfile.read(length) or b"{}")
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                self._send(400, {"error": f"the request body is not JSON: {e}"})
+                return None
+            if not isinstance(self.body, dict):
+                self._send(400, {"error": "the request body is a JSON object"})
+                return None
+        return query
 
     def _answer(self, work):
         try:
@@ -153,13 +170,16 @@ class Handler(BaseHTTPRequestHandler):
             self._send(400, {"error": str(e)})
 
     def do_GET(self):
-        if not self._allowed():
-            return
         url = urlparse(self.path)
+        query = self._admitted(url)
+        if query is None:
+            return
         if url.path == "/":
+            if "token" in query:  # the first visit: the token kept as a cookie, and out of the address bar
+                self._send(302, b"", "text/plain", {"Location": "/", "Set-Cookie": self.guard.cookie()})
+                return
             self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
             return
-        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         if url.path == "/api/follow":
             try:
                 log, running, every_s = self.studio.output(query)
@@ -200,26 +220,44 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the page closed or moved on
             return
 
+    def do_OPTIONS(self):  # a CORS preflight: another origin's, since the studio's own page never needs one
+        self._admitted(urlparse(self.path))
+
     def do_POST(self):
-        if not self._allowed():
-            return
-        length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length) or b"{}")
-        self._answer(lambda: self.studio.post(urlparse(self.path).path, body))
+        url = urlparse(self.path)
+        if self._admitted(url) is not None:
+            self._answer(lambda: self.studio.post(url.path, self.body))
 
 
-def serve(runs: Path, host: str = "127.0.0.1", port: int = 7860, auth: str | None = None, ready=None) -> None:
-    """Serve the studio until interrupted; ready(url) is called once it listens."""
-    if host not in LOOPBACK and not auth:
+def serve(
+    runs: Path,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    *,
+    auth: str | None = None,
+    token: str | None = None,
+    allowed_hosts: list[str] | None = None,
+    ready=None,
+) -> None:
+    """Serve the studio until interrupted; ready(url) is called once it listens, with the URL that carries the
+    token (made here unless given)."""
+    if host not in LOOPBACK_NAMES and not auth:
         raise UserError(f"--host {host} serves the studio beyond this machine: give --auth USER:PASS too")
     if auth is not None and ":" not in auth:
         raise UserError("--auth takes USER:PASS")
+    if token is not None and len(token) < 8:
+        raise UserError("--token needs 8 characters or more (by default the studio makes one)")
     runs.mkdir(parents=True, exist_ok=True)
-    handler = type("StudioHandler", (Handler,), {"studio": Studio(runs), "auth": auth})
-    server = ThreadingHTTPServer((host, port), partial(handler))
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:
+        raise UserError(f"the studio cannot listen on {host}:{port}: {e.strerror or e}") from None
+    bound = server.server_address[1]
+    guard = Guard(token or new_token(), bound, auth, served_hosts(host, allowed_hosts or []))
+    server.RequestHandlerClass = type("StudioHandler", (Handler,), {"studio": Studio(runs), "guard": guard})
     server.daemon_threads = True  # a page following a long run does not keep the studio from ending
-    url = f"http://{host}:{server.server_address[1]}/"
-    (ready or print)(url)
+    shown = "127.0.0.1" if host in WILDCARDS else f"[{host}]" if ":" in host else host
+    (ready or print)(f"http://{shown}:{bound}/?token={guard.token}")
     try:
         server.serve_forever()
     finally:
