@@ -319,3 +319,13 @@ def test_epochs_set_the_length_and_max_steps_caps_it():
     assert total_steps(r.train, n_micro_batches=10) == 10
     capped = load_recipe(None, ["train.epochs=2", "train.max_steps=3"])
     assert total_steps(capped.train, n_micro_batches=10) == 3
+
+
+def test_max_steps_null_lets_the_epochs_decide(tiny_ckpt, tmp_path):
+    """`train.max_steps: null` with `train.epochs: 1`, as a recipe file says it: one pass over the 8 examples at
+    batch 2 is 4 steps (the default of 300 steps is no cap)."""
+    (tmp_path / "r.yaml").write_text("train:\n  epochs: 1\n  max_steps: null\n  batch_size: 2\n")
+    data = chat_file(tmp_path / "d.jsonl")
+    args = ["train", str(tmp_path / "r.yaml"), f"model.source={tiny_ckpt}", f"data.source={data}", "data.val_size=0"]
+    assert main([*args, f"output.dir={tmp_path / 'run'}", "train.precision=fp32", "train.save_every=100"]) == 0
+    assert [m["step"] for m in metrics(tmp_path / "run") if "loss" in m] == [1, 2, 3, 4]

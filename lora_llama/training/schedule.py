@@ -24,5 +24,6 @@ def total_steps(train_cfg, n_micro_batches: int | None) -> int:
     if train_cfg.epochs is None:
         return train_cfg.max_steps
     steps = math.ceil(train_cfg.epochs * n_micro_batches / train_cfg.grad_accum)
-    # an explicit max_steps caps an epoch count
-    return min(steps, train_cfg.max_steps) if "max_steps" in train_cfg.model_fields_set else steps
+    # a max_steps the recipe sets caps an epoch count; its default (300) and an explicit null do not
+    capped = "max_steps" in train_cfg.model_fields_set and train_cfg.max_steps is not None
+    return min(steps, train_cfg.max_steps) if capped else steps
