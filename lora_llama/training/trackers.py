@@ -87,7 +87,7 @@ class WandB:
 
 
 class MLflow:
-    """An MLflow run in the tracking store MLFLOW_TRACKING_URI names (a local ./mlruns file store by default), in
+    """An MLflow run in the tracking store MLFLOW_TRACKING_URI names (MLflow's default otherwise), in
     the experiment MLFLOW_EXPERIMENT_NAME names, else train.project."""
 
     def __init__(self, out: Path, name: str, project: str, config: dict, resumed_step: int):
