@@ -7,6 +7,19 @@ import difflib
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+# the names peft's LoraConfig and transformers' TrainingArguments give keys users bring (docs/coming-from.md)
+PEERS_NAMES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "per_device_train_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "lr_scheduler_type": "schedule",
+    "rank": "r",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "target_modules": "targets",
+}
+
 
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -20,7 +33,9 @@ def describe(err: ValidationError, model: type[BaseModel]) -> str:
         cls = model
         for p in e["loc"][:-1]:
             cls = cls.model_fields[p].annotation
-        near = difflib.get_close_matches(str(e["loc"][-1]), list(cls.model_fields), n=1)
+        name = str(e["loc"][-1])
+        peers = [PEERS_NAMES[name]] if PEERS_NAMES.get(name) in cls.model_fields else []
+        near = peers or difflib.get_close_matches(name, list(cls.model_fields), n=1)
         hint = f" (did you mean {'.'.join([*map(str, e['loc'][:-1]), near[0]])!r}?)" if near else ""
         return f"unknown recipe key {path!r}{hint}"
     if e["type"] == "value_error":  # a rule across keys: its message names them

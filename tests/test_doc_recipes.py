@@ -64,7 +64,9 @@ def make_files(recipe: dict, folder) -> None:
     for reward in rewards:
         module = reward.split(":")[0] if ":" in reward else None
         if module and not (folder / module).exists():
-            (folder / module).write_text("def correct(prompts, completions, answer, **columns):\n    return [0.5] * len(completions)\n")
+            (folder / module).write_text(
+                "def correct(prompts, completions, answer, **columns):\n    return [0.5] * len(completions)\n"
+            )
 
 
 @pytest.fixture(scope="module")

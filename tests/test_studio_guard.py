@@ -28,12 +28,13 @@ async function attempt(name, work) {
   catch (e) { results[name] = "blocked"; }
 }
 (async () => {
-  await attempt("text/plain start", () => fetch(studio + "api/start", {method: "POST", body: start, credentials: "include"}));
+  const json = {"Content-Type": "application/json"}, credentials = "include";
+  await attempt("text/plain start", () => fetch(studio + "api/start", {method: "POST", body: start, credentials}));
   await attempt("json start", () => fetch(studio + "api/start",
-    {method: "POST", body: start, headers: {"Content-Type": "application/json"}, credentials: "include"}));
+    {method: "POST", body: start, headers: json, credentials}));
   await attempt("no-cors push", () => fetch(studio + "api/ship",
-    {method: "POST", mode: "no-cors", body: push, headers: {"Content-Type": "application/json"}, credentials: "include"}));
-  await attempt("text/plain push", () => fetch(studio + "api/ship", {method: "POST", body: push, credentials: "include"}));
+    {method: "POST", mode: "no-cors", body: push, headers: json, credentials}));
+  await attempt("text/plain push", () => fetch(studio + "api/ship", {method: "POST", body: push, credentials}));
   results["beacon"] = navigator.sendBeacon(studio + "api/ship", push);
   await attempt("read runs", () => fetch(studio + "api/runs", {credentials: "include"}).then((r) => r.json()));
   document.title = "done";
