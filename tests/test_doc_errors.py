@@ -64,14 +64,14 @@ class Mistakes:
             work()
         return str(e.value)
 
-    def grpo(self, reward: str) -> str:
+    def grpo(self, reward: str | None = None) -> str:
         prompts = self.tmp / "p.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in QA))
         return self.train(
             "train.objective=grpo",
             "data.format=prompt",
             f"data.source={prompts}",
-            f"train.grpo.rewards=[{reward}]",
+            *([f"train.grpo.rewards=[{reward}]"] if reward else []),
             "train.grpo.group_size=2",
             "train.grpo.max_new_tokens=4",
             "train.batch_size=2",
@@ -100,6 +100,8 @@ TRIGGERS = {
     "reward correct returned 7 values for 8 completions ...": lambda m: m.rewards(lambda completions, **k: [1.0] * 7),
     "reward correct returned 'yes' (str) for row N ...": lambda m: m.rewards(lambda completions, **k: ["yes"] * 8),
     "reward 'rewards.py:check': no such file rewards.py": lambda m: m.grpo("rewards.py:check"),
+    "train.grpo.rewards: reasoning_gym scores reasoning-gym data (its 'entry' column), which this data.source has "
+    "not: ...": lambda m: m.grpo(),
     "recipe: lora.init_lora_weights pissa moves W0's principal part into A and B, which lora.dropout would drop ...": (
         lambda m: m.train("lora.init_lora_weights=pissa", "lora.dropout=0.1")
     ),

@@ -266,3 +266,14 @@ def test_packed_completions_train_as_separate_rows(tiny_ckpt, tmp_path, loss_typ
     (rows, loss, grads), (packed_rows, packed_loss, packed_grads) = results
     assert packed_rows < rows and abs(loss - packed_loss) < 1e-5
     assert all(torch.allclose(grads[k], packed_grads[k], atol=1e-5, rtol=1e-4) for k in grads)
+
+
+def test_an_environment_is_the_reward_unless_rewards_are_given():
+    """train.grpo.rewards defaults to reasoning_gym, except beside an environment, whose get_reward() scores."""
+    from lora_llama.recipe.schema import load_recipe
+
+    grpo = ["train.objective=grpo", "data.format=prompt"]
+    environment = "train.grpo.environment=recipes/tools/calculator.py:Calculator"
+    assert load_recipe(None, grpo).train.grpo.rewards == ["reasoning_gym"]
+    assert load_recipe(None, [*grpo, environment]).train.grpo.rewards == []
+    assert load_recipe(None, [*grpo, environment, "train.grpo.rewards=[format]"]).train.grpo.rewards == ["format"]

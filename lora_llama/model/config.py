@@ -2,7 +2,7 @@
 vocabularies every other module shares (dtypes, LoRA targets, quantize kinds, precisions).
 
 What a family sets that the native model does not implement is refused here, never ignored.
-The recipe schema users write lives in recipe.py.
+The recipe schema users write lives in recipe/schema.py.
 """
 
 from __future__ import annotations

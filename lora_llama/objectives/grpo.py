@@ -66,8 +66,8 @@ class GRPOSettings(Settings):
     mask_truncated: bool = Field(False, description="completions that hit max_new_tokens take no loss")
     rewards: list[str] = Field(
         ["reasoning_gym"],
-        description="reward functions: path/to/file.py:function, "
-        "package.module:function, or a built-in (format, reasoning_gym)",
+        description="reward functions: path/to/file.py:function, package.module:function, or a built-in (format, "
+        "reasoning_gym: reasoning-gym data's own scorer); none by default when an environment scores",
     )
     reward_weights: list[float] | None = Field(None, description="one weight per reward; null: all 1")
     tools: list[str] = Field(
@@ -87,6 +87,8 @@ class GRPOSettings(Settings):
 
     @model_validator(mode="after")
     def _weights_fit(self):
+        if self.environment and "rewards" not in self.model_fields_set:  # the environment scores (its get_reward)
+            self.__dict__["rewards"] = []
         if not self.rewards and not self.environment:
             raise ValueError("train.grpo.rewards needs at least one reward function")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
@@ -192,7 +194,13 @@ class GRPO(Objective):
                 f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens"
             )
         schemas = listed_tools(recipe.train.grpo, tokenizer)
-        return build_prompts(recipe.data, tokenizer, recipe.train.seed, room, log, schemas)
+        train, val = build_prompts(recipe.data, tokenizer, recipe.train.seed, room, log, schemas)
+        if "reasoning_gym" in recipe.train.grpo.rewards and "entry" not in train[0]["columns"]:
+            raise UserError(
+                "train.grpo.rewards: reasoning_gym scores reasoning-gym data (its 'entry' column), which this "
+                "data.source has not: set train.grpo.rewards to reward functions of your own (path/to/file.py:function)"
+            )
+        return train, val
 
     def collate(self, prompts: list[dict], pad_id: int) -> dict:
         return {"prompts": prompts}

@@ -1,4 +1,4 @@
-"""The recipe reference, docs/recipes.md, rendered from the schema in recipe.py.
+"""The recipe reference, docs/recipes.md, rendered from the schema in recipe/schema.py.
 
 `python -m lora_llama.recipe.reference docs/recipes.md` writes it; tests/test_docs.py fails when the file
 differs from what the schema gives, so the reference never drifts from the code.

@@ -67,8 +67,8 @@ class DataSection(Settings):
     sources: list[SourceSection] | None = Field(
         None,
         description="several sources instead of data.source, each {source, weight, and how to read it: format, "
-        "fields, config, split, max_examples, system_prompt}; rows are drawn from them in the proportions of their "
-        "weights, seeded by train.seed (docs/data.md)",
+        "fields, config, split, data_files, max_examples, system_prompt}; rows are drawn from them in the "
+        "proportions of their weights, seeded by train.seed (docs/data.md)",
     )
     config: str | None = Field(None, description="a folder's or Hub dataset's configuration (datasets' name)")
     split: str = Field("train", description="the split read, with datasets' slices too: train[:5%], train[100:]")
