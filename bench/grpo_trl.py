@@ -41,7 +41,7 @@ def _model_and_tokenizer(r):
 
     from lora_llama.data.templates import use_chat_template
     from lora_llama.loading.models import resolve_source
-    from lora_llama.objectives.tools import load_tools
+    from lora_llama.objectives.grpo.tools import load_tools
 
     source = resolve_source(r.model.source)  # the installed SmolLM2 GGUF is read by transformers' own loader
     where = dict(gguf_file=source.name) if source.suffix == ".gguf" else {}
@@ -63,8 +63,8 @@ def trl_trainer(r, steps: int, precision: str, device: str, out: str):
 
     from lora_llama.data.prompts import build_prompts
     from lora_llama.model.config import LINEAR_NAMES
-    from lora_llama.objectives.rewards import load_reward
-    from lora_llama.objectives.tools import listed_tools
+    from lora_llama.objectives.grpo.rewards import load_reward
+    from lora_llama.objectives.grpo.tools import listed_tools
 
     model, tok, tools = _model_and_tokenizer(r)
     train, _ = build_prompts(

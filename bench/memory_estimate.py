@@ -22,18 +22,33 @@ from bench.common import LLAMA31_8B
 SHAPES = {
     "meta-llama/Llama-3.1-8B-Instruct": LLAMA31_8B,
     "meta-llama/Llama-2-7b-hf": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, tie_word_embeddings=False,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        tie_word_embeddings=False,
     ),
     "mistralai/Mistral-7B-Instruct-v0.3": dict(
-        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, tie_word_embeddings=False,
+        vocab_size=32768,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
     ),
     "Qwen/Qwen2.5-7B-Instruct": dict(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, tie_word_embeddings=False,
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
     ),
-}  # fmt: skip
+}
 
 GPUS_GB = (16, 24, 48, 80)
 CONTEXT_GB = 1.5  # the CUDA context, cuBLAS workspaces and the caching allocator's slack

@@ -174,7 +174,7 @@ def setup_rows(r: dict) -> list[tuple]:
     largest = ", ".join(f"{name} {mb / 1000:.2f} GB" for name, mb in r["largest_mb"].items())
     return [
         (
-            "`make setup` into a new environment",
+            "`make setup` into a new environment (from the machine's package mirror)",
             f"{r['seconds'] / 60:.1f} min",
             "",
             f"{r['installed_mb'] / 1000:.1f} GB installed ({largest})",

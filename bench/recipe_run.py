@@ -1,6 +1,7 @@
 """A shipped recipe trained as a user trains it (`lora-llama train RECIPE`), timed, with what its run reports: every
 held-out evaluation (the objective's own measures: DPO's reward accuracy and margin, GRPO's held-out reward, the
-eval loss) and the training reward or loss of each step. The pages' accounts of a recipe's run quote this line.
+eval loss), the training reward or loss of each step, and its mean (and GRPO's completion length) between evals.
+The pages' accounts of a recipe's run quote this line.
 
     python -m bench.recipe_run recipes/smollm2-dpo-cpu.yaml
     python -m bench.recipe_run recipes/smollm2-grpo-cpu.yaml
@@ -38,6 +39,15 @@ def main():
     steps = [r for r in rows if "loss" in r]
     evals = [{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")} for r in rows]
     headline = "reward" if "reward" in steps[-1] else "loss"
+    marks = [e["step"] for e in evals if len(e) > 1]
+    spans = {  # each measure's mean over the steps between two evals (steps a+1..b)
+        key: [
+            round(sum(r[key] for r in steps if a < r["step"] <= b) / max(1, sum(a < r["step"] <= b for r in steps)), 4)
+            for a, b in zip(marks, marks[1:])
+        ]
+        for key in (headline, "completions/mean_length")
+        if key in steps[-1]
+    }
     print(cpu_line())
     print(f"{len(steps)} steps in {seconds} s")
     for e in (e for e in evals if len(e) > 1):
@@ -51,6 +61,7 @@ def main():
             "step_s": round(seconds / len(steps), 2),  # evals and loading included, as a user waits
             "evals": [e for e in evals if len(e) > 1],
             headline: [round(r[headline], 4) for r in steps],
+            "span_means": spans,
         },
     )
 

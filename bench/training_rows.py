@@ -224,7 +224,7 @@ def precision_rows(r: dict) -> list[tuple]:
             "default recipe, bf16-mixed (peer: the same recipe in fp32)",
             cell(bf16),
             cell(fp32),
-            f"{r['tokens_per_s_ratio']:.2f}x tokens/s, eval loss within {100 * r['eval_loss_rel_diff']:.1f}%",
+            f"{r['tokens_per_s_ratio']:.2f}x tokens/s, eval loss within {100 * r['eval_loss_rel_diff']:.2f}%",
         )
     ]
 

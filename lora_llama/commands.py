@@ -54,15 +54,17 @@ def cmd_train(args) -> int:
         return launch(
             torchrun, ["train", args.recipe, *args.overrides] + ["--resume"] * args.resume + ["--force"] * args.force
         )
+    from lora_llama.objectives.catalog import objective_named
     from lora_llama.training.from_recipe import train_from_recipe
 
     result = train_from_recipe(recipe, resume=args.resume, force=args.force)
     if not speaks_for_job():  # rank 0 reports for the job
         return 0
+    headline = objective_named(recipe.train.objective).reporting.headline
     benchmarks = sorted(k for k in result if k.startswith("lm_eval/") and not k.endswith("_start"))
-    for key in ["eval_loss", "eval_reward", *benchmarks]:
+    for key in [headline.key, *benchmarks]:
         if f"{key}_start" in result and key in result:
-            name = key.replace("_", " ", 1) if key.startswith("eval_") else key.removeprefix("lm_eval/")
+            name = headline.name if key == headline.key else key.removeprefix("lm_eval/")
             step = result["step"]
             print(f"{name} {result[f'{key}_start']:.4f} (base model) -> {result[key]:.4f} (adapter, step {step})")
     if recipe.output.push_to_hub:

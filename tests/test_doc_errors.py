@@ -78,7 +78,7 @@ class Mistakes:
         )
 
     def rewards(self, fn) -> str:
-        from lora_llama.objectives.rewards import score
+        from lora_llama.objectives.grpo.rewards import score
 
         prompts, completions = [f"what is {i}?" for i in range(8)], [f"{i}" for i in range(8)]
         return self.error(lambda: score({"correct": fn}, prompts, completions, {}))

@@ -10,8 +10,8 @@ from helpers import ALL, hf_model, make_tokenizer, random_lora_b
 from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 from lora_llama.labels import IGNORE_INDEX
 from lora_llama.model.generate import sample_completions
-from lora_llama.objectives.grpo import GRPO, GRPOSettings
-from lora_llama.objectives.rewards import group_advantages
+from lora_llama.objectives.grpo.objective import GRPO, GRPOSettings
+from lora_llama.objectives.grpo.rewards import group_advantages
 
 
 def prompts_of(lengths, seed=0):

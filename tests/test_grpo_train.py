@@ -8,7 +8,7 @@ import torch
 
 from lora_llama.cli import main
 from lora_llama.errors import UserError
-from lora_llama.objectives.rewards import extract_answer, format_reward, load_reward, score
+from lora_llama.objectives.grpo.rewards import extract_answer, format_reward, load_reward, score
 from lora_llama.recipe.schema import load_recipe
 from lora_llama.training.from_recipe import train_from_recipe
 
@@ -120,7 +120,7 @@ def test_rewards_load_from_files_modules_and_built_ins(tmp_path):
     f = tmp_path / "r.py"
     f.write_text(LOW_IDS)
     assert load_reward(f"{f}:low_ids")[0] == "low_ids"
-    assert load_reward("lora_llama.objectives.rewards:format_reward")[1] is format_reward
+    assert load_reward("lora_llama.objectives.grpo.rewards:format_reward")[1] is format_reward
     assert load_reward("format")[1] is format_reward
     for spec, words in (
         (f"{tmp_path}/none.py:x", "no such file"),
@@ -138,7 +138,7 @@ def test_built_in_rewards():
     assert extract_answer("so <answer> 3 </answer> or <answer>4</answer>") == "4" and extract_answer(" 7 ") == "7"
     import reasoning_gym
 
-    from lora_llama.objectives.rewards import reasoning_gym_reward
+    from lora_llama.objectives.grpo.rewards import reasoning_gym_reward
 
     entries = list(reasoning_gym.create_dataset("basic_arithmetic", size=3, seed=0))
     right = [f"<answer>{e['answer']}</answer>" for e in entries]

@@ -13,10 +13,10 @@ from helpers import build_checkpoint, hf_model, make_tokenizer
 from lora_llama.data.prompts import prompt_examples
 from lora_llama.data.templates import chat_template_text, tool_calls
 from lora_llama.errors import UserError
-from lora_llama.objectives import rollout
-from lora_llama.objectives.grpo import GRPO, GRPOSettings
-from lora_llama.objectives.rewards import score_rollouts
-from lora_llama.objectives.tools import Toolbox, answer_calls, load_environment, load_tools, tool_schemas
+from lora_llama.objectives.grpo import rollout
+from lora_llama.objectives.grpo.objective import GRPO, GRPOSettings
+from lora_llama.objectives.grpo.rewards import score_rollouts
+from lora_llama.objectives.grpo.tools import Toolbox, answer_calls, load_environment, load_tools, tool_schemas
 from lora_llama.runtime.distributed import Ranks
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'

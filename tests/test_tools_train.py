@@ -10,9 +10,9 @@ from test_tools import CALL, TOOLS_FILE, tool_tokenizer
 from helpers import build_checkpoint, make_tokenizer
 from lora_llama.data.templates import chat_template_text, renders_tools
 from lora_llama.errors import UserError
-from lora_llama.objectives import rollout
-from lora_llama.objectives.grpo import GRPO, GRPOSettings
-from lora_llama.objectives.tools import load_tools, tool_schemas
+from lora_llama.objectives.grpo import rollout
+from lora_llama.objectives.grpo.objective import GRPO, GRPOSettings
+from lora_llama.objectives.grpo.tools import load_tools, tool_schemas
 
 
 def test_a_template_that_cannot_render_tools_is_refused_naming_data_chat_template(tiny_ckpt, tmp_path):
@@ -99,7 +99,7 @@ def tool_run(ckpt, tmp_path, out, *overrides):
 # turn of even length in characters calls add.
 STAND_INS = """
 import lora_llama.model.generate as _generate
-import lora_llama.objectives.rollout as _rollout
+import lora_llama.objectives.grpo.rollout as _rollout
 _pick, _read = _generate.pick, _rollout.tool_calls
 def ending(logits, temperature, top_k, top_p, u):
     token = _pick(logits, temperature, top_k, top_p, u)
@@ -227,7 +227,7 @@ def test_the_calculator_data_lists_the_calculator_tool_as_transformers_describes
     from pathlib import Path
 
     from lora_llama.data.loading import CALCULATOR_TOOL, REGISTERED_RECORDS
-    from lora_llama.objectives.rewards import load_reward
+    from lora_llama.objectives.grpo.rewards import load_reward
 
     root = Path(__file__).resolve().parents[1]
     calculate = load_tools([f"{root}/recipes/tools/calculator.py:calculate"])[0]

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from lora_llama.objectives.reporting import LOSS, Measure, Reporting
 from lora_llama.runtime.distributed import Ranks
 
 SHORTEST_BUCKET = 64  # tokens
@@ -53,6 +54,11 @@ class Objective:
     cached = True  # its examples are kept between runs (data/cache.py): rows of one layout, in Arrow's types
     repeats = 1  # optimiser steps per batch of data
     streams = False  # whether it reads data.streaming's sources (data/streaming.py gives its examples then)
+    # what its runs report (objectives/reporting.py): by default the loss and its perplexity on held-out examples
+    reporting = Reporting(
+        (LOSS, Measure("eval_perplexity", "perplexity", higher_is_better=False, digits=2, charted=False)),
+        "held-out examples",
+    )
 
     @classmethod
     def build(cls, recipe, tokenizer, eos_ids: list[int]) -> Objective:

@@ -8,7 +8,7 @@ from functools import partial
 from lora_llama.errors import UserError
 from lora_llama.objectives.base import Objective, bucketed_length
 from lora_llama.objectives.dpo import DPO
-from lora_llama.objectives.grpo import GRPO
+from lora_llama.objectives.grpo.objective import GRPO
 from lora_llama.objectives.kto import KTO
 from lora_llama.objectives.orpo import ORPO
 from lora_llama.objectives.sft import SFT

@@ -31,6 +31,7 @@ from lora_llama.errors import BadRecord
 from lora_llama.labels import IGNORE_INDEX, target_mask
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.base import Objective
+from lora_llama.objectives.reporting import LOSS, Measure, Reporting
 from lora_llama.objectives.token_losses import token_logps
 from lora_llama.validation import Settings
 
@@ -99,6 +100,18 @@ class KTO(Objective):
     data_formats = {"unpaired": "prompt/completion/label", "preference": "prompt/chosen/rejected"}
     empty = {**EMPTY_EXAMPLE, "prompt_len": 0, "label": False, "mismatched": EMPTY_EXAMPLE}
     stat_names, n_counts, counted = SUMS, 1, "examples"
+    reporting = Reporting(
+        (
+            LOSS,
+            Measure("eval_rewards/margins", "reward margin (desirable minus undesirable)", higher_is_better=True),
+            Measure("eval_rewards/chosen", "desirable reward", higher_is_better=True),
+            Measure("eval_rewards/rejected", "undesirable reward", higher_is_better=False),
+            Measure("eval_kl", "KL to the reference", higher_is_better=False),
+        ),
+        "held-out answers judged one at a time",
+        curves=("rewards/chosen", "rewards/rejected", "rewards/margins"),
+        loss_unit="per answer",
+    )
 
     def __init__(self, settings: KTOSettings = KTOSettings()):
         self.s = settings

@@ -8,6 +8,7 @@ import torch
 from lora_llama.data.preference import EMPTY_PAIR, build_pairs, collate_pairs
 from lora_llama.labels import target_mask
 from lora_llama.objectives.base import Objective
+from lora_llama.objectives.reporting import LOSS, Measure, Reporting
 
 # what preference objectives log, summed over pairs then averaged (trl's names)
 PAIR_STATS = (
@@ -27,6 +28,16 @@ class PairObjective(Objective):
 
     data_formats = {"preference": "prompt/chosen/rejected"}
     empty, stat_names, n_counts, counted = EMPTY_PAIR, PAIR_STATS, 1, "pairs"
+    reporting = Reporting(
+        (
+            LOSS,
+            Measure("eval_rewards/accuracies", "reward accuracy", higher_is_better=True, digits=3),
+            Measure("eval_rewards/margins", "reward margin", higher_is_better=True),
+        ),
+        "held-out pairs",
+        curves=("rewards/accuracies", "rewards/margins"),
+        loss_unit="per pair",
+    )
 
     @classmethod
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:

@@ -20,7 +20,7 @@ from lora_llama.harness.tasks import comparison_table, metrics
 from lora_llama.loading.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lora_llama.objectives.catalog import DEFAULT, objective_named
 from lora_llama.registry import REGISTERED_DATA, is_hub_id, registered_model
-from lora_llama.training.run_folder import ADAPTER, LOSS_PLOT, RECIPE, benchmark_files, last_eval, read_run_recipe
+from lora_llama.training.run_folder import ADAPTER, LOSS_PLOT, RECIPE, benchmark_files, evals, read_run_recipe
 
 
 def find_adapter(path: str | os.PathLike) -> tuple[Path, Path | None]:
@@ -71,7 +71,7 @@ def model_card(adapter: Path, run: Path | None, repo_id: str) -> str:
         "",
         f"A LoRA adapter for {base_link}, trained with [lora-llama](https://github.com/lora-llama/lora-llama).",
         *_settings(cfg, recipe, data_source),
-        *_results(last_eval(run), run),
+        *_results(objective_named(objective).reporting, run),
         *_benchmark_lines(base_results, results),
         *_usage(shown, repo_id),
     ]
@@ -105,26 +105,12 @@ def _settings(cfg: dict, recipe: dict, data_source: str | None) -> list[str]:
     return lines
 
 
-def _results(ev: dict | None, run: Path | None) -> list[str]:
-    """The last eval (SFT: loss and perplexity; preference: loss, reward accuracy and margin) and the loss plot."""
-    lines = []
-    if ev and "eval_perplexity" in ev:
-        lines += [
-            "",
-            "## Results",
-            "",
-            f"Final eval loss **{ev['eval_loss']:.4f}**, perplexity "
-            f"**{ev['eval_perplexity']:.2f}** (step {ev['step']}).",
-        ]
-    elif ev:
-        lines += [
-            "",
-            "## Results",
-            "",
-            f"Final eval loss **{ev['eval_loss']:.4f}**, reward accuracy "
-            f"**{ev.get('eval_rewards/accuracies', float('nan')):.3f}**, reward margin "
-            f"**{ev.get('eval_rewards/margins', float('nan')):.4f}** on held-out pairs (step {ev['step']}).",
-        ]
+def _results(reporting, run: Path | None) -> list[str]:
+    """The objective's Results sentence (its headline before and after, its other held-out measures) and the loss
+    plot."""
+    last, start = evals(run, reporting)
+    sentence = reporting.results(last, start) if last else None
+    lines = ["", "## Results", "", sentence] if sentence else []
     if run and (run / LOSS_PLOT).is_file():
         lines += ["", f"![training curve]({LOSS_PLOT})"]
     return lines

@@ -9,6 +9,7 @@ import fcntl
 import json
 from pathlib import Path
 
+from lora_llama.objectives.catalog import DEFAULT, objective_named
 from lora_llama.training.run_folder import (
     ADAPTER,
     METRICS,
@@ -17,6 +18,7 @@ from lora_llama.training.run_folder import (
     benchmark_files,
     checkpoints,
     read_metrics,
+    read_run_recipe,
 )
 
 # beside the run folder, as its lock is (`--force` may delete the folder itself): the output of the run's training
@@ -108,9 +110,12 @@ def detail(run: Path) -> dict:
             task: {k: v for k, v in r.items() if isinstance(v, (int, float))} for task, r in results.items()
         }
     rows = read_metrics(run / METRICS)
+    reporting = objective_named((read_run_recipe(run).get("train") or {}).get("objective", DEFAULT.name)).reporting
     return {
         **summary(run, rows),
         "metrics": rows,
+        # the curves its objective draws: training (the loss, then its own figures) and held-out measures
+        "curves": {"train": ["loss", *reporting.curves], "held_out": [m.key for m in reporting.held_out if m.charted]},
         "samples": read_metrics(run / SAMPLES),  # JSONL as metrics.jsonl is: a line being written is left for later
         "benchmarks": benchmarks,
         "recipe": (run / RECIPE).read_text() if (run / RECIPE).is_file() else "",

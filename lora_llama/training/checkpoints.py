@@ -68,14 +68,15 @@ class Checkpoints:
         self.ranks.barrier()
         return folder
 
-    def finish(self, model) -> Path:
-        """The run's final adapter, run/adapter, in the PEFT format, and the loss plot (rank 0)."""
+    def finish(self, model, reporting) -> Path:
+        """The run's final adapter, run/adapter, in the PEFT format, and the loss plot of the objective's figures
+        (rank 0)."""
         adapter = whole_adapter(model)
         if self.ranks.main:
             save_adapter(model, self.out / ADAPTER, force=True, tensors=adapter)
             if self.chat_template:
                 write_text_atomic(self.out / ADAPTER / CHAT_TEMPLATE, self.chat_template)
-            plot_losses(self.out / METRICS, self.out / LOSS_PLOT)
+            plot_losses(self.out / METRICS, self.out / LOSS_PLOT, reporting)
         self.ranks.barrier()
         return self.out / ADAPTER
 

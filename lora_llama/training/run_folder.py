@@ -67,10 +67,11 @@ def write_run_recipe(out: Path, recipe) -> None:
     (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
 
 
-def last_eval(run: Path | None) -> dict | None:
-    """The last eval record of a run's metrics, or None."""
-    evals = [r for r in read_metrics(Path(run) / METRICS) if "eval_loss" in r] if run else []
-    return evals[-1] if evals else None
+def evals(run: Path | None, reporting) -> tuple[dict | None, dict]:
+    """(the last eval record of a run's metrics, the step-0 one: the base model's), by the objective's headline
+    measure (its `reporting`); None and {} where there are none."""
+    found = [r for r in read_metrics(Path(run) / METRICS) if reporting.headline.key in r] if run else []
+    return (found[-1] if found else None), next((r for r in found if r["step"] == 0), {})
 
 
 @contextlib.contextmanager
@@ -254,20 +255,20 @@ class MetricsLog:
             self.trackers.close()
 
 
-def eval_at_start(metrics: Path) -> dict:
-    """The eval figures logged at step 0, the base model's (`eval_loss_start`, `eval_reward_start`, and each
-    benchmark's, `lm_eval/arc_easy/acc_start`)."""
+def eval_at_start(metrics: Path, reporting) -> dict:
+    """The eval figures logged at step 0, the base model's: the objective's headline measure (`eval_loss_start`,
+    `eval_reward_start`) and each benchmark's (`lm_eval/arc_easy/acc_start`)."""
     at_start = [r for r in read_metrics(metrics) if r["step"] == 0]
     start = {}
-    for key in ["eval_loss", "eval_reward", *(k for r in at_start for k in r if k.startswith("lm_eval/"))]:
+    for key in [reporting.headline.key, *(k for r in at_start for k in r if k.startswith("lm_eval/"))]:
         found = [r[key] for r in at_start if key in r]
         start.update({f"{key}_start": found[0]} if found else {})
     return start
 
 
-def plot_losses(metrics: Path, png: Path) -> None:
-    """The loss curves; a second panel with the rewards: for preference objectives the reward accuracy and
-    margin, for GRPO the sampled completions' reward and the held-out greedy one."""
+def plot_losses(metrics: Path, png: Path, reporting) -> None:
+    """The loss curves; a second panel with the figures the objective's reporting draws beside them (preference:
+    the reward accuracy and margin; GRPO: the sampled completions' reward and the held-out greedy one)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,22 +279,13 @@ def plot_losses(metrics: Path, png: Path) -> None:
     def curve(key):
         return [(r["step"], r[key]) for r in rows if key in r]
 
-    preference = any("rewards/margins" in r for r in rows)
-    panel = [
-        k
-        for k in (
-            ("rewards/accuracies", "rewards/margins", "eval_rewards/accuracies", "eval_rewards/margins")
-            if preference
-            else ("reward", "eval_reward")
-        )
-        if curve(k)
-    ]
+    panel = [k for k in reporting.panel() if curve(k)]
     fig, axes = plt.subplots(1, 2 if panel else 1, figsize=(12 if panel else 7, 4), squeeze=False)
     ax = axes[0][0]
     for key, style, label in (("loss", "-", "train loss"), ("eval_loss", "o-", "eval loss")):
         if curve(key):
             ax.plot(*zip(*curve(key)), style, label=label, alpha=0.7 if key == "loss" else 1.0)
-    ax.set_ylabel("loss (per pair)" if preference else "loss" if panel else "loss (per target token)")
+    ax.set_ylabel(f"loss ({reporting.loss_unit})" if reporting.loss_unit else "loss")
     for key in panel:
         held_out = key.startswith("eval_")
         axes[0][1].plot(*zip(*curve(key)), "o-" if held_out else "-", label=key, alpha=1.0 if held_out else 0.7)

@@ -156,9 +156,9 @@ class Trainer:
         finally:
             bar.close()
             self.metrics.close()
-        adapter = self.checkpoints.finish(self.model)
-        # the base model's eval, also after a resume
-        return {"steps": self.step, "adapter": str(adapter), **(last_eval or {}), **eval_at_start(self.out / METRICS)}
+        adapter = self.checkpoints.finish(self.model, self.objective.reporting)
+        start = eval_at_start(self.out / METRICS, self.objective.reporting)  # the base model's, also after a resume
+        return {"steps": self.step, "adapter": str(adapter), **(last_eval or {}), **start}
 
     def _one_step(self, bar, t) -> None:
         start = time.perf_counter()

@@ -1,8 +1,8 @@
 """GRPO (group relative policy optimisation) on the adapter, with trl's GRPOTrainer's settings and maths.
 
 A step: each prompt of the global batch gets group_size completions sampled from the model as it stands
-(adapters active, KV cache, compute precision; objectives/rollout.py); the reward functions score them
-(objectives/rewards.py);
+(adapters active, KV cache, compute precision; objectives/grpo/rollout.py); the reward functions score them
+(objectives/grpo/rewards.py);
 each completion's advantage is its reward less its group's mean, over the group's standard deviation + 1e-4
 (scale_rewards group; batch: the whole batch's; none: not divided). The loss per completion token is
 
@@ -29,10 +29,11 @@ from lora_llama.errors import UserError
 from lora_llama.labels import target_mask
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.base import Objective
-from lora_llama.objectives.rewards import reward_means, reward_moments, score_rollouts, weighted_rewards
-from lora_llama.objectives.rollout import Rollouts
+from lora_llama.objectives.grpo.rewards import reward_means, reward_moments, score_rollouts, weighted_rewards
+from lora_llama.objectives.grpo.rollout import Rollouts
+from lora_llama.objectives.grpo.tools import listed_tools
+from lora_llama.objectives.reporting import Measure, Reporting
 from lora_llama.objectives.token_losses import token_logps
-from lora_llama.objectives.tools import listed_tools
 from lora_llama.runtime.distributed import sharded
 from lora_llama.validation import Settings
 
@@ -140,6 +141,33 @@ def reduce_loss(
     return loss.sum()  # dapo
 
 
+REPORTING = Reporting(
+    (Measure("eval_reward", "held-out reward", higher_is_better=True),),
+    "greedy completions of held-out prompts",
+    curves=("reward",),
+    loss_unit="",  # as train.grpo.loss_type normalises it
+)
+
+
+def prompt_room(max_seq_len: int, max_new_tokens: int) -> int:
+    """The tokens a prompt may take: a row's, less the completion's."""
+    if max_seq_len - max_new_tokens < 1:
+        raise UserError(
+            f"data.max_seq_len ({max_seq_len}) leaves no room for a prompt before "
+            f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens"
+        )
+    return max_seq_len - max_new_tokens
+
+
+def check_rewards_fit(settings, prompts: list[dict]) -> None:
+    """The built-in reasoning_gym reward (the default) scores reasoning-gym data only: one line on other data."""
+    if "reasoning_gym" in settings.rewards and prompts and "entry" not in prompts[0]["columns"]:
+        raise UserError(
+            "train.grpo.rewards: reasoning_gym scores reasoning-gym data (its 'entry' column), which this "
+            "data.source has not: set train.grpo.rewards to reward functions of your own (path/to/file.py:function)"
+        )
+
+
 class GRPO(Objective):
     """The objective of train.objective grpo: its batches are rollouts it samples (`prepare`), its eval the reward
     of greedy completions of held-out prompts."""
@@ -147,6 +175,7 @@ class GRPO(Objective):
     name, about, settings = "grpo", "GRPO on prompts with reward functions", GRPOSettings
     data_formats = {"prompt": "a prompt and any columns the rewards read"}
     packs, empty, n_counts = True, None, 1
+    reporting = REPORTING
     cached = False  # prompts carry the data's own columns, of any type; reading them is quick
 
     def __init__(
@@ -186,20 +215,10 @@ class GRPO(Objective):
 
     @classmethod
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
-        max_new_tokens = recipe.train.grpo.max_new_tokens
-        room = recipe.data.max_seq_len - max_new_tokens
-        if room < 1:
-            raise UserError(
-                f"data.max_seq_len ({recipe.data.max_seq_len}) leaves no room for a prompt before "
-                f"train.grpo.max_new_tokens ({max_new_tokens}) completion tokens"
-            )
+        room = prompt_room(recipe.data.max_seq_len, recipe.train.grpo.max_new_tokens)
         schemas = listed_tools(recipe.train.grpo, tokenizer)
         train, val = build_prompts(recipe.data, tokenizer, recipe.train.seed, room, log, schemas)
-        if "reasoning_gym" in recipe.train.grpo.rewards and "entry" not in train[0]["columns"]:
-            raise UserError(
-                "train.grpo.rewards: reasoning_gym scores reasoning-gym data (its 'entry' column), which this "
-                "data.source has not: set train.grpo.rewards to reward functions of your own (path/to/file.py:function)"
-            )
+        check_rewards_fit(recipe.train.grpo, train)
         return train, val
 
     def collate(self, prompts: list[dict], pad_id: int) -> dict:

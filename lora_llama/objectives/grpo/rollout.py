@@ -2,7 +2,7 @@
 scored by the reward functions, as rows for the loss (packed with data.packing).
 
 With tools (train.grpo.tools, train.grpo.environment) a completion runs over several turns, as trl's tool loop
-does: the model's turn, its calls answered (objectives/tools.py) and the answers added as `tool` messages in the
+does: the model's turn, its calls answered (objectives/grpo/tools.py) and the answers added as `tool` messages in the
 chat template's form, the model's next turn, until a turn calls nothing or max_tool_calling_iterations rounds of
 calls are answered. The tools' tokens are context, not output: no loss and no KL on them (trl's tool_mask), and a
 completion's length counts the model's tokens alone. The rewards get the completion as messages (trl's
@@ -21,8 +21,8 @@ from lora_llama.data.templates import TAGGED_CALL, tool_calls, tool_suffix_ids
 from lora_llama.errors import UserError
 from lora_llama.labels import IGNORE_INDEX
 from lora_llama.model.generate import sample_completions, sample_turns
-from lora_llama.objectives.rewards import load_reward, score
-from lora_llama.objectives.tools import Toolbox, answer_calls, load_environment, load_tools
+from lora_llama.objectives.grpo.rewards import load_reward, score
+from lora_llama.objectives.grpo.tools import Toolbox, answer_calls, load_environment, load_tools
 
 
 def completion_seed(seed: int, generation: int, index: int, sample: int) -> int:

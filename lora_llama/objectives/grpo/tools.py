@@ -24,7 +24,7 @@ from typing import Callable
 
 from lora_llama.data.templates import renders_tools
 from lora_llama.errors import UserError
-from lora_llama.objectives.rewards import import_named
+from lora_llama.objectives.grpo.rewards import import_named
 
 
 def tool_schema(fn: Callable, spec: str) -> dict:

@@ -1,0 +1,1 @@
+"""GRPO: the objective (objective.py), its rollouts, rewards and tools (with trl's environments)."""
