@@ -258,3 +258,63 @@ def test_every_quoted_line_has_a_trigger():
 def test_the_code_prints_the_line_the_page_quotes(quote, tiny_ckpt, tmp_path, capsys, monkeypatch):
     said = TRIGGERS[quote](MoreMistakes(tiny_ckpt, tmp_path, capsys, monkeypatch)).replace("`", "")
     assert pattern(quote).search(said), said
+
+
+def unknown_tool(m) -> str:
+    from lora_llama.objectives.grpo.tools import Toolbox, answer_calls
+
+    [(messages, failures)] = answer_calls([(Toolbox({}), [{"name": "mul", "arguments": {}}], [])], timeout_s=1.0)
+    return messages[0]["content"]
+
+
+def bad_roles(m) -> str:
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA]
+    rows += [{"messages": [{"role": "bot", "content": "x"}]}, {"messages": []}]
+    (m.tmp / "roles.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return m.train(f"data.source={m.tmp / 'roles.jsonl'}", code=0)
+
+
+def studio_refusal(m) -> str:
+    """The line the studio's terminal shows for a POST from another page."""
+    import http.client
+    import threading
+    import time
+    from urllib.parse import urlparse
+
+    from lora_llama.studio.server import serve
+
+    ready = []
+    kwargs = {"ready": ready.append}
+    threading.Thread(target=serve, args=(m.tmp / "runs", "127.0.0.1", 0), kwargs=kwargs, daemon=True).start()
+    while not ready:
+        time.sleep(0.05)
+    m.capsys.readouterr()
+    connection = http.client.HTTPConnection("127.0.0.1", urlparse(ready[0]).port, timeout=10)
+    connection.request("POST", "/api/start", b"{}", {"Origin": "http://127.0.0.1:8000", "Content-Type": "text/plain"})
+    connection.getresponse().read()
+    return m.capsys.readouterr().err
+
+
+# lines other pages quote, each with its page: the page's line and the code's both match the quote's pattern
+ELSEWHERE = {
+    (
+        "data.md",
+        "warning: skipped N of N rows of ...: N with unknown role 'bot' (row...); N with empty messages (row N)",
+    ): (bad_roles),
+    ("grpo.md", "reward correct raised KeyError: 'answer' on row N (prompt '...')"): lambda m: m.rewards(
+        raises_key_error
+    ),
+    ("agents.md", "{'error': 'Tool mul not found.'}"): unknown_tool,
+    ("studio.md", "lora-llama studio: refused POST /api/start: Origin '...' is not the studio's own page"): (
+        studio_refusal
+    ),
+    ("studio.md", "is not a port (0 to 65535)"): lambda m: m.cli("studio", "--port", "99999"),
+}
+
+
+@pytest.mark.parametrize(("page", "quote"), list(ELSEWHERE))
+def test_what_other_pages_quote_is_what_the_code_prints(page, quote, tiny_ckpt, tmp_path, capsys, monkeypatch):
+    shown = " ".join((ROOT / "docs" / page).read_text().split())  # a quote may wrap in the page
+    assert pattern(quote).search(shown), f"{page} no longer quotes {quote!r}"
+    said = ELSEWHERE[page, quote](MoreMistakes(tiny_ckpt, tmp_path, capsys, monkeypatch)).replace("`", "")
+    assert pattern(quote).search(said), said

@@ -215,6 +215,8 @@ def runnable(command: str) -> bool:
 def test_the_commands_a_cpu_can_run_do_run(smollm2, tmp_path):
     """Every documented lora-llama command that needs no GPU, Hub or 7B weights, in the order the docs give them,
     after a two-step run of the default recipe into runs/smollm2-chat; then README's Python snippet."""
+    from lora_llama.loading.models import gguf_to_folder
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     (tmp_path / "recipes").symlink_to(ROOT / "recipes")
     (tmp_path / "tasks").symlink_to(ROOT / "tasks")
@@ -222,6 +224,8 @@ def test_the_commands_a_cpu_can_run_do_run(smollm2, tmp_path):
     (tmp_path / "notes.txt").write_text("What can you eat?\nWho is your father?\n")
     (tmp_path / "my-data.jsonl").write_text(code_blocks("jsonl")[0][1] * 20)  # the data page's example record
     (tmp_path / "my-recipe.yaml").write_text(next(b for page, b in code_blocks("yaml") if page == "README.md"))
+    (tmp_path / "path" / "to").mkdir(parents=True)  # README's local model folder: the default model as HF files
+    (tmp_path / "path" / "to" / "my-model").symlink_to(gguf_to_folder(smollm2))
     train = [
         sys.executable,
         "-m",
