@@ -9,8 +9,10 @@ import json
 import re
 import shlex
 
+import yaml
 from test_docs import PAGES
 
+from helpers import ROOT
 from lora_llama.errors import UserError
 
 NUMBER = r"(\d+(?:\.\d+)?)"
@@ -167,3 +169,31 @@ def test_every_module_and_name_architecture_names_exists():
                 break
             scope = getattr(found[0], "body", [])
     assert not missing, missing
+
+
+def test_gpu_recipes_state_the_memory_their_own_step_needs():
+    """Each GPU recipe's comment gives the estimator's figure for its own model, batch and length."""
+    from bench.memory_estimate import SHAPES, recipe_gb
+
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        if yaml.safe_load(recipe.read_text())["model"]["source"] not in SHAPES:
+            continue
+        gb, batch, length = recipe_gb(recipe)
+        comment = " ".join(line.lstrip("# ") for line in recipe.read_text().splitlines() if line.startswith("#"))
+        said = re.search(r"about (\d+) GB a step at batch (\d+) x (\d+)", comment)
+        assert said, f"{recipe.name} states no memory for its step"
+        assert said.groups() == (f"{gb['total']:.0f}", str(batch), str(length)), (recipe.name, said.group(0))
+
+
+def test_make_bench_runs_every_benchmark_the_tables_show():
+    """One list: the tables' benchmarks (bench.report.PAGES) are what `make bench` runs (bench.all), each row's
+    arguments included, and each has its module and its rows."""
+    from bench.all import runs
+    from bench.report import PAGES, ROWS, newest_per_args
+
+    bench_target = (ROOT / "Makefile").read_text().split("\nbench: ")[1].split("\n\n")[0]
+    assert "-m bench.all" in bench_target and "for b in" not in bench_target
+    shown = {name for names in PAGES.values() for name in names}
+    assert all((ROOT / "bench" / f"{name}.py").is_file() and name in ROWS for name in shown)
+    rows = {(f"bench.{n}", *line.get("args", [])) for n in shown for line in newest_per_args(n) if "gpu" not in line}
+    assert set(map(tuple, runs())) == rows and rows

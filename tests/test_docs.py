@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from helpers import ROOT
 
@@ -210,22 +209,27 @@ def runnable(command: str) -> bool:
     )
 
 
+def docs_workspace(folder: Path, smollm2) -> None:
+    """The files the documented commands name, as a user's working folder holds them."""
+    from lora_llama.loading.models import gguf_to_folder
+
+    (folder / "recipes").symlink_to(ROOT / "recipes")
+    (folder / "tasks").symlink_to(ROOT / "tasks")
+    (folder / "out").mkdir()
+    (folder / "notes.txt").write_text("What can you eat?\nWho is your father?\n")
+    (folder / "my-data.jsonl").write_text(code_blocks("jsonl")[0][1] * 20)  # the data page's example record
+    (folder / "my-recipe.yaml").write_text(next(b for page, b in code_blocks("yaml") if page == "README.md"))
+    (folder / "path" / "to").mkdir(parents=True)  # README's local model folder: the default model as HF files
+    (folder / "path" / "to" / "my-model").symlink_to(gguf_to_folder(smollm2))
+
+
 @pytest.mark.slow
 @pytest.mark.distributed  # the distributed guide's two-process command among them
 def test_the_commands_a_cpu_can_run_do_run(smollm2, tmp_path):
     """Every documented lora-llama command that needs no GPU, Hub or 7B weights, in the order the docs give them,
     after a two-step run of the default recipe into runs/smollm2-chat; then README's Python snippet."""
-    from lora_llama.loading.models import gguf_to_folder
-
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    (tmp_path / "recipes").symlink_to(ROOT / "recipes")
-    (tmp_path / "tasks").symlink_to(ROOT / "tasks")
-    (tmp_path / "out").mkdir()
-    (tmp_path / "notes.txt").write_text("What can you eat?\nWho is your father?\n")
-    (tmp_path / "my-data.jsonl").write_text(code_blocks("jsonl")[0][1] * 20)  # the data page's example record
-    (tmp_path / "my-recipe.yaml").write_text(next(b for page, b in code_blocks("yaml") if page == "README.md"))
-    (tmp_path / "path" / "to").mkdir(parents=True)  # README's local model folder: the default model as HF files
-    (tmp_path / "path" / "to" / "my-model").symlink_to(gguf_to_folder(smollm2))
+    docs_workspace(tmp_path, smollm2)
     train = [
         sys.executable,
         "-m",
@@ -318,31 +322,3 @@ def test_no_history_in_the_project():
         if words.search(line)
     ]
     assert not found, found
-
-
-def test_gpu_recipes_state_the_memory_their_own_step_needs():
-    """Each GPU recipe's comment gives the estimator's figure for its own model, batch and length."""
-    from bench.memory_estimate import SHAPES, recipe_gb
-
-    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
-        if yaml.safe_load(recipe.read_text())["model"]["source"] not in SHAPES:
-            continue
-        gb, batch, length = recipe_gb(recipe)
-        comment = " ".join(line.lstrip("# ") for line in recipe.read_text().splitlines() if line.startswith("#"))
-        said = re.search(r"about (\d+) GB a step at batch (\d+) x (\d+)", comment)
-        assert said, f"{recipe.name} states no memory for its step"
-        assert said.groups() == (f"{gb['total']:.0f}", str(batch), str(length)), (recipe.name, said.group(0))
-
-
-def test_make_bench_runs_every_benchmark_the_tables_show():
-    """One list: the tables' benchmarks (bench.report.PAGES) are what `make bench` runs (bench.all), each row's
-    arguments included, and each has its module and its rows."""
-    from bench.all import runs
-    from bench.report import PAGES, ROWS, newest_per_args
-
-    bench_target = (ROOT / "Makefile").read_text().split("\nbench: ")[1].split("\n\n")[0]
-    assert "-m bench.all" in bench_target and "for b in" not in bench_target
-    shown = {name for names in PAGES.values() for name in names}
-    assert all((ROOT / "bench" / f"{name}.py").is_file() and name in ROWS for name in shown)
-    rows = {(f"bench.{n}", *line.get("args", [])) for n in shown for line in newest_per_args(n) if "gpu" not in line}
-    assert set(map(tuple, runs())) == rows and rows

@@ -112,7 +112,7 @@ def test_stop_ends_a_run_with_its_checkpoint_and_resume_continues_from_it(tiny_c
     shot(page, "stopped", tmp_path)
     page.click("#resume")
     page.wait_for_selector("#detail[data-name=long][data-status=running] #stop", timeout=60_000)
-    log, deadline = runs / ".long.studio.log", time.monotonic() + 60  # the run takes its lock, then loads and says
+    log, deadline = runs / ".long.train.log", time.monotonic() + 60  # the run takes its lock, then loads and says
     while f"resuming from {saved}" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert f"resuming from {saved}" in log.read_text()

@@ -116,7 +116,7 @@ def test_a_commands_output_is_pushed_as_it_is_written(studio, monkeypatch):
     running = threading.Event()
     running.set()
     monkeypatch.setattr(Jobs, "busy", lambda self, run, what: running.is_set())
-    log = runs / ".chat-base.log"
+    log = runs / ".chat.chat-base.log"
     log.write_text("$ lora-llama generate\n")
     stream = StudioClient(url).open("api/follow?what=chat-base", timeout=20)
 

@@ -11,20 +11,21 @@ import re
 from pathlib import Path
 
 from lora_llama.errors import UserError
+from lora_llama.loading.adapters import ADAPTER_CONFIG
 from lora_llama.recipe.schema import load_recipe
 from lora_llama.studio.form import base_recipes
-from lora_llama.training.run_folder import ADAPTER, read_run_recipe, run_of_adapter
+from lora_llama.training.run_folder import (
+    ADAPTER,
+    EXPORTED,
+    MERGED,
+    adapters_under,
+    read_run_recipe,
+    run_of_adapter,
+    written_models,
+)
 
 REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-# where adapters and written models lie in a runs folder: a run's final adapter and its checkpoints', or a folder
-# of one's own (an adapter copied in); a run's merged model and its GGUF export
-ADAPTERS = ("*/adapter_config.json", "*/*/adapter_config.json", "*/checkpoints/step-*/adapter/adapter_config.json")
-WRITTEN_MODELS = ("*/merged/config.json", "*/model.gguf")
-
-
-def _visible(path: Path, runs: Path) -> bool:
-    """Not a half-written temporary (atomic writes' and the studio's own files start with a dot)."""
-    return not any(part.startswith(".") for part in path.relative_to(runs).parts)
+SHIP = ("merge", "export", "push")  # what a finished run's page ships, each a job of its own
 
 
 def chat_choices(runs: Path) -> dict:
@@ -35,13 +36,13 @@ def chat_choices(runs: Path) -> dict:
             models.append(load_recipe(recipe).model.source)
         except UserError:  # a recipe the schema refuses names no model to offer
             continue
-    models += [str(p.parent if p.name == "config.json" else p) for g in WRITTEN_MODELS for p in sorted(runs.glob(g))]
+    models += [str(p) for p in written_models(runs)]
     adapters = []
-    for config in sorted({p for g in ADAPTERS for p in runs.glob(g) if _visible(p, runs)}):
-        run = run_of_adapter(config.parent)
+    for folder in adapters_under(runs):
+        run = run_of_adapter(folder)
         named = read_run_recipe(run).get("model", {}).get("source") if run else None
-        base = named or json.loads(config.read_text()).get("base_model_name_or_path")
-        adapters.append({"path": str(config.parent.relative_to(runs)), "model": base})
+        base = named or json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        adapters.append({"path": str(folder.relative_to(runs)), "model": base})
         models += [base] if base else []
     return {"models": list(dict.fromkeys(m for m in models if m)), "adapters": adapters}
 
@@ -67,13 +68,13 @@ def ship_command(run: Path, action: str, repo_id: str = "", private: bool = True
     """merge into run/merged, export to run/model.gguf, or push the adapter to a Hub repository (a new one private
     unless asked otherwise: a fine-tune is published only by choice)."""
     adapter = run / ADAPTER
-    if not (adapter / "adapter_config.json").is_file():
+    if not (adapter / ADAPTER_CONFIG).is_file():
         raise UserError(f"{run.name} has no adapter yet: it must finish first")
     base = read_run_recipe(run)["model"]["source"]
     if action == "merge":
-        return ["merge", "--base", base, "--adapter", str(adapter), "--out", str(run / "merged"), "--force"]
+        return ["merge", "--base", base, "--adapter", str(adapter), "--out", str(run / MERGED), "--force"]
     if action == "export":
-        return ["export", "--base", base, "--adapter", str(adapter), "--out", str(run / "model.gguf"), "--force"]
+        return ["export", "--base", base, "--adapter", str(adapter), "--out", str(run / EXPORTED), "--force"]
     if action == "push":
         if not REPO_ID.match(repo_id):
             raise UserError(f"push needs a repository as USER/NAME (got {repo_id!r})")

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from lora_llama.errors import UserError
-from lora_llama.studio.runs import is_running, log_path
+from lora_llama.studio.runs import TRAIN, is_running
+from lora_llama.training.run_folder import log_file
 
 
 class Jobs:
@@ -24,18 +25,18 @@ class Jobs:
         self.runs = runs
         self.processes: dict[tuple[Path, str], subprocess.Popen] = {}
 
-    def start(self, run: Path, command: list[str], what: str = "studio", log: Path | None = None) -> None:
-        """Run `lora-llama ARGS` (command without the program's name) for a folder: a run's training (what
-        "studio"), unless it runs already, or another command (ship, chat), its output in its own log (by default
-        beside the run folder)."""
-        if what == "studio" and is_running(run):
+    def start(self, run: Path, command: list[str], what: str = TRAIN, log: Path | None = None) -> None:
+        """Run `lora-llama ARGS` (command without the program's name) for a folder, as the job `what` names: a run's
+        training ("train"), unless it runs already, or another command (merge, export, push, a chat pane), its
+        output in its own log (by default the run folder's log of that job)."""
+        if what == TRAIN and is_running(run):
             raise UserError(f"{run.name} is running already")
-        if what == "studio" and self.busy(run, what):  # it let go of the run folder's lock: it is ending
+        if what == TRAIN and self.busy(run, what):  # it let go of the run folder's lock: it is ending
             self.processes[run, what].wait(timeout=60)
         if self.busy(run, what):
             raise UserError(f"{run.name}: the last {what} command is still running")
         run.parent.mkdir(parents=True, exist_ok=True)
-        output = open(log or log_path(run, what), "w")
+        output = open(log or log_file(run, what), "w")
         output.write(f"$ {shlex.join(['lora-llama', *command])}\n")
         output.flush()
         self.processes[run, what] = subprocess.Popen(
@@ -54,14 +55,14 @@ class Jobs:
 
     def stop(self, run: Path) -> None:
         """SIGTERM to the run's trainer: it saves a checkpoint at the next step boundary and ends."""
-        process = self.processes.get((run, "studio"))
+        process = self.processes.get((run, TRAIN))
         if process is None or process.poll() is not None:
             raise UserError(f"{run.name} is not running from this studio")
         process.send_signal(signal.SIGTERM)
 
     def command_of(self, run: Path) -> list[str]:
         """The command the studio last started for the run (its log's first line), to resume it."""
-        log = log_path(run)
+        log = log_file(run, TRAIN)
         first = log.read_text().splitlines()[0] if log.is_file() else ""
         if not first.startswith("$ lora-llama "):
             raise UserError(f"{run.name} was not started from the studio: resume it with the command that started it")

@@ -9,6 +9,7 @@ import fcntl
 import json
 from pathlib import Path
 
+from lora_llama.loading.adapters import ADAPTER_CONFIG
 from lora_llama.objectives.catalog import DEFAULT, objective_named
 from lora_llama.training.run_folder import (
     ADAPTER,
@@ -16,20 +17,23 @@ from lora_llama.training.run_folder import (
     RECIPE,
     SAMPLES,
     benchmark_files,
+    checkpoint_dir,
+    checkpoint_steps,
     checkpoints,
+    lock_file,
+    log_file,
+    logged_runs,
     read_metrics,
     read_run_recipe,
 )
 
-# beside the run folder, as its lock is (`--force` may delete the folder itself): the output of the run's training
-# process, and of what the page asks of its adapter (ship)
-LOG = ".{}.{}.log"
+TRAIN = "train"  # the job that trains a run: `lora-llama train`
 
 
 def is_running(run: Path) -> bool:
     """Whether a `lora-llama train` holds the run folder's lock (the kernel drops a killed one's). Read from
     /proc/locks, so that looking never takes the lock a starting run is about to take; elsewhere, a probe."""
-    lock = run.parent / f".{run.name}.lock"
+    lock = lock_file(run)
     if not lock.is_file():
         return False
     locks = Path("/proc/locks")
@@ -49,13 +53,9 @@ def is_running(run: Path) -> bool:
     return False
 
 
-def log_path(run: Path, what: str = "studio") -> Path:
-    return run.parent / LOG.format(run.name, what)
-
-
 def last_error(run: Path) -> str | None:
     """The one-line error of the last studio-started process of this run, when it ended with one."""
-    log = log_path(run)
+    log = log_file(run, TRAIN)
     if not log.is_file():
         return None
     errors = [line for line in output_lines(log) if line.startswith("lora-llama train: error:")]
@@ -71,7 +71,7 @@ def status(run: Path) -> tuple[str, str | None]:
     """The run's state, and its one-line error when it failed."""
     if is_running(run):
         return "running", None
-    if (run / ADAPTER / "adapter_config.json").is_file():
+    if (run / ADAPTER / ADAPTER_CONFIG).is_file():
         return "finished", None
     if error := last_error(run):
         return "failed", error
@@ -94,9 +94,9 @@ def summary(run: Path, rows: list[dict]) -> dict:
 
 
 def list_runs(root: Path) -> list[dict]:
-    """Every run folder under root (one holding a recipe.yaml or metrics.jsonl, or a studio log), newest first."""
+    """Every run folder under root (one holding a recipe.yaml or metrics.jsonl, or a training log), newest first."""
     folders = {p for p in root.iterdir() if p.is_dir() and ((p / RECIPE).is_file() or (p / METRICS).is_file())}
-    folders |= {root / p.name[1 : -len(".studio.log")] for p in root.glob(LOG.format("*", "studio"))}
+    folders |= set(logged_runs(root, TRAIN))
     return sorted((summary(p, read_metrics(p / METRICS)) for p in folders), key=lambda s: -s["modified"])
 
 
@@ -109,7 +109,7 @@ def detail(run: Path) -> dict:
         benchmarks[step] = {
             task: {k: v for k, v in r.items() if isinstance(v, (int, float))} for task, r in results.items()
         }
-    rows = read_metrics(run / METRICS)
+    rows, steps = read_metrics(run / METRICS), checkpoint_steps(run)[::-1]
     reporting = objective_named((read_run_recipe(run).get("train") or {}).get("objective", DEFAULT.name)).reporting
     return {
         **summary(run, rows),
@@ -119,5 +119,7 @@ def detail(run: Path) -> dict:
         "samples": read_metrics(run / SAMPLES),  # JSONL as metrics.jsonl is: a line being written is left for later
         "benchmarks": benchmarks,
         "recipe": (run / RECIPE).read_text() if (run / RECIPE).is_file() else "",
-        "checkpoints": [int(p.name[5:]) for p in checkpoints(run)],
+        # the adapters chat can load: the final one, then each checkpoint's, newest first (label, path under root)
+        "adapters": ([["the adapter", f"{run.name}/{ADAPTER}"]] if status(run)[0] == "finished" else [])
+        + [[f"step {s}", f"{run.name}/{checkpoint_dir(run, s).relative_to(run).as_posix()}/{ADAPTER}"] for s in steps],
     }

@@ -18,11 +18,12 @@ from urllib.parse import parse_qs, urlparse
 
 from lora_llama.errors import UserError
 from lora_llama.recipe.schema import load_recipe
-from lora_llama.studio.actions import chat_choices, chat_commands, ship_command
+from lora_llama.studio.actions import SHIP, chat_choices, chat_commands, ship_command
 from lora_llama.studio.form import base_recipes, fields, flat_values, plan
 from lora_llama.studio.guard import LOOPBACK_NAMES, WILDCARDS, Guard, Refused, body_length, new_token, served_hosts
 from lora_llama.studio.jobs import Jobs
-from lora_llama.studio.runs import detail, is_running, list_runs, log_path
+from lora_llama.studio.runs import TRAIN, detail, is_running, list_runs
+from lora_llama.training.run_folder import log_file
 
 PAGE = Path(__file__).with_name("page.html")
 # how often a followed log is read: a chat's about a token's time on a small model; a trainer's, a step's at most
@@ -70,20 +71,20 @@ class Studio:
 
     def chat_log(self, pane: str) -> Path:
         """A chat pane's output, in the runs folder (a chat belongs to no run)."""
-        return self.runs / f".{pane}.log"
+        return log_file(self.runs / "chat", pane)
 
     def output(self, query: dict) -> tuple[Path, Callable[[], bool], float]:
-        """A command's log, whether it still runs and how often to read it: a run's training ("studio") or ship,
-        or a chat pane."""
+        """A command's log, whether it still runs and how often to read it: a run's training or one of its ship
+        commands (merge, export, push), or a chat pane."""
         what = query.get("what", "")
         if what in CHAT_PANES:
             return self.chat_log(what), lambda: self.jobs.busy(self.runs, what), CHAT_EVERY_S
-        if what not in ("studio", "ship"):
+        if what not in (TRAIN, *SHIP):
             raise UserError(f"no output {what!r}")
         run = self.run_folder(query.get("name", ""))
-        if what == "studio":
-            return log_path(run), lambda: is_running(run) or self.jobs.busy(run, what), OTHER_EVERY_S
-        return log_path(run, what), lambda: self.jobs.busy(run, what), OTHER_EVERY_S
+        if what == TRAIN:
+            return log_file(run, what), lambda: is_running(run) or self.jobs.busy(run, what), OTHER_EVERY_S
+        return log_file(run, what), lambda: self.jobs.busy(run, what), OTHER_EVERY_S
 
     def post(self, path: str, body: dict) -> dict:
         if path in ("/api/plan", "/api/start"):
@@ -111,7 +112,10 @@ class Studio:
         run = self.run_folder(str(body.get("name", "")))
         if path == "/api/ship":  # a push makes a private repository unless the page ticks public
             action, repo_id = str(body.get("action", "")), str(body.get("repo_id", ""))
-            self.jobs.start(run, ship_command(run, action, repo_id, private=body.get("public") is not True), "ship")
+            command = ship_command(run, action, repo_id, private=body.get("public") is not True)
+            if any(self.jobs.busy(run, other) for other in SHIP):  # the ship card runs one command at a time
+                raise UserError(f"{run.name}: the last ship command is still running")
+            self.jobs.start(run, command, action)
         elif path == "/api/stop":
             self.jobs.stop(run)
         elif path == "/api/resume":

@@ -2,7 +2,9 @@
 without pickles, metrics and plots.
 
     out/checkpoints/step-N/{adapter/, state.safetensors, state.json, trainer_state.json}
-    out/metrics.jsonl, out/tensorboard/, out/loss.png, out/recipe.yaml, out/adapter/
+    out/metrics.jsonl, out/samples.jsonl, out/eval/, out/tensorboard/, out/loss.png, out/recipe.yaml, out/adapter/
+    out/merged/, out/model.gguf                              (what `merge` and `export` write from a run, the studio's)
+    .out.lock, .out.JOB.log                                  (beside the folder: its lock, and a command's output)
 
 Trainer state (optimizer, scheduler, RNG) is split into its tensors (safetensors) and the
 rest (JSON): loading a checkpoint someone sent you runs no code, where a pickle would.
@@ -24,10 +26,40 @@ import torch
 
 from lora_llama.errors import UserError
 from lora_llama.files.json_files import read_json, write_json
+from lora_llama.loading.adapters import ADAPTER_CONFIG
 
 # the run folder's names: every other module spells them through these
 ADAPTER, CHECKPOINTS, METRICS, LOSS_PLOT, RECIPE = "adapter", "checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml"
 SAMPLES, TENSORBOARD, BENCHMARKS = "samples.jsonl", "tensorboard", "eval"  # eval.prompts' answers; eval.tasks' results
+MERGED, EXPORTED = "merged", "model.gguf"  # a run's adapter merged into its base, and exported to GGUF
+
+
+def lock_file(out: Path) -> Path:
+    """The run's lock, beside its folder (--force may delete the folder itself)."""
+    return Path(out).parent / f".{Path(out).name}.lock"
+
+
+def log_file(out: Path, job: str) -> Path:
+    """The output of a command run on the run's behalf (train, merge, export, push), beside its folder."""
+    return Path(out).parent / f".{Path(out).name}.{job}.log"
+
+
+def logged_runs(root: Path, job: str) -> list[Path]:
+    """The run folders under root that a `job` command has a log for (a run that failed before writing anything)."""
+    return [root / p.name[1 : -len(f".{job}.log")] for p in Path(root).glob(f".*.{job}.log")]
+
+
+def adapters_under(root: Path) -> list[Path]:
+    """Every adapter folder under a runs folder: a run's final one, its checkpoints', and a folder of one's own
+    copied in (one or two levels down); none inside a temporary (atomic writes' start with a dot)."""
+    patterns = (f"*/{ADAPTER_CONFIG}", f"*/*/{ADAPTER_CONFIG}", f"*/{CHECKPOINTS}/step-*/{ADAPTER}/{ADAPTER_CONFIG}")
+    found = {p.parent for g in patterns for p in Path(root).glob(g)}
+    return sorted(p for p in found if not any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def written_models(root: Path) -> list[Path]:
+    """The models runs under root wrote: merged folders and GGUF exports."""
+    return sorted([*(p.parent for p in Path(root).glob(f"*/{MERGED}/config.json")), *Path(root).glob(f"*/{EXPORTED}")])
 
 
 def benchmark_file(run: Path, step: int) -> Path:
@@ -82,7 +114,7 @@ def run_lock(out: Path):
     the kernel drops when its holder dies: the lock of a killed run is simply taken over.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
-    f = open(out.parent / f".{out.name}.lock", "a+")
+    f = open(lock_file(out), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -128,6 +160,11 @@ def stop_requests():
 
 def checkpoint_dir(out: Path, step: int) -> Path:
     return Path(out) / CHECKPOINTS / f"step-{step}"
+
+
+def checkpoint_steps(out: Path) -> list[int]:
+    """The steps of a run's complete checkpoints, oldest first."""
+    return [int(p.name.removeprefix("step-")) for p in checkpoints(out)]
 
 
 def checkpoints(out: Path) -> list[Path]:
