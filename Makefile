@@ -49,10 +49,16 @@ test-slow: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed"
 
-# ruff's lint and format check with pyproject.toml's settings (`ruff format .` rewrites what the check refuses)
-lint: setup
+# ruff's lint and format check with pyproject.toml's settings (`ruff format .` rewrites what the check refuses), and
+# eslint on the studio's page script (eslint.config.mjs; pinned, into node_modules/ from the npm registry)
+ESLINT := node_modules/.bin/eslint
+lint: setup $(ESLINT)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(ESLINT) lora_llama/studio/page.js
+
+$(ESLINT):
+	npm install --no-save --no-package-lock --silent eslint@10.15.0 @eslint/js@10.0.1 globals@17.14.0
 
 # every benchmark whose rows the tables show, each with its rows' arguments (bench/all.py; each appends a JSON line
 # to bench/results/NAME.jsonl), then the tables in README.md and docs/performance.md regenerated from those files

@@ -1,5 +1,5 @@
-"""`lora-llama studio`: the page and its small JSON API over the standard library's HTTP server. The page is one
-HTML file (page.html); the API reads run folders (runs.py), makes runs from the form (form.py), starts and
+"""`lora-llama studio`: the page and its small JSON API over the standard library's HTTP server. The page is an
+HTML file (page.html) and its script (page.js); the API reads run folders (runs.py), makes runs from the form (form.py), starts and
 stops them (jobs.py), runs chat and ship commands (actions.py), and streams a command's output as it grows. Every
 request passes the guard first (guard.py: the token, Host, Origin, a bounded JSON body). It binds 127.0.0.1; another
 address needs --auth USER:PASS (HTTP basic auth). Runs are confined to the runs folder, and a run starts from a
@@ -25,7 +25,8 @@ from lora_llama.studio.jobs import Jobs
 from lora_llama.studio.runs import TRAIN, detail, is_running, list_runs
 from lora_llama.training.run_folder import log_file
 
-PAGE = Path(__file__).with_name("page.html")
+# the page and its script, each a file of its own (page.js is linted: make lint)
+FILES = {"/": ("page.html", "text/html; charset=utf-8"), "/page.js": ("page.js", "text/javascript; charset=utf-8")}
 # how often a followed log is read: a chat's about a token's time on a small model; a trainer's, a step's at most
 CHAT_EVERY_S, OTHER_EVERY_S = 0.1, 0.5
 CHAT_SETTINGS = {"seed": 0, "max_new_tokens": 64, "temperature": 0.7}  # generate's, as the page sends them
@@ -178,11 +179,12 @@ class Handler(BaseHTTPRequestHandler):
         query = self._admitted(url)
         if query is None:
             return
-        if url.path == "/":
-            if "token" in query:  # the first visit: the token kept as a cookie, and out of the address bar
-                self._send(302, b"", "text/plain", {"Location": "/", "Set-Cookie": self.guard.cookie()})
-                return
-            self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
+        if url.path == "/" and "token" in query:  # the first visit: the token kept as a cookie, out of the address bar
+            self._send(302, b"", "text/plain", {"Location": "/", "Set-Cookie": self.guard.cookie()})
+            return
+        if url.path in FILES:
+            name, content_type = FILES[url.path]
+            self._send(200, Path(__file__).with_name(name).read_bytes(), content_type)
             return
         if url.path == "/api/follow":
             try:
