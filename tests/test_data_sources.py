@@ -1,28 +1,47 @@
 """Several data sources in one recipe (data.sources): drawn by weight, seeded, held out alike, resumed exactly."""
 
 import json
+import re
 
 import pytest
 from test_reliability import run_cli
 
-from lora_llama.data.sources import mix
+from lora_llama.data.sources import allotment, mix, next_source
 from lora_llama.errors import UserError
 from lora_llama.recipe.schema import load_recipe
 
 WEIGHTS = [0.5, 0.3, 0.2]
 
 
-def test_the_mixture_draws_each_source_by_its_weight_and_from_its_seed_alone():
+def test_the_mixture_gives_each_source_its_weight_to_within_a_row_from_its_seed_alone():
     parts = [[("a", i) for i in range(700)], [("b", i) for i in range(500)], [("c", i) for i in range(800)]]
     rows, counts = mix(parts, WEIGHTS, seed=3)
-    assert len(rows) == 2000 == sum(counts)
-    for part, weight, n in zip(parts, WEIGHTS, counts):
-        assert abs(n / 2000 - weight) < 0.03, (n, weight)
+    assert len(rows) == 2000 == sum(counts) and counts == [1000, 600, 400]
+    for part, n in zip(parts, counts):
         assert sum(r[0] == part[0][0] for r in rows) == n
+    assert len({r[0] for r in rows[:20]}) == 3  # shuffled together, not one source after another
     # a source drawn past its size starts a new pass (b: 500 examples, ~600 rows), a large one is subsampled
     drawn_b = [r for r in rows if r[0] == "b"]
     assert len(set(drawn_b)) == 500 < len(drawn_b)
     assert mix(parts, WEIGHTS, seed=3) == (rows, counts) and mix(parts, WEIGHTS, seed=4)[0] != rows
+
+
+@pytest.mark.parametrize("total", [1, 2, 7, 100, 401, 999])
+@pytest.mark.parametrize("weights", [WEIGHTS, [1.0, 1.0, 1.0], [0.7, 0.2, 0.05, 0.05], [3.0, 1.0]])
+def test_largest_remainder_allots_each_share_within_one_row(weights, total):
+    """Hand-checkable: every count within one row of its exact share, the counts adding up to the total, and the
+    rows left over after the whole parts go to the largest remainders."""
+    counts = allotment(weights, total)
+    exact = [total * w / sum(weights) for w in weights]
+    assert sum(counts) == total and all(abs(n - x) < 1 for n, x in zip(counts, exact)), (counts, exact)
+    assert allotment([0.5, 0.3, 0.2], 7) == [4, 2, 1]  # 3.5, 2.1, 1.4: floors 3, 2, 1; the one left to 0.5's
+
+
+def test_a_stream_stays_within_one_row_of_the_weights_at_every_point():
+    given = [0, 0, 0]
+    for row in range(1, 1001):
+        given[next_source(WEIGHTS, given)] += 1
+        assert all(abs(g - row * w) < 1 for g, w in zip(given, WEIGHTS)), (row, given)
 
 
 def three_sources(tmp_path, n=(1000, 600, 400)):
@@ -76,10 +95,13 @@ def test_three_sources_train_in_their_proportions_and_a_killed_run_resumes_exact
     assert code == 0, err[-2000:]
     first = json.loads((tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()[0])
     counts = [first[f"data/{i}/rows"] for i in range(3)]
-    assert sum(counts) >= 1900  # each source's training share (95% of it) drawn together
+    assert sum(counts) >= 1900  # each source's training share (95% of it) put together
     for n, weight in zip(counts, WEIGHTS):
-        assert abs(n / sum(counts) - weight) < 0.03, counts
-    assert "data mixture of 3 sources" in out + err
+        assert abs(n - weight * sum(counts)) < 1, counts  # within one row of the weight
+    shares = re.findall(r"\(([\d.]+)%, weight ([\d.]+),", out + err)  # the log line's share of each source
+    assert [(float(s), float(w)) for s, w in shares] == [
+        (round(100 * n / sum(counts), 1), w) for n, w in zip(counts, WEIGHTS)
+    ]
     # killed (-9) right after the checkpoint of step 2, then the same command again: the uninterrupted adapter
     assert_killed_run_resumes_exactly(tiny_ckpt, sources, tmp_path)
 

@@ -4,7 +4,8 @@ Each source is a `datasets` IterableDataset (local files are read a block at a t
 buffer of data.buffer_size records (datasets' `shuffle`, seeded by train.seed and the pass), tokenized one at a
 time and, with data.packing, packed into rows as they come. A source read to its end starts again in a new order
 (datasets' `set_epoch`), so the stream never ends: train.max_steps says how long a run is. Several sources are
-drawn example by example in the proportions of their weights, from one generator seeded by train.seed.
+interleaved example by example in the proportions of their weights: each row comes from the source furthest behind
+its share (data/sources.next_source), so every share is within one row of its weight at every point.
 
 Everything is a function of the seed, so the stream read again from its start gives the same rows: a resumed
 run reads past the micro-batches it has trained on (training/batches.StreamingBatches) and continues bit for bit.
@@ -14,12 +15,12 @@ Held-out examples come from data.val_source (read whole); a stream holds none ou
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Iterator
 
 from lora_llama.data.loading import load_records
 from lora_llama.data.records import ROW, Skipped
 from lora_llama.data.sft import packed, record_examples, record_tokenizer, tokenize_records
+from lora_llama.data.sources import next_source
 from lora_llama.errors import UserError
 
 
@@ -34,11 +35,13 @@ class StreamedExamples:
         """The rows, without end: examples drawn from the sources by weight, packed when data.packing asks."""
         streams = [self._examples(name, data) for name, _, data in self.sections]
         weights = [weight for _, weight, _ in self.sections]
-        rng = random.Random(self.seed)
 
         def drawn():
+            given = [0] * len(streams)
             while True:
-                yield next(streams[rng.choices(range(len(streams)), weights=weights)[0]])
+                source = next_source(weights, given)
+                given[source] += 1
+                yield next(streams[source])
 
         examples = drawn() if len(streams) > 1 else streams[0]
         return packed(examples, self.data.max_seq_len) if self.data.packing else examples

@@ -1,9 +1,9 @@
 """`lora-llama studio`: the page and its small JSON API over the standard library's HTTP server. The page is an
-HTML file (page.html) and its script (page.js); the API reads run folders (runs.py), makes runs from the form (form.py), starts and
-stops them (jobs.py), runs chat and ship commands (actions.py), and streams a command's output as it grows. Every
-request passes the guard first (guard.py: the token, Host, Origin, a bounded JSON body). It binds 127.0.0.1; another
-address needs --auth USER:PASS (HTTP basic auth). Runs are confined to the runs folder, and a run starts from a
-shipped recipe or a run's own."""
+HTML file (page.html) and its script (page.js); the API reads run folders (runs.py), makes runs from the form
+(form.py), starts and stops them (jobs.py), runs chat and ship commands (actions.py), and streams a command's
+output as it grows. Every request passes the guard first (guard.py: the token, Host, Origin, a bounded JSON
+body). It binds 127.0.0.1; another address needs --auth USER:PASS (HTTP basic auth). Runs are confined to the runs
+folder, and a run starts from a shipped recipe or a run's own."""
 
 from __future__ import annotations
 
