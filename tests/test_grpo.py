@@ -118,6 +118,10 @@ def _trl_trainer(ckpt, adapter, folder, settings):
         epsilon_high=settings.epsilon_high,
         temperature=settings.temperature,
         use_bias_correction_kl=settings.use_bias_correction_kl,
+        importance_sampling_level=settings.importance_sampling_level,
+        delta=settings.delta,
+        sapo_temperature_pos=settings.sapo_temperature_pos,
+        sapo_temperature_neg=settings.sapo_temperature_neg,
         report_to=[],
         use_cpu=True,
         bf16=False,
@@ -175,28 +179,43 @@ def _trl_inputs(prompts, completions, advantages, max_new):
 
 
 @pytest.mark.parametrize(
-    "loss_type,beta,correction",
+    "loss_type,beta,correction,options",
     [
-        ("dapo", 0.0, True),
-        ("grpo", 0.0, True),
-        ("bnpo", 0.0, True),
-        ("dr_grpo", 0.0, True),
-        ("dapo", 0.04, True),
-        ("grpo", 0.04, True),
-        ("bnpo", 0.04, False),
+        ("dapo", 0.0, True, {}),
+        ("grpo", 0.0, True, {}),
+        ("bnpo", 0.0, True, {}),
+        ("dr_grpo", 0.0, True, {}),
+        ("dapo", 0.04, True, {}),
+        ("grpo", 0.04, True, {}),
+        ("bnpo", 0.04, False, {}),
+        ("cispo", 0.0, True, {"epsilon_high": 0.3}),
+        ("cispo", 0.04, True, {"epsilon_high": 0.3}),
+        ("sapo", 0.0, True, {}),
+        ("sapo", 0.04, True, {"sapo_temperature_pos": 0.8, "sapo_temperature_neg": 1.3}),
+        ("luspo", 0.0, True, {"importance_sampling_level": "sequence"}),
+        ("luspo", 0.04, True, {"importance_sampling_level": "sequence"}),
+        ("grpo", 0.0, True, {"importance_sampling_level": "sequence"}),  # GSPO
+        ("grpo", 0.04, True, {"importance_sampling_level": "sequence"}),
+        ("dapo", 0.0, True, {"delta": 1.1}),
+        ("grpo", 0.04, True, {"delta": 1.05}),
     ],
 )
-def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, correction):
+def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, correction, options):
+    """trl 1.16's GRPOTrainer._compute_loss is the reference, for each loss type, the sequence-level ratio (GSPO) and
+    two-sided clipping (delta)."""
     settings = GRPOSettings(
-        group_size=4,
-        max_new_tokens=9,
-        loss_type=loss_type,
-        beta=beta,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        temperature=0.7,
-        rewards=["format"],
-        use_bias_correction_kl=correction,
+        **{
+            "group_size": 4,
+            "max_new_tokens": 9,
+            "loss_type": loss_type,
+            "beta": beta,
+            "epsilon": 0.2,
+            "epsilon_high": 0.28,
+            "temperature": 0.7,
+            "rewards": ["format"],
+            "use_bias_correction_kl": correction,
+            **options,
+        }
     )
     model = _policy(tiny_ckpt, tmp_path / "a")
     prompts = prompts_of((3, 5, 5, 2), seed=3)
@@ -229,7 +248,8 @@ def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, corr
     want = trainer._compute_loss(trainer.model, inputs)
     want.backward()
     assert abs(float(loss.detach()) - float(want.detach())) < 1e-5, (float(loss.detach()), float(want.detach()))
-    assert stats["clip_ratio/low_mean"] > 0 and stats["clip_ratio/high_mean"] > 0
+    if settings.importance_sampling_level == "token":  # the ratio moved past both clip bounds
+        assert stats["clip_ratio/low_mean"] > 0 and stats["clip_ratio/high_mean"] > 0
     trl_grads = {
         n.replace("base_model.model.", "").replace(".default", ""): p.grad
         for n, p in trainer.model.named_parameters()
@@ -241,7 +261,7 @@ def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, corr
         assert torch.allclose(grads[k], trl_grads[k], atol=1e-5, rtol=1e-4), k
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo"])
 def test_packed_completions_train_as_separate_rows(tiny_ckpt, tmp_path, loss_type):
     """data.packing: several completions to a row, each attending to itself; loss and gradients unchanged."""
     settings = GRPOSettings(group_size=2, max_new_tokens=9, loss_type=loss_type, beta=0.04, rewards=["format"])

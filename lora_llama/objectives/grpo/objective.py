@@ -55,11 +55,22 @@ class GRPOSettings(Settings):
     )
     epsilon: float = Field(0.2, gt=0, description="clip the ratio below at 1 - epsilon (and above, by default)")
     epsilon_high: float | None = Field(None, gt=0, description="clip above at 1 + epsilon_high (DAPO); null: epsilon")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"] = Field(
         "dapo",
-        description="normalisation: dapo (completion tokens of the global batch), bnpo (of the micro-batch), "
-        "grpo (per completion), dr_grpo (completions x max_new_tokens)",
+        description="trl's: the clipped surrogate normalised by the completion tokens of the global batch (dapo), of "
+        "the micro-batch (bnpo), per completion (grpo), by completions x max_new_tokens (dr_grpo), or summed per "
+        "completion (luspo, with importance_sampling_level sequence); cispo: the clipped ratio as a detached weight "
+        "of the log-probability (MiniMax-M1), normalised as dapo; sapo: a soft, sigmoid gate instead of the clip, "
+        "normalised as grpo",
     )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="the ratio per token, or one per completion: the mean of its tokens' log-ratios (GSPO)"
+    )
+    delta: float | None = Field(
+        None, gt=1, description="two-sided clipping: the unclipped ratio capped at delta (trl's; null: off)"
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo's gate temperature where the advantage is > 0")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo's gate temperature elsewhere")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the group's reward std, the batch's, or not at all"
     )
@@ -99,29 +110,40 @@ class GRPOSettings(Settings):
         return self
 
 
-def per_token_loss(
-    logps,
-    old_logps,
-    advantages,
-    epsilon: float,
-    epsilon_high: float,
-    beta: float = 0.0,
-    ref_logps=None,
-    bias_correction: bool = True,
-) -> tuple[torch.Tensor, dict]:
-    """The clipped surrogate (+ beta·KL, times the ratio with bias_correction) per completion token (N,), and the
-    tokens clipped below, above, either and the KL (trl's metrics), as sums over tokens."""
-    ratio = torch.exp(logps - old_logps)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    loss = -torch.min(ratio * advantages, clipped * advantages)
-    low = (ratio < 1 - epsilon) & (advantages < 0)
-    high = (ratio > 1 + epsilon_high) & (advantages > 0)
+def log_importance_weights(logps, old_logps, owner, n_rows: int, level: str) -> torch.Tensor:
+    """log(π/πold) per completion token (N,): each token's own, or (sequence level, GSPO) the mean over its
+    completion's tokens, given to each of them."""
+    log_ratio = logps - old_logps
+    if level == "token":
+        return log_ratio
+    sums = log_ratio.new_zeros(n_rows).index_add(0, owner, log_ratio)
+    tokens = log_ratio.new_zeros(n_rows).index_add(0, owner, torch.ones_like(log_ratio))
+    return (sums / tokens.clamp(min=1))[owner]
+
+
+def per_token_loss(s: GRPOSettings, logps, log_weights, advantages, ref_logps=None) -> tuple[torch.Tensor, dict]:
+    """trl's per-token loss of `s.loss_type` (+ beta·KL, times the ratio with use_bias_correction_kl) per completion
+    token (N,), and the tokens whose ratio lies below, above and outside the clip region and the KL (trl's metrics),
+    as sums over tokens. log_weights: log_importance_weights."""
+    low_eps, high_eps = s.epsilon, s.epsilon_high or s.epsilon
+    ratio = torch.exp(log_weights)
+    if s.loss_type == "cispo":  # the clipped ratio as a weight, no gradient through it
+        loss = -torch.clamp(ratio, max=high_eps).detach() * advantages * logps
+    elif s.loss_type == "sapo":  # a soft gate: sigmoid(τ(r - 1))·4/τ, τ by the advantage's sign
+        tau = torch.where(advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+        loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+    else:
+        clipped = torch.clamp(ratio, 1 - low_eps, 1 + high_eps)
+        unclipped = torch.clamp(ratio, max=s.delta) if s.delta is not None else ratio
+        loss = -torch.min(unclipped * advantages, clipped * advantages)
+    low = (ratio < 1 - low_eps) & (advantages < 0)
+    high = (ratio > 1 + high_eps) & (advantages > 0)
     stats = dict(zip(CLIP_STATS, (float(low.sum()), float(high.sum()), float((low | high).sum()))))
-    if beta:
+    if s.beta:
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
-        kl = kl * ratio if bias_correction else kl  # the unbiased reverse-KL gradient (trl's default)
-        loss = loss + beta * kl
+        kl = kl * ratio if s.use_bias_correction_kl else kl  # the unbiased reverse-KL gradient (trl's default)
+        loss = loss + s.beta * kl
         stats["kl"] = float(kl.detach().sum())
     return loss, stats
 
@@ -130,7 +152,7 @@ def reduce_loss(
     loss: torch.Tensor, rows: torch.Tensor, n_rows: int, loss_type: str, max_new_tokens: int
 ) -> torch.Tensor:
     """A micro-batch's loss term before the division by its global count (see GRPO.counts)."""
-    if loss_type == "grpo":  # per completion: the mean over its tokens
+    if loss_type in ("grpo", "sapo"):  # per completion: the mean over its tokens
         per_row = loss.new_zeros(n_rows).index_add(0, rows, loss)
         tokens = loss.new_zeros(n_rows).index_add(0, rows, torch.ones_like(loss))
         return (per_row / tokens.clamp(min=1)).sum()
@@ -138,7 +160,7 @@ def reduce_loss(
         return loss.sum() / max(loss.numel(), 1)
     if loss_type == "dr_grpo":
         return loss.sum() / max_new_tokens
-    return loss.sum()  # dapo
+    return loss.sum()  # dapo and cispo (by the global batch's tokens), luspo (by its completions)
 
 
 REPORTING = Reporting(
@@ -228,7 +250,7 @@ class GRPO(Objective):
         return len(prompt["prompt_ids"])
 
     def counts(self, batch: dict) -> list[int]:
-        if self.settings.loss_type == "dapo":
+        if self.settings.loss_type in ("dapo", "cispo"):
             return [int(_targets(batch).sum())]
         return [1 if self.settings.loss_type == "bnpo" else int(batch["completions"])]
 
@@ -267,10 +289,10 @@ class GRPO(Objective):
         if s.beta:
             with torch.no_grad(), adapters_disabled(model):
                 ref = self._logps(model, batch)[0]
-        loss, stats = per_token_loss(
-            logps, old, advantages, s.epsilon, s.epsilon_high or s.epsilon, s.beta, ref, s.use_bias_correction_kl
-        )
-        return [reduce_loss(loss, owner, int(batch["completions"]), s.loss_type, s.max_new_tokens)], stats
+        rows = int(batch["completions"])
+        log_weights = log_importance_weights(logps, old, owner, rows, s.importance_sampling_level)
+        loss, stats = per_token_loss(s, logps, log_weights, advantages, ref)
+        return [reduce_loss(loss, owner, rows, s.loss_type, s.max_new_tokens)], stats
 
     def summarize(self, stat_sums: dict, totals: list[int], ranks) -> dict:
         """Token means of the clip and KL sums, with the rollout metrics."""
