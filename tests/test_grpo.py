@@ -122,6 +122,11 @@ def _trl_trainer(ckpt, adapter, folder, settings):
         delta=settings.delta,
         sapo_temperature_pos=settings.sapo_temperature_pos,
         sapo_temperature_neg=settings.sapo_temperature_neg,
+        vespo_k_pos=settings.vespo_k_pos,
+        vespo_lambda_pos=settings.vespo_lambda_pos,
+        vespo_k_neg=settings.vespo_k_neg,
+        vespo_lambda_neg=settings.vespo_lambda_neg,
+        top_entropy_quantile=settings.top_entropy_quantile,
         report_to=[],
         use_cpu=True,
         bf16=False,
@@ -196,7 +201,12 @@ def _trl_inputs(prompts, completions, advantages, max_new):
         ("luspo", 0.04, True, {"importance_sampling_level": "sequence"}),
         ("grpo", 0.0, True, {"importance_sampling_level": "sequence"}),  # GSPO
         ("grpo", 0.04, True, {"importance_sampling_level": "sequence"}),
+        ("vespo", 0.0, True, {}),
+        ("vespo", 0.04, True, {"vespo_k_pos": 1.5, "vespo_lambda_neg": 2.5}),
         ("dapo", 0.0, True, {"delta": 1.1}),
+        ("dapo", 0.0, True, {"top_entropy_quantile": 0.5}),
+        ("grpo", 0.04, True, {"top_entropy_quantile": 0.3}),
+        ("cispo", 0.0, True, {"top_entropy_quantile": 0.8, "epsilon_high": 0.3}),
         ("grpo", 0.04, True, {"delta": 1.05}),
     ],
 )
@@ -261,7 +271,7 @@ def test_loss_and_gradients_equal_trl(tiny_ckpt, tmp_path, loss_type, beta, corr
         assert torch.allclose(grads[k], trl_grads[k], atol=1e-5, rtol=1e-4), k
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"])
 def test_packed_completions_train_as_separate_rows(tiny_ckpt, tmp_path, loss_type):
     """data.packing: several completions to a row, each attending to itself; loss and gradients unchanged."""
     settings = GRPOSettings(group_size=2, max_new_tokens=9, loss_type=loss_type, beta=0.04, rewards=["format"])

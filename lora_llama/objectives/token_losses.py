@@ -63,23 +63,45 @@ def target_loss(model, input_ids, labels, position_ids=None, segment_ids=None, t
         return (output_loss(h, model.lm_head, targets), n) if n else (h.sum() * 0.0, 0)
 
 
+ENTROPY_CHUNK = 1 << 22  # logits a chunk of rows holds while entropies are taken (16 MB in float32)
+
+
+@torch.no_grad()
+def entropies(h: torch.Tensor, lm_head: nn.Module, temperature: float) -> torch.Tensor:
+    """The entropy (nats) of softmax(lm_head(h) / temperature) at each row of h (N, dim), a chunk of rows at a time;
+    without gradient (it selects tokens, it is not trained on)."""
+    rows = max(1, ENTROPY_CHUNK // lm_head.out_features)
+    out = []
+    for chunk in h.detach().split(rows):
+        logits = head_logits(lm_head, chunk) / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
+
+
 def token_logps(
-    model, input_ids, labels, temperature: float = 1.0, position_ids=None, segment_ids=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    model, input_ids, labels, temperature: float = 1.0, position_ids=None, segment_ids=None, with_entropy=False
+):
     """(log-probability of every target token (N,), the (B, T-1) mask of where they are): what preference
-    objectives sum per row, and GRPO takes per token (from logits / temperature, the distribution sampled)."""
+    objectives sum per row, and GRPO takes per token (from logits / temperature, the distribution sampled); with
+    with_entropy, the entropy of each of those distributions third (N,), without gradient."""
     keep = target_mask(labels, segment_ids)
     targets = labels[:, 1:][keep]
     h = model(input_ids, position_ids, segment_ids, keep=F.pad(keep, (0, 1)), hidden_only=True)  # (N, dim)
     lm_head = model.lm_head
     no_target = h.sum() * 0.0  # keeps the graph (and fsdp's hooks) when there is no target
     with gathered(lm_head):
-        weight = plain_weight(lm_head)
-        if weight is not None and not weight.requires_grad:
-            return linear_log_probs(h, weight, targets, temperature) + no_target, keep
-        logits_of = partial(head_logits, lm_head)
-        nll = chunked_cross_entropy(h, targets, logits_of, lm_head.out_features, "none", temperature)
-    return -nll + no_target, keep
+        logps = head_log_probs(h, lm_head, targets, temperature) + no_target
+        return (logps, keep, entropies(h, lm_head, temperature)) if with_entropy else (logps, keep)
+
+
+def head_log_probs(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The targets' log-probabilities under lm_head(h) / temperature (lm_head gathered by the caller)."""
+    weight = plain_weight(lm_head)
+    if weight is not None and not weight.requires_grad:
+        return linear_log_probs(h, weight, targets, temperature)
+    nll = chunked_cross_entropy(h, targets, partial(head_logits, lm_head), lm_head.out_features, "none", temperature)
+    return -nll
 
 
 def answer_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

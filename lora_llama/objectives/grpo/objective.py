@@ -29,6 +29,14 @@ from lora_llama.errors import UserError
 from lora_llama.labels import target_mask
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.base import Objective
+from lora_llama.objectives.grpo.losses import (
+    CLIP_STATS,
+    gamma_weights,
+    high_entropy,
+    log_importance_weights,
+    per_token_loss,
+    reduce_loss,
+)
 from lora_llama.objectives.grpo.rewards import reward_means, reward_moments, score_rollouts, weighted_rewards
 from lora_llama.objectives.grpo.rollout import Rollouts
 from lora_llama.objectives.grpo.tools import listed_tools
@@ -39,7 +47,6 @@ from lora_llama.validation import Settings
 
 # what a rollout batch keeps on the model's device (the rest, rewards and lengths, stays on the CPU)
 ON_DEVICE = ("input_ids", "labels", "advantages", "completion", "position_ids", "segment_ids", "old_logps")
-CLIP_STATS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
 class GRPOSettings(Settings):
@@ -55,13 +62,13 @@ class GRPOSettings(Settings):
     )
     epsilon: float = Field(0.2, gt=0, description="clip the ratio below at 1 - epsilon (and above, by default)")
     epsilon_high: float | None = Field(None, gt=0, description="clip above at 1 + epsilon_high (DAPO); null: epsilon")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"] = Field(
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
         "dapo",
         description="trl's: the clipped surrogate normalised by the completion tokens of the global batch (dapo), of "
         "the micro-batch (bnpo), per completion (grpo), by completions x max_new_tokens (dr_grpo), or summed per "
         "completion (luspo, with importance_sampling_level sequence); cispo: the clipped ratio as a detached weight "
         "of the log-probability (MiniMax-M1), normalised as dapo; sapo: a soft, sigmoid gate instead of the clip, "
-        "normalised as grpo",
+        "normalised as grpo; vespo: a gamma weight of the completion's ratio on the log-probability, as dapo",
     )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token", description="the ratio per token, or one per completion: the mean of its tokens' log-ratios (GSPO)"
@@ -71,6 +78,17 @@ class GRPOSettings(Settings):
     )
     sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo's gate temperature where the advantage is > 0")
     sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo's gate temperature elsewhere")
+    top_entropy_quantile: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="train on this share of completion tokens, those of highest entropy (the rest take no policy "
+        "loss; 1: all)",
+    )
+    vespo_k_pos: float = Field(2.0, description="vespo's gamma shape k where the advantage is >= 0")
+    vespo_lambda_pos: float = Field(3.0, description="vespo's gamma rate λ where the advantage is >= 0")
+    vespo_k_neg: float = Field(3.0, description="vespo's gamma shape k elsewhere")
+    vespo_lambda_neg: float = Field(2.0, description="vespo's gamma rate λ elsewhere")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the group's reward std, the batch's, or not at all"
     )
@@ -108,59 +126,6 @@ class GRPOSettings(Settings):
                 f"train.grpo.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} rewards"
             )
         return self
-
-
-def log_importance_weights(logps, old_logps, owner, n_rows: int, level: str) -> torch.Tensor:
-    """log(π/πold) per completion token (N,): each token's own, or (sequence level, GSPO) the mean over its
-    completion's tokens, given to each of them."""
-    log_ratio = logps - old_logps
-    if level == "token":
-        return log_ratio
-    sums = log_ratio.new_zeros(n_rows).index_add(0, owner, log_ratio)
-    tokens = log_ratio.new_zeros(n_rows).index_add(0, owner, torch.ones_like(log_ratio))
-    return (sums / tokens.clamp(min=1))[owner]
-
-
-def per_token_loss(s: GRPOSettings, logps, log_weights, advantages, ref_logps=None) -> tuple[torch.Tensor, dict]:
-    """trl's per-token loss of `s.loss_type` (+ beta·KL, times the ratio with use_bias_correction_kl) per completion
-    token (N,), and the tokens whose ratio lies below, above and outside the clip region and the KL (trl's metrics),
-    as sums over tokens. log_weights: log_importance_weights."""
-    low_eps, high_eps = s.epsilon, s.epsilon_high or s.epsilon
-    ratio = torch.exp(log_weights)
-    if s.loss_type == "cispo":  # the clipped ratio as a weight, no gradient through it
-        loss = -torch.clamp(ratio, max=high_eps).detach() * advantages * logps
-    elif s.loss_type == "sapo":  # a soft gate: sigmoid(τ(r - 1))·4/τ, τ by the advantage's sign
-        tau = torch.where(advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
-        loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
-    else:
-        clipped = torch.clamp(ratio, 1 - low_eps, 1 + high_eps)
-        unclipped = torch.clamp(ratio, max=s.delta) if s.delta is not None else ratio
-        loss = -torch.min(unclipped * advantages, clipped * advantages)
-    low = (ratio < 1 - low_eps) & (advantages < 0)
-    high = (ratio > 1 + high_eps) & (advantages > 0)
-    stats = dict(zip(CLIP_STATS, (float(low.sum()), float(high.sum()), float((low | high).sum()))))
-    if s.beta:
-        delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1
-        kl = kl * ratio if s.use_bias_correction_kl else kl  # the unbiased reverse-KL gradient (trl's default)
-        loss = loss + s.beta * kl
-        stats["kl"] = float(kl.detach().sum())
-    return loss, stats
-
-
-def reduce_loss(
-    loss: torch.Tensor, rows: torch.Tensor, n_rows: int, loss_type: str, max_new_tokens: int
-) -> torch.Tensor:
-    """A micro-batch's loss term before the division by its global count (see GRPO.counts)."""
-    if loss_type in ("grpo", "sapo"):  # per completion: the mean over its tokens
-        per_row = loss.new_zeros(n_rows).index_add(0, rows, loss)
-        tokens = loss.new_zeros(n_rows).index_add(0, rows, torch.ones_like(loss))
-        return (per_row / tokens.clamp(min=1)).sum()
-    if loss_type == "bnpo":
-        return loss.sum() / max(loss.numel(), 1)
-    if loss_type == "dr_grpo":
-        return loss.sum() / max_new_tokens
-    return loss.sum()  # dapo and cispo (by the global batch's tokens), luspo (by its completions)
 
 
 REPORTING = Reporting(
@@ -250,7 +215,7 @@ class GRPO(Objective):
         return len(prompt["prompt_ids"])
 
     def counts(self, batch: dict) -> list[int]:
-        if self.settings.loss_type in ("dapo", "cispo"):
+        if self.settings.loss_type in ("dapo", "cispo", "vespo"):
             return [int(_targets(batch).sum())]
         return [1 if self.settings.loss_type == "bnpo" else int(batch["completions"])]
 
@@ -275,13 +240,14 @@ class GRPO(Objective):
         self.kept = (generation, rolled)
         return rolled
 
-    def _logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logps(self, model, batch: dict, with_entropy: bool = False) -> tuple:
         places = (batch.get("position_ids"), batch.get("segment_ids"))
-        return token_logps(model, batch["input_ids"], batch["labels"], self.settings.temperature, *places)
+        return token_logps(model, batch["input_ids"], batch["labels"], self.settings.temperature, *places, with_entropy)
 
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
         s = self.settings
-        logps, keep = self._logps(model, batch)
+        selects = s.top_entropy_quantile < 1  # only the tokens of highest entropy take the policy loss
+        logps, keep, *token_entropies = self._logps(model, batch, selects)
         owner = batch["completion"][:, 1:][keep]  # the completion of each target token
         advantages = batch["advantages"][owner]
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()
@@ -291,7 +257,9 @@ class GRPO(Objective):
                 ref = self._logps(model, batch)[0]
         rows = int(batch["completions"])
         log_weights = log_importance_weights(logps, old, owner, rows, s.importance_sampling_level)
-        loss, stats = per_token_loss(s, logps, log_weights, advantages, ref)
+        gamma = gamma_weights(s, logps, old, advantages, owner, rows) if s.loss_type == "vespo" else None
+        selected = high_entropy(token_entropies[0], s.top_entropy_quantile) if selects else None
+        loss, stats = per_token_loss(s, logps, log_weights, advantages, ref, gamma, selected)
         return [reduce_loss(loss, owner, rows, s.loss_type, s.max_new_tokens)], stats
 
     def summarize(self, stat_sums: dict, totals: list[int], ranks) -> dict:
