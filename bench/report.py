@@ -34,6 +34,7 @@ from bench.training_rows import (
     grpo_rows,
     long_context_rows,
     precision_rows,
+    preference_packing_rows,
     recipe_run_rows,
     train_step_rows,
     variants_rows,
@@ -53,6 +54,7 @@ PAGES = {
         "train_step",
         "quant",
         "grpo",
+        "preference_packing",
         "decode",
         "dora",
         "variants",
@@ -113,6 +115,7 @@ ROWS = {
     "precision": precision_rows,
     "recipe_run": recipe_run_rows,
     "setup": setup_rows,
+    "preference_packing": preference_packing_rows,
 }
 
 

@@ -244,3 +244,15 @@ def recipe_run_rows(r: dict) -> list[tuple]:
             measures,
         )
     ]
+
+
+def preference_packing_rows(r: dict) -> list[tuple]:
+    s, p = r["step_s"], r["pairs_per_s"]
+    return [
+        (
+            "DPO on mixed-length pairs, data.packing true (peer: the same run padded)",
+            f"{s['packed']:.2f} s a step, {p['packed']:.2f} pairs/s",
+            f"{s['padded']:.2f} s a step, {p['padded']:.2f} pairs/s",
+            f"{r['speedup']:.2f}x pairs/s",
+        )
+    ]

@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from lora_llama.labels import target_mask
-from lora_llama.objectives.pairs import PairObjective, pair_stats, valid_pairs
+from lora_llama.objectives.pairs import PairObjective, answer_targets, pair_stats, valid_pairs
 from lora_llama.objectives.token_losses import answer_logps
 from lora_llama.validation import Settings
 
@@ -35,9 +34,9 @@ class ORPO(PairObjective):
         self.beta = settings.beta
 
     def counts(self, batch: dict) -> list[int]:
-        per_row = target_mask(batch["labels"]).sum(1)
-        valid = valid_pairs(per_row)
-        return [int(valid.sum()), int(per_row.chunk(2)[0][valid].sum())]
+        per_answer = answer_targets(batch)
+        valid = valid_pairs(per_answer)
+        return [int(valid.sum()), int(per_answer.chunk(2)[0][valid].sum())]
 
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
         policy, n, every_target = answer_logps(model, batch)

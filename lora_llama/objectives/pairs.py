@@ -22,12 +22,13 @@ PAIR_STATS = (
 
 
 class PairObjective(Objective):
-    """Pairs: a batch holds the B chosen rows, then the B rejected ones. A pair counts when both answers
-    kept a target token (the filler pair of a rank with nothing to do does not). Packing does not apply: a
-    pair's chosen and rejected answers each need a row of their own."""
+    """Pairs: a batch holds the B chosen answers, then the B rejected ones, a row each, or with data.packing the 2B
+    answers packed into rows of data.max_seq_len (each attending to itself), summed per answer alike. A pair counts
+    when both answers kept a target token (the filler pair of a rank with nothing to do does not)."""
 
     data_formats = {"preference": "prompt/chosen/rejected"}
-    empty, stat_names, n_counts, counted = EMPTY_PAIR, PAIR_STATS, 1, "pairs"
+    empty, stat_names, n_counts, counted, packs = EMPTY_PAIR, PAIR_STATS, 1, "pairs", True
+    pack_to = None  # data.max_seq_len under data.packing
     reporting = Reporting(
         (
             LOSS,
@@ -40,17 +41,32 @@ class PairObjective(Objective):
     )
 
     @classmethod
+    def build(cls, recipe, tokenizer, eos_ids: list[int]) -> PairObjective:
+        objective = super().build(recipe, tokenizer, eos_ids)
+        objective.pack_to = recipe.data.max_seq_len if recipe.data.packing else None
+        return objective
+
+    @classmethod
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
         return build_pairs(recipe.data, tokenizer, recipe.train.seed, log)
 
     def collate(self, pairs: list[dict], pad_id: int) -> dict:
-        return collate_pairs(pairs, pad_id, self.row_length)
+        return collate_pairs(pairs, pad_id, self.row_length, self.pack_to)
 
     def length(self, pair: dict) -> int:
         return max(len(pair["chosen"]["input_ids"]), len(pair["rejected"]["input_ids"]))
 
     def counts(self, batch: dict) -> list[int]:
-        return [int(valid_pairs(target_mask(batch["labels"]).sum(1)).sum())]
+        return [int(valid_pairs(answer_targets(batch)).sum())]
+
+
+def answer_targets(batch: dict) -> torch.Tensor:
+    """(2B,) each answer's target tokens: a row's, or a packed row's sequence's."""
+    keep = target_mask(batch["labels"], batch.get("segment_ids"))
+    if "sequence" not in batch:
+        return keep.sum(1)
+    owner = batch["sequence"][:, 1:][keep]
+    return torch.zeros(int(batch["sequences"]), dtype=torch.long).index_add(0, owner, torch.ones_like(owner))
 
 
 def valid_pairs(per_row: torch.Tensor) -> torch.Tensor:

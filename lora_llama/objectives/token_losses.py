@@ -105,10 +105,19 @@ def head_log_probs(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, t
 
 
 def answer_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: the summed log-probability of the answer's tokens, their number, and the summed
-    log-probability of all targets (the prompt's too when it is a target)."""
-    logps, keep = token_logps(model, batch["input_ids"], batch["labels"])
-    rows, pos = keep.nonzero().unbind(1)
-    answer = (pos + 1 >= batch["prompt_lens"][rows]).to(logps.dtype)  # label pos+1 lies past the prompt
-    zeros = logps.new_zeros(keep.shape[0])
-    return zeros.index_add(0, rows, logps * answer), zeros.index_add(0, rows, answer), zeros.index_add(0, rows, logps)
+    """Per answer (a row, or a packed row's sequence): the summed log-probability of the answer's tokens, their
+    number, and the summed log-probability of all targets (the prompt's too when it is a target)."""
+    places = (batch.get("position_ids"), batch.get("segment_ids"))
+    logps, keep = token_logps(model, batch["input_ids"], batch["labels"], 1.0, *places)
+    if "sequence" in batch:  # packed: each token's answer, and whether its label lies past the prompt
+        owner, answer = batch["sequence"][:, 1:][keep], batch["answer"][:, 1:][keep].to(logps.dtype)
+        n = int(batch["sequences"])
+    else:
+        owner, pos = keep.nonzero().unbind(1)
+        answer = (pos + 1 >= batch["prompt_lens"][owner]).to(logps.dtype)  # label pos+1 lies past the prompt
+        n = keep.shape[0]
+
+    def summed(values):
+        return logps.new_zeros(n).index_add(0, owner, values)
+
+    return summed(logps * answer), summed(answer), summed(logps)
