@@ -101,7 +101,7 @@ def test_a_packed_row_holds_each_answer_whole_with_its_own_positions():
     )
 
 
-@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
 def test_train_packs_preference_pairs(objective, long_ckpt, tmp_path):
     """data.packing with a preference objective trains (it was refused) and its first step's loss is the unpacked
     run's."""
@@ -127,3 +127,39 @@ def test_train_packs_preference_pairs(objective, long_ckpt, tmp_path):
         assert main(args) == 0
         first.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"])
     assert abs(first[0] - first[1]) < 1e-5, first
+
+
+def test_packed_kto_trains_as_the_unpacked(long_ckpt):
+    """KTO: its completions packed into rows and their mismatched ones into rows of their own; the KL estimate, the
+    loss, the metrics and the gradients are the padded batch's."""
+    from lora_llama.objectives.kto import KTO, KTOSettings
+    from lora_llama.runtime.distributed import Ranks
+
+    model = adapted(long_ckpt)
+    pairs = mixed_pairs(4, seed=2)
+    answers = [p[side] for p in pairs for side in ("chosen", "rejected")]  # 8 completions of 5-400 tokens
+    examples = []
+    for i, a in enumerate(answers):
+        other = answers[(i + 3) % len(answers)]  # another prompt's answer, after this prompt: KL's mismatched row
+        prompt = a["input_ids"][: a["prompt_len"]]
+        mismatched = other["input_ids"][other["prompt_len"] :]
+        examples.append(
+            {
+                **a,
+                "label": i % 2 == 0,
+                "mismatched": {"input_ids": prompt + mismatched, "labels": [-100] * len(prompt) + mismatched},
+            }
+        )
+    objective, results = KTO(KTOSettings(beta=0.1)), []
+    for pack_to in (None, 448):
+        objective.pack_to = pack_to
+        [batch] = objective.prepare(model, [objective.collate(examples, 0)], 0, Ranks())
+        results.append((batch["input_ids"].numel(), float(batch["kl"]), *step(objective, model, batch)))
+    (padded, kl, loss, stats, grads), (packed, packed_kl, packed_loss, packed_stats, packed_grads) = results
+    # sums of up to 400 float32 log-probabilities, added in another order when packed (see the test above)
+    scale = 8 * torch.finfo(torch.float32).eps * (abs(stats["logps/chosen"]) + abs(stats["logps/rejected"]))
+    assert packed < 0.75 * padded and abs(kl - packed_kl) <= scale and abs(loss[0] - packed_loss[0]) < 1e-5
+    assert all(abs(stats[k] - packed_stats[k]) <= max(scale, 1e-5) for k in stats), (stats, packed_stats)
+    assert grads.keys() == packed_grads.keys() and len(grads) == 28
+    for name, g in grads.items():
+        assert torch.allclose(g, packed_grads[name], atol=1e-5, rtol=1e-4), name

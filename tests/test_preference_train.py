@@ -63,7 +63,6 @@ def test_trainer_raises_reward_accuracy_and_margin(objective, preference_ckpt, t
     "override, message",
     [
         (["train.objective=dpo"], "train.objective dpo reads data.format preference"),
-        (["train.objective=kto", "data.format=preference", "data.packing=true"], "packing is not supported"),
         (["data.format=preference"], "not preference (which train.objective dpo, orpo, kto reads)"),
     ],
 )

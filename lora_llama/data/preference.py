@@ -11,7 +11,7 @@ from __future__ import annotations
 from lora_llama.data.chat import close_with_eos, encode_rendered, normalise_messages, render_chat
 from lora_llama.data.loading import load_splits
 from lora_llama.data.records import Skipped, needs, rename_fields, row_of
-from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, tokenize_splits
+from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, packed_sequences, tokenize_splits
 from lora_llama.errors import BadRecord
 from lora_llama.labels import IGNORE_INDEX
 
@@ -120,50 +120,12 @@ def build_pairs(data, tokenizer, seed: int, log=print) -> tuple[list[dict], list
 def collate_pairs(pairs: list[dict], pad_id: int, row_length=None, pack_to: int | None = None) -> dict:
     """One batch of the B pairs' 2B answers, the B chosen first, then the B rejected (one forward pass for both):
     2B rows with `prompt_lens` (2B,); or, with pack_to, the 2B sequences packed into rows of at most pack_to tokens
-    (`packed_pairs`)."""
+    (`packed_sequences`)."""
     import torch
 
     sequences = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
-    if pack_to:
-        return packed_pairs(sequences, pad_id, pack_to, row_length)
+    if pack_to:  # packed, each answer summed apart (token_losses.answer_logps reads `sequence` and `answer`)
+        return packed_sequences(sequences, pad_id, pack_to, row_length)
     batch = collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in sequences], pad_id, row_length)
     batch["prompt_lens"] = torch.tensor([r["prompt_len"] for r in sequences])
-    return batch
-
-
-def packed_pairs(sequences: list[dict], pad_id: int, pack_to: int, row_length=None) -> dict:
-    """The answers of a batch of pairs packed into as few rows as first-fit (longest first) makes, each attending to
-    itself only (positions restart, a segment each): with `sequence` (rows, T), the index in `sequences` of each
-    token's answer (-1: padding), `answer`, whether each label lies past its sequence's prompt, and `sequences`,
-    their number, so that the per-answer sums of the unpacked batch come out the same."""
-    import torch
-
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i]["input_ids"])):
-        n = len(sequences[i]["input_ids"])
-        row = next((r for r, left in enumerate(room) if n <= left), None)
-        if row is None:
-            rows.append([])
-            room.append(pack_to)
-            row = len(rows) - 1
-        rows[row].append(i)
-        room[row] -= n
-    examples = []
-    for members in rows:
-        row = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": [], "sequence": [], "answer": []}
-        for segment, i in enumerate(members):
-            s, n = sequences[i], len(sequences[i]["input_ids"])
-            row["input_ids"] += s["input_ids"]
-            row["labels"] += s["labels"]
-            row["position_ids"] += list(range(n))
-            row["segment_ids"] += [segment] * n
-            row["sequence"] += [i] * n
-            row["answer"] += [j >= s["prompt_len"] for j in range(n)]
-        examples.append(row)
-    batch = collate(examples, pad_id, row_length)
-    width = batch["input_ids"].shape[1]
-    for key, fill in (("sequence", -1), ("answer", False)):
-        batch[key] = torch.tensor([e[key] + [fill] * (width - len(e[key])) for e in examples])
-    batch["sequences"] = torch.tensor(len(sequences))
     return batch

@@ -199,6 +199,44 @@ def packed(examples: Iterator[dict], max_seq_len: int) -> Iterator[dict]:
         yield cur
 
 
+def packed_sequences(sequences: list[dict], pad_id: int, pack_to: int, row_length=None) -> dict:
+    """Sequences that are summed apart (a preference batch's answers, KTO's completions) packed into as few rows of
+    at most pack_to tokens as first fit (longest first) makes, each attending to itself only (positions restart, a
+    segment each). With `sequence` (rows, T), the index in `sequences` of each token's sequence (-1: padding),
+    `answer`, whether each label lies past its sequence's `prompt_len`, and `sequences`, their number."""
+    import torch
+
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i]["input_ids"])):
+        n = len(sequences[i]["input_ids"])
+        row = next((r for r, left in enumerate(room) if n <= left), None)
+        if row is None:
+            rows.append([])
+            room.append(pack_to)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= n
+    examples = []
+    for members in rows:
+        row = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": [], "sequence": [], "answer": []}
+        for segment, i in enumerate(members):
+            s, n = sequences[i], len(sequences[i]["input_ids"])
+            row["input_ids"] += s["input_ids"]
+            row["labels"] += s["labels"]
+            row["position_ids"] += list(range(n))
+            row["segment_ids"] += [segment] * n
+            row["sequence"] += [i] * n
+            row["answer"] += [j >= s.get("prompt_len", 0) for j in range(n)]
+        examples.append(row)
+    batch = collate(examples, pad_id, row_length)
+    width = batch["input_ids"].shape[1]
+    for key, fill in (("sequence", -1), ("answer", False)):
+        batch[key] = torch.tensor([e[key] + [fill] * (width - len(e[key])) for e in examples])
+    batch["sequences"] = torch.tensor(len(sequences))
+    return batch
+
+
 def collate(examples: list[dict], pad_id: int, row_length=None):
     """Right-pad a list of examples into tensors; padding is never a target. row_length: the length rows of up to
     n tokens are padded to (None: n, the longest example's)."""

@@ -26,7 +26,7 @@ from pydantic import Field
 from lora_llama.data.loading import load_splits
 from lora_llama.data.preference import as_messages, tokenize_answers
 from lora_llama.data.records import Skipped, needs, rename_fields, row_of
-from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, tokenize_splits
+from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, packed_sequences, tokenize_splits
 from lora_llama.errors import BadRecord
 from lora_llama.labels import IGNORE_INDEX, target_mask
 from lora_llama.lora.adapted import adapters_disabled
@@ -94,12 +94,14 @@ def with_mismatched(examples: list[dict], run: int, max_len: int) -> list[dict]:
 
 
 class KTO(Objective):
-    """A batch holds B examples, then their B mismatched rows for the KL estimate."""
+    """A batch holds B examples, then their B mismatched rows for the KL estimate; with data.packing, the examples
+    packed into rows and the mismatched ones into rows of their own (their keys prefixed `kl_`)."""
 
     name, about, settings = "kto", "KTO on unpaired feedback (completions labelled desirable or not)", KTOSettings
     data_formats = {"unpaired": "prompt/completion/label", "preference": "prompt/chosen/rejected"}
     empty = {**EMPTY_EXAMPLE, "prompt_len": 0, "label": False, "mismatched": EMPTY_EXAMPLE}
-    stat_names, n_counts, counted = SUMS, 1, "examples"
+    stat_names, n_counts, counted, packs = SUMS, 1, "examples", True
+    pack_to = None  # data.max_seq_len under data.packing
     reporting = Reporting(
         (
             LOSS,
@@ -118,6 +120,12 @@ class KTO(Objective):
         self.held_out_kl: float | None = None  # the estimate on held-out examples, while they are evaluated
 
     @classmethod
+    def build(cls, recipe, tokenizer, eos_ids: list[int]) -> KTO:
+        objective = super().build(recipe, tokenizer, eos_ids)
+        objective.pack_to = recipe.data.max_seq_len if recipe.data.packing else None
+        return objective
+
+    @classmethod
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
         data = recipe.data
         train_records, val_records = load_splits(data, recipe.train.seed)
@@ -131,7 +139,13 @@ class KTO(Objective):
 
     def collate(self, examples: list[dict], pad_id: int) -> dict:
         rows = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
-        batch = collate(rows + [e["mismatched"] for e in examples], pad_id, self.row_length)
+        mismatched = [e["mismatched"] for e in examples]
+        if self.pack_to:
+            batch = packed_sequences(rows, pad_id, self.pack_to, self.row_length)
+            kl_rows = packed_sequences(mismatched, pad_id, self.pack_to, self.row_length)
+            batch.update({f"kl_{k}": v for k, v in kl_rows.items()})
+        else:
+            batch = collate(rows + mismatched, pad_id, self.row_length)
         batch["label"] = torch.tensor([e["label"] for e in examples])
         return batch
 
@@ -139,12 +153,11 @@ class KTO(Objective):
         return len(example["input_ids"])
 
     def counts(self, batch: dict) -> list[int]:
-        return [int((target_mask(batch["labels"]).sum(1).chunk(2)[0] > 0).sum())]
+        return [int((completion_targets(examples_part(batch)) > 0).sum())]
 
     def prepare(self, model, batches: list[dict], step: int, ranks) -> list[dict]:
         """The KL estimate over the step's global batch, the same on every rank."""
-        halves = [{k: b[k][b["label"].shape[0] :] for k in ("input_ids", "labels")} for b in batches]
-        kl = kl_estimate([kl_sum(model, rows) for rows in halves], ranks)
+        kl = kl_estimate([kl_sum(model, mismatched_part(b)) for b in batches], ranks)
         return [{**b, "kl": torch.tensor(kl)} for b in batches]
 
     def evaluate(self, model, examples: list[dict], batch_size: int, pad_id: int, ranks) -> dict:
@@ -164,7 +177,7 @@ class KTO(Objective):
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
         s, label = self.s, batch["label"].to(torch.bool)
         kl = batch["kl"].to(torch.float32) if "kl" in batch else torch.tensor(self.held_out_kl)
-        main = {k: v[: len(label)] for k, v in batch.items() if k in ("input_ids", "labels")}
+        main = examples_part(batch)
         with torch.no_grad(), adapters_disabled(model):
             reference = completion_logps(model, main)[0]
         policy, n_tokens = completion_logps(model, main)
@@ -200,19 +213,51 @@ class KTO(Objective):
         return {**out, "rewards/margins": out["rewards/chosen"] - out["rewards/rejected"]}
 
 
-def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the summed log-probability of its target tokens, and their number."""
-    logps, keep = token_logps(model, batch["input_ids"], batch["labels"])
-    rows = keep.nonzero()[:, 0]
-    zeros = logps.new_zeros(keep.shape[0])
-    return zeros.index_add(0, rows, logps), keep.sum(1)
+ROW_KEYS = ("input_ids", "labels", "position_ids", "segment_ids", "sequence", "sequences")
+
+
+def examples_part(batch: dict) -> dict:
+    """The examples' rows of a KTO batch: its first B rows, or its packed ones."""
+    if "sequence" in batch:
+        return {k: batch[k] for k in ROW_KEYS}
+    return {k: batch[k][: len(batch["label"])] for k in ("input_ids", "labels")}
+
+
+def mismatched_part(batch: dict) -> dict:
+    """The mismatched rows of a KTO batch, for the KL estimate: its last B rows, or its packed `kl_` ones."""
+    if "kl_sequence" in batch:
+        return {k: batch[f"kl_{k}"] for k in ROW_KEYS}
+    return {k: batch[k][len(batch["label"]) :] for k in ("input_ids", "labels")}
+
+
+def completion_owner(rows: dict, keep: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each target token's completion (its row, or its packed sequence), and the number of completions."""
+    if "sequence" in rows:
+        return rows["sequence"][:, 1:][keep], int(rows["sequences"])
+    return keep.nonzero()[:, 0], keep.shape[0]
+
+
+def completion_targets(rows: dict) -> torch.Tensor:
+    """Each completion's number of target tokens."""
+    keep = target_mask(rows["labels"], rows.get("segment_ids"))
+    owner, n = completion_owner(rows, keep)
+    return torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
+
+
+def completion_logps(model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per completion: the summed log-probability of its target tokens, and their number."""
+    places = (rows.get("position_ids"), rows.get("segment_ids"))
+    logps, keep = token_logps(model, rows["input_ids"], rows["labels"], 1.0, *places)
+    owner, n = completion_owner(rows, keep)
+    count = torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
+    return logps.new_zeros(n).index_add(0, owner, logps), count
 
 
 @torch.no_grad()
 def kl_sum(model, rows: dict) -> tuple[float, int]:
     """(the sum over mismatched rows of log π(y'|x) - log ref(y'|x), their number)."""
     device = next(model.parameters()).device
-    rows = {k: rows[k].to(device) for k in ("input_ids", "labels")}
+    rows = {k: v.to(device) for k, v in rows.items()}
     policy, n = completion_logps(model, rows)
     with adapters_disabled(model):
         reference = completion_logps(model, rows)[0]
