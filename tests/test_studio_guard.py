@@ -125,8 +125,9 @@ def test_requests_not_from_the_studios_page_get_a_4xx_and_the_studio_serves_on(s
         ("POST", {**own, "Content-Length": "-5"}, b"", 400, "is not a number of bytes"),
         ("POST", {**own, "Content-Length": str(100 * 10**9)}, b"{}", 413, "100000000000 bytes is over"),
         ("POST", own, b"", 411, "Content-Length"),
+        ("OPTIONS", {"Host": host, **token}, b"", 405, "takes GET and POST"),  # answered, and with no CORS grant
     ):
-        got, answer = raw(url, method, "/api/start" if method == "POST" else "/api/runs", headers, body)
+        got, answer = raw(url, method, "/api/runs" if method == "GET" else "/api/start", headers, body)
         assert (got, says in answer.get("error", "")) == (status, True), (method, headers, answer)
         assert raw(url, "GET", "/", {"Host": host, **token})[0] == 200  # serving on
     assert not (runs / "x").exists() and not list(runs.glob(".x*"))
@@ -159,7 +160,8 @@ def test_a_push_makes_a_private_repository_unless_public_is_ticked(tiny_ckpt, tm
     ("args", "says"),
     [
         (["--port", "99999"], "argument --port: 99999 is not a port (0 to 65535)"),
-        (["--token", "short"], "--token needs 8 characters or more"),
+        (["--token", "short"], "--token needs 8 or more letters, digits"),
+        (["--token", "has;a;semicolon"], "--token needs 8 or more letters, digits"),  # it travels in a cookie
         (["--host", "0.0.0.0"], "--host 0.0.0.0 serves the studio beyond this machine: give --auth USER:PASS too"),
     ],
 )

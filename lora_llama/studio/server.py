@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -227,7 +228,8 @@ class Handler(BaseHTTPRequestHandler):
             return
 
     def do_OPTIONS(self):  # a CORS preflight: another origin's, since the studio's own page never needs one
-        self._admitted(urlparse(self.path))
+        if self._admitted(urlparse(self.path)) is not None:
+            self._send(405, {"error": "the studio's API takes GET and POST"})
 
     def do_POST(self):
         url = urlparse(self.path)
@@ -251,8 +253,10 @@ def serve(
         raise UserError(f"--host {host} serves the studio beyond this machine: give --auth USER:PASS too")
     if auth is not None and ":" not in auth:
         raise UserError("--auth takes USER:PASS")
-    if token is not None and len(token) < 8:
-        raise UserError("--token needs 8 characters or more (by default the studio makes one)")
+    if token is not None and not re.fullmatch(r"[\w.~-]{8,}", token):
+        raise UserError(
+            "--token needs 8 or more letters, digits, '.', '_', '~' or '-' (by default the studio makes one)"
+        )
     runs.mkdir(parents=True, exist_ok=True)
     try:
         server = ThreadingHTTPServer((host, port), Handler)
