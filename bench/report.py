@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # which benchmarks each page shows, in this order
 PAGES = {
-    "README.md": ("setup", "demo", "precision", "train_step", "quant", "merge"),
+    "README.md": ("setup", "demo", "precision", "train_step", "merge"),
     "docs/performance.md": (
         "setup",
         "demo",
