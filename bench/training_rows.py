@@ -247,12 +247,13 @@ def recipe_run_rows(r: dict) -> list[tuple]:
 
 
 def preference_packing_rows(r: dict) -> list[tuple]:
-    s, p = r["step_s"], r["pairs_per_s"]
+    s, p, objective = r["step_s"], r["pairs_per_s"], r.get("objective", "dpo")
+    unit = "examples" if objective == "kto" else "pairs"  # KTO reads each pair as two answers judged one at a time
     return [
         (
-            "DPO on mixed-length pairs, data.packing true (peer: the same run padded)",
-            f"{s['packed']:.2f} s a step, {p['packed']:.2f} pairs/s",
-            f"{s['padded']:.2f} s a step, {p['padded']:.2f} pairs/s",
-            f"{r['speedup']:.2f}x pairs/s",
+            f"{objective.upper()} on mixed-length pairs, data.packing true (peer: the same run padded)",
+            f"{s['packed']:.2f} s a step, {p['packed']:.2f} {unit}/s",
+            f"{s['padded']:.2f} s a step, {p['padded']:.2f} {unit}/s",
+            f"{r['speedup']:.2f}x {unit}/s",
         )
     ]
