@@ -179,17 +179,19 @@ def test_fsdp_on_a_quantized_base_equals_one_process(tiny_ckpt, chat_data, tmp_p
 
 
 @pytest.mark.parametrize(
-    "objective, strategy",
+    "objective, strategy, packing",
     [
-        pytest.param("dpo", "ddp", marks=SLOW),
-        ("dpo", "fsdp"),
-        pytest.param("orpo", "fsdp", marks=SLOW),
-        ("kto", "ddp"),
+        pytest.param("dpo", "ddp", False, marks=SLOW),
+        ("dpo", "fsdp", False),
+        pytest.param("orpo", "fsdp", False, marks=SLOW),
+        ("kto", "ddp", False),
+        ("dpo", "ddp", True),
+        pytest.param("kto", "fsdp", True, marks=SLOW),
     ],
 )
-def test_preference_objectives_on_two_processes_equal_one(tiny_ckpt, tmp_path, objective, strategy):
+def test_preference_objectives_on_two_processes_equal_one(tiny_ckpt, tmp_path, objective, strategy, packing):
     """The reference pass (adapter off, no grad) and the per-pair loss over the global batch on two ranks; KTO's
-    KL estimate over the global batch too."""
+    KL estimate over the global batch too; packed batches alike."""
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(
         "".join(
@@ -197,7 +199,7 @@ def test_preference_objectives_on_two_processes_equal_one(tiny_ckpt, tmp_path, o
             for i, (q, a) in enumerate(QA)
         )
     )
-    dpo = [f"train.objective={objective}", "data.format=preference", "train.lr=1e-2"]
+    dpo = [f"train.objective={objective}", "data.format=preference", "train.lr=1e-2", f"data.packing={packing}"]
     assert main(args(tiny_ckpt, pairs, tmp_path / "one", 4, *dpo)) == 0
     code, _, err = torchrun(args(tiny_ckpt, pairs, tmp_path / "two", 2, f"train.distributed={strategy}", *dpo))
     assert code == 0, err[-3000:]
