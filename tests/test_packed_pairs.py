@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from helpers import build_checkpoint, make_tokenizer
+from helpers import build_checkpoint
 from lora_llama import load_model
 from lora_llama.data.preference import collate_pairs
 from lora_llama.lora.adapted import apply_lora, lora_modules
@@ -103,11 +103,10 @@ def test_a_packed_row_holds_each_answer_whole_with_its_own_positions():
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
 def test_train_packs_preference_pairs(objective, long_ckpt, tmp_path):
-    """data.packing with a preference objective trains (it was refused) and its first step's loss is the unpacked
+    """data.packing with a preference objective trains through `lora-llama train`, its first step's loss the unpacked
     run's."""
     from lora_llama.cli import main
 
-    tok = make_tokenizer()
     words = "the quick brown fox jumps over the lazy dog and then some".split()
     rows = [
         {"prompt": " ".join(words[: 3 + i % 4]), "chosen": " ".join(words * (2 + i % 5)), "rejected": words[i % 10]}
@@ -115,7 +114,6 @@ def test_train_packs_preference_pairs(objective, long_ckpt, tmp_path):
     ]
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert tok  # the checkpoint's own tokenizer reads the text
     first = []
     for packing in ("false", "true"):
         out = tmp_path / f"run-{packing}"
