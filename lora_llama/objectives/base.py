@@ -51,6 +51,7 @@ class Objective:
     packs = False
     counted = "tokens"  # what the held-out loss is averaged over
     row_length = None  # the length rows of up to n tokens are padded to (None: n); see bucketed_length
+    pack_to = None  # data.max_seq_len under data.packing: what a batch's sequences pack to where `collate` packs
     cached = True  # its examples are kept between runs (data/cache.py): rows of one layout, in Arrow's types
     repeats = 1  # optimiser steps per batch of data
     streams = False  # whether it reads data.streaming's sources (data/streaming.py gives its examples then)

@@ -27,6 +27,7 @@ def objective_named(name: str) -> type[Objective]:
 def build_objective(recipe, tokenizer, eos_ids: list[int]) -> Objective:
     """The recipe's objective; under train.compile its rows are padded to a few lengths (bucketed_length)."""
     objective = objective_named(recipe.train.objective).build(recipe, tokenizer, eos_ids)
+    objective.pack_to = recipe.data.max_seq_len if recipe.data.packing else None
     if recipe.train.compile is True:  # resolved by then: auto is true or false
         objective.row_length = partial(bucketed_length, limit=recipe.data.max_seq_len)
     return objective

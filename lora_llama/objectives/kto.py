@@ -28,11 +28,11 @@ from lora_llama.data.preference import as_messages, tokenize_answers
 from lora_llama.data.records import Skipped, needs, rename_fields, row_of
 from lora_llama.data.sft import EMPTY_EXAMPLE, Tokenize, collate, packed_sequences, tokenize_splits
 from lora_llama.errors import BadRecord
-from lora_llama.labels import IGNORE_INDEX, target_mask
+from lora_llama.labels import IGNORE_INDEX
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.base import Objective
 from lora_llama.objectives.reporting import LOSS, Measure, Reporting
-from lora_llama.objectives.token_losses import token_logps
+from lora_llama.objectives.token_losses import sequence_owner, sequence_targets, token_logps
 from lora_llama.validation import Settings
 
 UNPAIRED_FIELDS = ("prompt", "completion", "label")
@@ -101,7 +101,6 @@ class KTO(Objective):
     data_formats = {"unpaired": "prompt/completion/label", "preference": "prompt/chosen/rejected"}
     empty = {**EMPTY_EXAMPLE, "prompt_len": 0, "label": False, "mismatched": EMPTY_EXAMPLE}
     stat_names, n_counts, counted, packs = SUMS, 1, "examples", True
-    pack_to = None  # data.max_seq_len under data.packing
     reporting = Reporting(
         (
             LOSS,
@@ -118,12 +117,6 @@ class KTO(Objective):
     def __init__(self, settings: KTOSettings = KTOSettings()):
         self.s = settings
         self.held_out_kl: float | None = None  # the estimate on held-out examples, while they are evaluated
-
-    @classmethod
-    def build(cls, recipe, tokenizer, eos_ids: list[int]) -> KTO:
-        objective = super().build(recipe, tokenizer, eos_ids)
-        objective.pack_to = recipe.data.max_seq_len if recipe.data.packing else None
-        return objective
 
     @classmethod
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
@@ -153,7 +146,7 @@ class KTO(Objective):
         return len(example["input_ids"])
 
     def counts(self, batch: dict) -> list[int]:
-        return [int((completion_targets(examples_part(batch)) > 0).sum())]
+        return [int((sequence_targets(examples_part(batch)) > 0).sum())]
 
     def prepare(self, model, batches: list[dict], step: int, ranks) -> list[dict]:
         """The KL estimate over the step's global batch, the same on every rank."""
@@ -230,25 +223,11 @@ def mismatched_part(batch: dict) -> dict:
     return {k: batch[k][len(batch["label"]) :] for k in ("input_ids", "labels")}
 
 
-def completion_owner(rows: dict, keep: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Each target token's completion (its row, or its packed sequence), and the number of completions."""
-    if "sequence" in rows:
-        return rows["sequence"][:, 1:][keep], int(rows["sequences"])
-    return keep.nonzero()[:, 0], keep.shape[0]
-
-
-def completion_targets(rows: dict) -> torch.Tensor:
-    """Each completion's number of target tokens."""
-    keep = target_mask(rows["labels"], rows.get("segment_ids"))
-    owner, n = completion_owner(rows, keep)
-    return torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
-
-
 def completion_logps(model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Per completion: the summed log-probability of its target tokens, and their number."""
     places = (rows.get("position_ids"), rows.get("segment_ids"))
     logps, keep = token_logps(model, rows["input_ids"], rows["labels"], 1.0, *places)
-    owner, n = completion_owner(rows, keep)
+    owner, n = sequence_owner(rows, keep)
     count = torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
     return logps.new_zeros(n).index_add(0, owner, logps), count
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from lora_llama.objectives.pairs import PairObjective, answer_targets, pair_stats, valid_pairs
-from lora_llama.objectives.token_losses import answer_logps
+from lora_llama.objectives.pairs import PairObjective, pair_stats, valid_pairs
+from lora_llama.objectives.token_losses import answer_logps, sequence_targets
 from lora_llama.validation import Settings
 
 
@@ -34,7 +34,7 @@ class ORPO(PairObjective):
         self.beta = settings.beta
 
     def counts(self, batch: dict) -> list[int]:
-        per_answer = answer_targets(batch)
+        per_answer = sequence_targets(batch)
         valid = valid_pairs(per_answer)
         return [int(valid.sum()), int(per_answer.chunk(2)[0][valid].sum())]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from lora_llama.data.preference import EMPTY_PAIR, build_pairs, collate_pairs
-from lora_llama.labels import target_mask
 from lora_llama.objectives.base import Objective
 from lora_llama.objectives.reporting import LOSS, Measure, Reporting
+from lora_llama.objectives.token_losses import sequence_targets
 
 # what preference objectives log, summed over pairs then averaged (trl's names)
 PAIR_STATS = (
@@ -28,7 +28,6 @@ class PairObjective(Objective):
 
     data_formats = {"preference": "prompt/chosen/rejected"}
     empty, stat_names, n_counts, counted, packs = EMPTY_PAIR, PAIR_STATS, 1, "pairs", True
-    pack_to = None  # data.max_seq_len under data.packing
     reporting = Reporting(
         (
             LOSS,
@@ -41,12 +40,6 @@ class PairObjective(Objective):
     )
 
     @classmethod
-    def build(cls, recipe, tokenizer, eos_ids: list[int]) -> PairObjective:
-        objective = super().build(recipe, tokenizer, eos_ids)
-        objective.pack_to = recipe.data.max_seq_len if recipe.data.packing else None
-        return objective
-
-    @classmethod
     def examples(cls, recipe, tokenizer, log) -> tuple[list[dict], list[dict]]:
         return build_pairs(recipe.data, tokenizer, recipe.train.seed, log)
 
@@ -57,16 +50,7 @@ class PairObjective(Objective):
         return max(len(pair["chosen"]["input_ids"]), len(pair["rejected"]["input_ids"]))
 
     def counts(self, batch: dict) -> list[int]:
-        return [int(valid_pairs(answer_targets(batch)).sum())]
-
-
-def answer_targets(batch: dict) -> torch.Tensor:
-    """(2B,) each answer's target tokens: a row's, or a packed row's sequence's."""
-    keep = target_mask(batch["labels"], batch.get("segment_ids"))
-    if "sequence" not in batch:
-        return keep.sum(1)
-    owner = batch["sequence"][:, 1:][keep]
-    return torch.zeros(int(batch["sequences"]), dtype=torch.long).index_add(0, owner, torch.ones_like(owner))
+        return [int(valid_pairs(sequence_targets(batch)).sum())]
 
 
 def valid_pairs(per_row: torch.Tensor) -> torch.Tensor:

@@ -104,18 +104,30 @@ def head_log_probs(h: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, t
     return -nll
 
 
+def sequence_owner(batch: dict, keep: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each target token's sequence (its row; in a packed batch, the `sequence` of `packed_sequences`) and the
+    number of sequences: what per-answer and per-completion sums add up by."""
+    if "sequence" in batch:
+        return batch["sequence"][:, 1:][keep], int(batch["sequences"])
+    return keep.nonzero()[:, 0], keep.shape[0]
+
+
+def sequence_targets(batch: dict) -> torch.Tensor:
+    """Each sequence's number of target tokens (a row's, or a packed sequence's)."""
+    owner, n = sequence_owner(batch, target_mask(batch["labels"], batch.get("segment_ids")))
+    return torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
+
+
 def answer_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per answer (a row, or a packed row's sequence): the summed log-probability of the answer's tokens, their
     number, and the summed log-probability of all targets (the prompt's too when it is a target)."""
     places = (batch.get("position_ids"), batch.get("segment_ids"))
     logps, keep = token_logps(model, batch["input_ids"], batch["labels"], 1.0, *places)
-    if "sequence" in batch:  # packed: each token's answer, and whether its label lies past the prompt
-        owner, answer = batch["sequence"][:, 1:][keep], batch["answer"][:, 1:][keep].to(logps.dtype)
-        n = int(batch["sequences"])
-    else:
-        owner, pos = keep.nonzero().unbind(1)
-        answer = (pos + 1 >= batch["prompt_lens"][owner]).to(logps.dtype)  # label pos+1 lies past the prompt
-        n = keep.shape[0]
+    owner, n = sequence_owner(batch, keep)
+    if "answer" in batch:  # packed: whether each label lies past its sequence's prompt
+        answer = batch["answer"][:, 1:][keep].to(logps.dtype)
+    else:  # label pos+1 lies past the prompt
+        answer = (keep.nonzero()[:, 1] + 1 >= batch["prompt_lens"][owner]).to(logps.dtype)
 
     def summed(values):
         return logps.new_zeros(n).index_add(0, owner, values)

@@ -111,8 +111,9 @@ def detail(run: Path) -> dict:
         }
     rows, steps = read_metrics(run / METRICS), checkpoint_steps(run)[::-1]
     reporting = objective_named((read_run_recipe(run).get("train") or {}).get("objective", DEFAULT.name)).reporting
+    head = summary(run, rows)
     return {
-        **summary(run, rows),
+        **head,
         "metrics": rows,
         # the curves its objective draws: training (the loss, then its own figures) and held-out measures
         "curves": {"train": ["loss", *reporting.curves], "held_out": [m.key for m in reporting.held_out if m.charted]},
@@ -120,6 +121,6 @@ def detail(run: Path) -> dict:
         "benchmarks": benchmarks,
         "recipe": (run / RECIPE).read_text() if (run / RECIPE).is_file() else "",
         # the adapters chat can load: the final one, then each checkpoint's, newest first (label, path under root)
-        "adapters": ([["the adapter", f"{run.name}/{ADAPTER}"]] if status(run)[0] == "finished" else [])
-        + [[f"step {s}", f"{run.name}/{checkpoint_dir(run, s).relative_to(run).as_posix()}/{ADAPTER}"] for s in steps],
+        "adapters": ([["the adapter", f"{run.name}/{ADAPTER}"]] if head["status"] == "finished" else [])
+        + [[f"step {s}", (checkpoint_dir(run, s) / ADAPTER).relative_to(run.parent).as_posix()] for s in steps],
     }

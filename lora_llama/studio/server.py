@@ -253,7 +253,7 @@ def serve(
         raise UserError(f"--host {host} serves the studio beyond this machine: give --auth USER:PASS too")
     if auth is not None and ":" not in auth:
         raise UserError("--auth takes USER:PASS")
-    if token is not None and not re.fullmatch(r"[\w.~-]{8,}", token):
+    if token is not None and not re.fullmatch(r"[\w.~-]{8,}", token, re.ASCII):  # it travels in a cookie
         raise UserError(
             "--token needs 8 or more letters, digits, '.', '_', '~' or '-' (by default the studio makes one)"
         )
