@@ -17,6 +17,7 @@ import argparse
 import yaml
 
 from bench.common import LLAMA31_8B
+from lora_llama.quant.handlers import quant_format
 
 # the config.json shapes of the models the GPU recipes name (recipes/*.yaml)
 SHAPES = {
@@ -72,14 +73,9 @@ def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
 
 
 def quantized_bytes(out: int, inp: int, quantize: str | None, double_quant: bool = False) -> float:
-    """Bytes of one frozen (out, in) weight: bf16, int8 with a float32 scale a row, or nf4 with a float32 absmax a
-    block of 64 (8 bits and a float32 per 256 blocks with double quantization)."""
-    n = out * inp
-    if quantize == "int8":
-        return n + 4 * out
-    if quantize == "nf4":
-        return n / 2 + (n / 64 + 4 * n / 64 / 256 if double_quant else 4 * n / 64)
-    return 2 * n
+    """Bytes of one frozen (out, in) weight: bf16, or the tensors its quantized format holds it in."""
+    fmt = quant_format(quantize, double_quant)
+    return fmt.bytes(out, inp) if fmt is not None else 2 * out * inp
 
 
 def base_bytes(cfg: dict, quantize: str | None, double_quant: bool = False) -> float:

@@ -12,7 +12,8 @@ import sys
 
 from lora_llama.commands import cmd_eval, cmd_export, cmd_generate, cmd_merge, cmd_push, cmd_studio, cmd_train
 from lora_llama.errors import UserError
-from lora_llama.model.config import DTYPE_NAMES, QUANTIZE_KINDS
+from lora_llama.model.config import DTYPE_NAMES
+from lora_llama.quant.names import FROM_FLOAT, SETTINGS
 from lora_llama.runtime.launcher import speaks_for_job
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -40,7 +41,7 @@ def _onto_args(sp):
     )
     sp.add_argument(
         "--quantize",
-        choices=list(QUANTIZE_KINDS),
+        choices=list(SETTINGS),
         help="for --onto dequantized (default: model.quantize of the adapter's run folder)",
     )
     sp.add_argument("--nf4-double-quant", action="store_true", help="with --quantize nf4: its absmax in 8 bits")
@@ -175,7 +176,7 @@ def _add_eval(sub):
     e.add_argument("--num-fewshot", type=NOT_NEGATIVE, help="examples shown before each question")
     e.add_argument("--chat", action="store_true", help="prompts through the tokenizer's chat template")
     e.add_argument("--compare", action="store_true", help="with --adapter: the base and the adapter side by side")
-    e.add_argument("--quantize", choices=["int8", "nf4"], help="hold the base in 8 or 4 bits, as in training")
+    e.add_argument("--quantize", choices=list(FROM_FLOAT), help="hold the base in 8 or 4 bits, as in training")
     e.add_argument("--output", metavar="FILE.json", help="lm-eval's results (default: lm-eval-DATE-TIME.json)")
     e.add_argument("--force", action="store_true", help="overwrite --output")
     e.add_argument("--batch-size", type=POSITIVE, default=8)

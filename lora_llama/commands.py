@@ -21,8 +21,9 @@ def _load(args):
     from lora_llama.loading.adapted import adapted_model
     from lora_llama.loading.adapters import CHAT_TEMPLATE
     from lora_llama.loading.models import load_model, load_tokenizer
+    from lora_llama.quant.handlers import chosen_format
 
-    where = dict(dtype=torch_dtype(args.dtype), quantize=getattr(args, "quantize", None), device=args.device)
+    where = dict(dtype=torch_dtype(args.dtype), quantize=chosen_format(args), device=args.device)
     model = (
         adapted_model(args.model, adapter=args.adapter, **where)[0] if args.adapter else load_model(args.model, **where)
     )
@@ -76,14 +77,15 @@ def cmd_train(args) -> int:
 
 
 def _trained_quantize(args) -> dict:
-    """quantize= and double_quant= for merge / export: --quantize (and --nf4-double-quant), or the model.quantize
-    (and model.nf4_double_quant) of the run the adapter comes from (run/adapter, run/checkpoints/step-N/adapter)."""
+    """quantize= for merge / export: the format --quantize names, or the one the run the adapter comes from
+    trained on (its recipe's model section, beside run/adapter or run/checkpoints/step-N/adapter)."""
+    from lora_llama.quant.handlers import chosen_format
+
     if args.quantize or args.onto != "dequantized" or not args.adapter:
-        return {"quantize": args.quantize, "double_quant": args.nf4_double_quant}
+        return {"quantize": chosen_format(args)}
     from lora_llama.training.run_folder import read_run_recipe, run_of_adapter
 
-    model = read_run_recipe(run_of_adapter(args.adapter)).get("model") or {}
-    return {"quantize": model.get("quantize"), "double_quant": bool(model.get("nf4_double_quant"))}
+    return {"quantize": chosen_format(read_run_recipe(run_of_adapter(args.adapter)).get("model") or {})}
 
 
 def _warnings_to_stderr(call):

@@ -216,6 +216,7 @@ def quantized_layers(rows: int = 64, in_features: int = 512, seed: int = 2) -> d
     """{name: QuantizedLinear} of every layer kind: int8, nf4, nf4 with double quantization (from random float
     weights), and each GGUF block format (random blocks)."""
     from lora_llama.quant.gguf_blocks import GGUF_FORMATS
+    from lora_llama.quant.handlers import NF4
     from lora_llama.quant.linear import QuantizedLinear
 
     linear = torch.nn.Linear(in_features, rows, bias=False)
@@ -223,7 +224,7 @@ def quantized_layers(rows: int = 64, in_features: int = 512, seed: int = 2) -> d
     layers = {
         "int8": QuantizedLinear.from_linear(linear, "int8"),
         "nf4": QuantizedLinear.from_linear(linear, "nf4"),
-        "nf4-dq": QuantizedLinear.from_linear(linear, "nf4", double_quant=True),
+        "nf4-dq": QuantizedLinear.from_linear(linear, NF4(double_quant=True)),
     }
     for kind in GGUF_FORMATS:
         blocks = torch.from_numpy(random_blocks(kind.upper(), rows, in_features, seed))

@@ -212,8 +212,9 @@ class MoreMistakes(Mistakes):
 
     def fsdp_nf4(self):
         from lora_llama.loading.sharded import _meta_layer
+        from lora_llama.quant.handlers import NF4
 
-        return self.error(lambda: _meta_layer(torch.nn.Linear(96, 64), "nf4", False))
+        return self.error(lambda: _meta_layer(torch.nn.Linear(96, 64), NF4()))
 
     def gemma(self):
         folder = shutil.copytree(self.tiny, self.tmp / "gemma")

@@ -79,7 +79,8 @@ def test_the_saved_adapter_gives_our_outputs_in_peft_on_the_original_base(tiny_c
 
 def test_a_quantized_base_quantizes_the_residual(tiny_ckpt, tmp_path):
     from lora_llama.loading.adapted import adapted_model
-    from lora_llama.quant.linear import QuantizedLinear, dequantized
+    from lora_llama.quant.handlers import Int8
+    from lora_llama.quant.linear import QuantizedLinear
 
     r = load_recipe(
         None,
@@ -98,7 +99,7 @@ def test_a_quantized_base_quantizes_the_residual(tiny_ckpt, tmp_path):
     assert type(layer.base_layer) is QuantizedLinear
     plain = principal(tiny_ckpt, "pissa")  # the float residual, quantized here by hand
     residual = lora_modules(plain)["model.layers.0.self_attn.q_proj"].base_layer.weight
-    assert torch.allclose(layer.base_layer.dequantize(torch.float32), dequantized(residual, "int8"), atol=1e-6)
+    assert torch.allclose(layer.base_layer.dequantize(torch.float32), Int8().roundtrip(residual), atol=1e-6)
 
 
 @pytest.mark.parametrize(

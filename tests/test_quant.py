@@ -16,7 +16,8 @@ from lora_llama.quant.formats import (
     quantize_int8,
     quantize_nf4,
 )
-from lora_llama.quant.linear import QuantizedLinear, base_weight_bytes, dequantized
+from lora_llama.quant.handlers import NF4, quant_format
+from lora_llama.quant.linear import QuantizedLinear, base_weight_bytes
 
 
 def ids(seed=0):
@@ -40,7 +41,7 @@ def test_nf4_equals_bitsandbytes(shape):
     codes, absmax = quantize_nf4(w)
     assert torch.equal(codes.reshape(-1), packed.reshape(-1)) and torch.equal(absmax.reshape(-1), state.absmax)
     assert torch.equal(dequantize_nf4(codes, absmax, w.shape), bnb.dequantize_4bit(packed, state))
-    assert torch.equal(dequantized(w, "nf4"), bnb.dequantize_4bit(packed, state))
+    assert torch.equal(quant_format("nf4").roundtrip(w), bnb.dequantize_4bit(packed, state))
     shifted = torch.empty(codes.numel() + 1, dtype=torch.uint8)[1:]  # the same bytes at an odd offset
     shifted.copy_(codes.reshape(-1))
     assert torch.equal(dequantize_nf4(shifted, absmax, w.shape), bnb.dequantize_4bit(packed, state))
@@ -61,7 +62,7 @@ def test_layer_equals_a_float_linear_holding_the_dequantized_weight(kind):
     plain = torch.nn.Linear(128, 96).requires_grad_(False)
     q = QuantizedLinear.from_linear(plain, kind)
     ref = torch.nn.Linear(128, 96).requires_grad_(False)
-    ref.weight.copy_(dequantized(plain.weight, kind))
+    ref.weight.copy_(quant_format(kind).roundtrip(plain.weight))
     ref.bias.copy_(plain.bias)
     x = torch.randn(5, 7, 128, generator=g, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
@@ -99,7 +100,7 @@ def test_quantized_logits_equal_the_round_tripped_float_model(tiny_ckpt, kind):
             for parent in (block.self_attn, block.mlp):
                 for lin in parent.children():
                     if type(lin) is torch.nn.Linear:
-                        lin.weight.copy_(dequantized(lin.weight, kind))
+                        lin.weight.copy_(quant_format(kind).roundtrip(lin.weight))
         assert rel(q(ids()), ref(ids())) < 1e-5
 
 
@@ -285,10 +286,10 @@ def test_nf4_double_quant_against_bitsandbytes():
     scaled = torch.cat([(absmax.reshape(-1) - offset)[i : i + 256] / absmax2[i // 256] for i in range(0, 2400, 256)])
     nearest = (scaled[:, None] - dynamic_map()).abs().min(dim=1).values
     assert torch.allclose((scaled - dynamic_map()[codes.reshape(-1).long()]).abs(), nearest, atol=1e-7)
-    assert rel(dequantized(w, "nf4", double_quant=True), bnb.dequantize_4bit(packed, state)) < 1e-3
+    assert rel(NF4(double_quant=True).roundtrip(w), bnb.dequantize_4bit(packed, state)) < 1e-3
     lin = torch.nn.Linear(512, 300)
-    q = QuantizedLinear.from_linear(lin, "nf4", double_quant=True)
-    assert q.scales.dtype == torch.uint8 and torch.equal(q.dequantize(), dequantized(lin.weight, "nf4", True))
+    q = QuantizedLinear.from_linear(lin, NF4(double_quant=True))
+    assert q.scales.dtype == torch.uint8 and torch.equal(q.dequantize(), NF4(double_quant=True).roundtrip(lin.weight))
 
 
 @pytest.mark.parametrize("row_major_transpose", [False, True])

@@ -21,7 +21,8 @@ from lora_llama.model.config import ModelArgs, family_of, portable_hf_config
 from lora_llama.model.llama import Llama
 from lora_llama.quant.gguf_blocks import row_bytes
 from lora_llama.quant.gguf_tensors import linear_blocks
-from lora_llama.quant.linear import REQUANTIZED, QuantizedLinear, quantize_loaded_linears
+from lora_llama.quant.handlers import QuantFormat, quant_format
+from lora_llama.quant.linear import QuantizedLinear, quantize_loaded_linears
 from lora_llama.registry import REGISTERED_MODELS, cache_dir, is_hub_id, registered_model_path
 from lora_llama.runtime.allocator import release_freed_memory
 from lora_llama.runtime.auto import resolve_device
@@ -180,14 +181,12 @@ def load_tokenizer(source: str | os.PathLike):
     return tok
 
 
-def load_model(
-    source: str | os.PathLike, dtype=None, quantize: str | None = None, device="cpu", nf4_double_quant: bool = False
-):
+def load_model(source: str | os.PathLike, dtype=None, quantize: str | QuantFormat | None = None, device="cpu"):
     """Build the native `Llama` from any accepted source (device "auto": CUDA when present).
 
     The model is built on the `meta` device and each shard's tensors are assigned
-    as they are read (and quantised right away when `quantize` is set), so two
-    full copies of the weights never exist at once.
+    as they are read (and quantised right away when `quantize` is set: a format's
+    handler, or its name), so two full copies of the weights never exist at once.
     """
     import torch
 
@@ -197,9 +196,11 @@ def load_model(
     model = meta_model(folder)
     args = model.args
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    blocks = gguf_linear_blocks(source, args) if quantize == "source" else {}
+    fmt = quant_format(quantize)
+    from_float = fmt is not None and fmt.from_float
+    blocks = gguf_linear_blocks(source, args) if fmt is not None and fmt.keeps_file_blocks else {}
     seen: set[str] = {f"{path}.weight" for path in blocks}
-    for file, shard in iter_shards(folder, owned=quantize in REQUANTIZED):
+    for file, shard in iter_shards(folder, owned=from_float):
         for key in list(shard):
             # old checkpoints store the RoPE buffer (it is derived); a GGUF's own blocks replace its dequantized copy
             if key.endswith("rotary_emb.inv_freq") or key in seen:
@@ -213,13 +214,13 @@ def load_model(
                     f"config.json implies {tuple(expected[key])}"
                 )
             # a linear to be quantized is quantized from the checkpoint's own precision, not from dtype's rounding
-            keep = quantize in REQUANTIZED and key.endswith("_proj.weight") and key.startswith("model.layers.")
+            keep = from_float and key.endswith("_proj.weight") and key.startswith("model.layers.")
             shard[key] = shard[key].to(device=device, dtype=None if keep else dtype)
             seen.add(key)
         model.load_state_dict(shard, strict=False, assign=True)
         del shard
-        if quantize in REQUANTIZED:
-            quantize_loaded_linears(model, quantize, nf4_double_quant)
+        if from_float:
+            quantize_loaded_linears(model, fmt)
             release_freed_memory()  # the shard's full-precision weights are gone now
     install_blocks(model, blocks, device)
     if args.tie_word_embeddings:

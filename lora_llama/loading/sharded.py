@@ -3,10 +3,10 @@ each rank reads from the checkpoint only the rows of each tensor that it owns (`
 quantizing them as it reads. No process, rank 0 included, ever holds the whole model.
 
 FSDP2 cuts every tensor on dim 0 as `torch.chunk` does: rank r holds rows [r·c, r·c + its rows) with
-c = ceil(rows / world). Quantized layers shard the same way because their codes and scales are laid out by
-output row (int8: a scale per row; nf4: in/64 blocks per row; GGUF: a row of blocks per output row), and a
-row quantized on its own is the row quantized with the whole tensor. nf4's double quantization is the one
-exception: its second-level scales span rows, so such a layer reads its whole weight (one tensor at a time).
+c = ceil(rows / world). Quantized layers shard the same way because a format's tensors are laid out by output
+row (`QuantFormat.layout`: a scale per row, blocks per row, a row of a GGUF's blocks per output row), and its
+handler quantizes a rank's rows alone (`QuantFormat.quantize_rows`, which reads more where a format's scales
+span rows).
 """
 
 from __future__ import annotations
@@ -21,16 +21,13 @@ from lora_llama.files.checkpoint_rows import CheckpointRows
 from lora_llama.loading.adapters import load_adapter_weights
 from lora_llama.loading.models import gguf_linear_blocks, meta_model, resolve_source
 from lora_llama.lora.adapted import apply_lora
-from lora_llama.quant.formats import NF4_BLOCK, quantize_absmax, quantize_int8, quantize_nf4
-from lora_llama.quant.gguf_blocks import GGUF_FORMATS, row_bytes
 from lora_llama.quant.gguf_tensors import block_rows
+from lora_llama.quant.handlers import QuantFormat, layer_format
 from lora_llama.quant.linear import DECODER_LINEARS, QuantizedLinear
 from lora_llama.runtime.distributed import shard_model
 
 
-def sharded_adapted_model(
-    source, lora, dtype, quantize: str | None, double_quant: bool, device, ranks, adapter_dir=None
-):
+def sharded_adapted_model(source, lora, dtype, quantize: QuantFormat | None, device, ranks, adapter_dir=None):
     """(model, apply_lora's summary): the base sharded over the ranks from the start, its adapters on every rank
     as one process makes them (the same random draws), then cut into shards too."""
     folder = resolve_source(source)
@@ -38,8 +35,8 @@ def sharded_adapted_model(
     args = model.args
     if args.tie_word_embeddings:
         model.tie_weights()
-    blocks = gguf_linear_blocks(source, args, copy=False) if quantize == "source" else {}
-    placeholders(model, quantize, double_quant, blocks)
+    blocks = gguf_linear_blocks(source, args, copy=False) if quantize is not None and quantize.keeps_file_blocks else {}
+    placeholders(model, quantize, blocks)
     summary = apply_lora(model, lora)
     if adapter_dir is not None:
         load_adapter_weights(model, adapter_dir)
@@ -49,42 +46,30 @@ def sharded_adapted_model(
     return model.eval(), summary
 
 
-def placeholders(model, quantize: str | None, double_quant: bool, blocks: dict) -> None:
-    """Each decoder linear to be quantized becomes a QuantizedLinear of meta codes and scales of its format's
-    shapes (a GGUF source's linears take the file's own kind)."""
-    if not quantize:
+def placeholders(model, quantize: QuantFormat | None, blocks: dict) -> None:
+    """Each decoder linear to be quantized becomes a QuantizedLinear of meta tensors of its format's layout (a GGUF
+    source's linears take the file's own kind)."""
+    if quantize is None:
         return
     for i, block in enumerate(model.model.layers):
         for parent_name, parent in (("self_attn", block.self_attn), ("mlp", block.mlp)):
             for name in DECODER_LINEARS:
                 lin, path = getattr(parent, name, None), f"model.layers.{i}.{parent_name}.{name}"
-                if lin is None or quantize == "source" and path not in blocks:  # a GGUF type kept dequantized
+                if lin is None or quantize.keeps_file_blocks and path not in blocks:  # a GGUF type kept dequantized
                     continue
-                kind = blocks[path][0] if quantize == "source" else quantize
-                setattr(parent, name, _meta_layer(lin, kind, double_quant))
+                fmt = layer_format(blocks[path][0]) if quantize.keeps_file_blocks else quantize
+                setattr(parent, name, _meta_layer(lin, fmt))
 
 
-def _meta_layer(lin: nn.Linear, kind: str, double_quant: bool) -> QuantizedLinear:
+def _meta_layer(lin: nn.Linear, fmt: QuantFormat) -> QuantizedLinear:
     out, inp = lin.out_features, lin.in_features
-
-    def meta(*shape, dtype):
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    if kind == "int8":
-        codes, scales = meta(out, inp, dtype=torch.int8), meta(out, dtype=torch.float32)
-    elif kind == "nf4":
-        if inp % NF4_BLOCK:
-            raise UserError(f"fsdp shards nf4 layers by row: in_features {inp} is not a multiple of {NF4_BLOCK}")
-        codes = meta(out, inp // 2, dtype=torch.uint8)
-        scales = meta(out, inp // NF4_BLOCK, dtype=torch.uint8 if double_quant else torch.float32)
-    else:
-        codes, scales = meta(out, row_bytes(kind, inp), dtype=torch.uint8), meta(0, dtype=torch.float32)
+    fault = fmt.row_fault(inp)
+    if fault:
+        raise UserError(f"fsdp shards {fmt.name} layers by row: {fault}")
+    layout = fmt.layout(out, inp)
+    tensors = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in layout.items()}
     bias = lin.bias.detach() if lin.bias is not None else None
-    q = QuantizedLinear(inp, out, kind, codes, scales, bias)
-    if kind == "nf4" and double_quant:
-        q.register_buffer("absmax2", meta(math.ceil(out * inp // NF4_BLOCK / 256), dtype=torch.float32))
-        q.register_buffer("offset", meta(dtype=torch.float32))
-    return q
+    return QuantizedLinear.from_tensors(inp, out, fmt.name, tensors, bias)
 
 
 def fill_shards(model, rows: CheckpointRows, dtype, blocks: dict, device, ranks) -> None:
@@ -123,22 +108,14 @@ def _owned(p, ranks) -> tuple[int, int]:
 
 
 def _quantized(module: QuantizedLinear, path: str, rows: CheckpointRows, blocks: dict, lo: int, hi: int) -> dict:
-    """{codes, scales[, absmax2, offset]}: rows lo..hi of a layer's quantized weight. A slice of a whole tensor is
-    cloned, so the whole one is freed."""
+    """The tensors of rows lo..hi of a layer's quantized weight, by name. A slice of a whole tensor is cloned, so
+    the whole one is freed."""
     key = f"{path.removesuffix('.base_layer')}.weight"
-    if module.kind in GGUF_FORMATS:
-        return {
-            "codes": block_rows(blocks[key.removesuffix(".weight")], lo, hi),
-            "scales": torch.empty(0, dtype=torch.float32),
-        }
+    fmt = module.quant_format()
+    if not fmt.from_float:  # a GGUF's blocks
+        return {"codes": block_rows(blocks[key.removesuffix(".weight")], lo, hi), "scales": torch.empty(0)}
     _check_shape(rows, key, (module.out_features, module.in_features))
-    if module.kind == "int8":
-        return dict(zip(("codes", "scales"), quantize_int8(rows.rows(key, lo, hi))))
-    if not hasattr(module, "absmax2"):
-        return dict(zip(("codes", "scales"), quantize_nf4(rows.rows(key, lo, hi))))
-    codes, absmax = quantize_nf4(rows.rows(key, 0, module.out_features))  # second-level blocks span rows
-    scales, absmax2, offset = quantize_absmax(absmax)
-    return {"codes": codes[lo:hi].clone(), "scales": scales[lo:hi].clone(), "absmax2": absmax2, "offset": offset}
+    return fmt.quantize_rows(lambda r0, r1: rows.rows(key, r0, r1), module.out_features, lo, hi)
 
 
 def _check_shape(rows: CheckpointRows, key: str, shape) -> None:

@@ -60,8 +60,6 @@ LINEAR_NAMES = {
     t: path.rsplit(".", 1)[-1] for t, path in LINEARS.items()
 }  # q -> q_proj (what PEFT's target_modules lists)
 BLOCK_LINEARS = tuple(t for t in LINEARS if t != "lm_head")  # the seven linears of a block ("all-linear")
-# frozen decoder linears held weight-only (quant/linear.py): int8, nf4, or a GGUF base's own blocks (source)
-QUANTIZE_KINDS = ("int8", "nf4", "source")
 DEVICE = r"auto|cpu|cuda(:\d+)?"  # model.device and --device, as a regular expression; what auto picks: runtime/auto.py
 PRECISIONS = ("fp32", "bf16-mixed", "auto")  # train.precision; what each means: runtime/auto.py
 

@@ -188,11 +188,11 @@ def export_gguf(
     out_type: str = "f16",
     force: bool = False,
     onto: str = "original",
-    quantize: str | None = None,
+    quantize=None,
     progress: bool = True,
-    double_quant: bool = False,
 ) -> dict:
-    """Write base (+ adapter, merged) as one GGUF file, and its Ollama Modelfile beside it (`modelfile_for`)."""
+    """Write base (+ adapter, merged) as one GGUF file, and its Ollama Modelfile beside it (`modelfile_for`);
+    onto and quantize as `Merger` takes them."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -203,7 +203,7 @@ def export_gguf(
     _check_out(out, force)
     modelfile = modelfile_for(out)
     refuse_existing(modelfile, force)
-    merger = Merger(base, adapter, onto, quantize, double_quant)
+    merger = Merger(base, adapter, onto, quantize)
     args = ModelArgs.from_hf_config(merger.config)
     names = TensorNames(args)
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[names.arch])

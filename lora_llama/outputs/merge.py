@@ -33,8 +33,10 @@ from lora_llama.files.tokenizer_files import copy_tokenizer_files
 from lora_llama.loading.adapters import CHAT_TEMPLATE, adapter_deltas, embedding_changes, read_adapter_tensors
 from lora_llama.loading.models import resolve_source
 from lora_llama.lora.layer import fold
-from lora_llama.model.config import QUANTIZE_KINDS, portable_hf_config, torch_dtype
-from lora_llama.quant.linear import DECODER_LINEARS, dequantized
+from lora_llama.model.config import portable_hf_config, torch_dtype
+from lora_llama.quant.handlers import QuantFormat, quant_format
+from lora_llama.quant.linear import DECODER_LINEARS
+from lora_llama.quant.names import SETTINGS
 from lora_llama.registry import base_model_id
 from lora_llama.runtime.allocator import release_freed_memory
 
@@ -80,7 +82,8 @@ class Merger:
     """Base + adapter, one tensor at a time, for `merge` and `export`: W0 + scale·B·A for every adapted weight.
 
     onto="original" folds ΔW into the full-precision W0 of the checkpoint; onto="dequantized" into
-    dequant(quant(W0)) of every decoder linear, the weights an adapter trained on a `quantize` base saw.
+    dequant(quant(W0)) of every decoder linear, the weights an adapter trained on a base quantized in the format
+    `quantize` (a handler or its name) saw.
     Without an adapter, the base's own tensors come out unchanged."""
 
     def __init__(
@@ -88,15 +91,15 @@ class Merger:
         base: str,
         adapter: str | os.PathLike | None = None,
         onto: str = "original",
-        quantize: str | None = None,
-        double_quant: bool = False,
+        quantize: str | QuantFormat | None = None,
     ):
         if onto not in ONTO:
             raise UserError(f"unknown --onto {onto!r} (use {' or '.join(ONTO)})")
-        if onto == "dequantized" and quantize not in QUANTIZE_KINDS:
+        quantize = quant_format(quantize)
+        if onto == "dequantized" and quantize is None:
             raise UserError(
                 "--onto dequantized needs the quantisation the adapter was trained on: "
-                f"--quantize {' or '.join(QUANTIZE_KINDS)} (or a run folder's recipe.yaml next to the adapter)"
+                f"--quantize {' or '.join(SETTINGS)} (or a run folder's recipe.yaml next to the adapter)"
             )
         self.deltas, self.scale, self.rows = {}, 0.0, {}
         if adapter is not None:
@@ -128,7 +131,7 @@ class Merger:
         if self.untie:
             self.config["tie_word_embeddings"] = False
         self.config.pop("quantization_config", None)
-        self.onto, self.quantize, self.double_quant = onto, quantize, double_quant
+        self.onto, self.quantize = onto, quantize
 
     def plan(self, sf) -> list[tuple[str, str]]:
         """(output name, source name) of an open shard: a tied lm_head with an adapter comes from the embedding."""
@@ -154,7 +157,7 @@ class Merger:
             w = sf.get_tensor(src)
             target_dtype = out_dtype or w.dtype
             if self.onto == "dequantized" and out_key.rsplit(".", 2)[-2] in DECODER_LINEARS and w.dim() == 2:
-                w = dequantized(w, self.quantize, self.double_quant)
+                w = self.quantize.roundtrip(w)
             if out_key in self.deltas:
                 A, B, magnitude = self.deltas[out_key]
                 w = fold(w, A, B, self.scale, inplace=True, magnitude=magnitude)
@@ -172,8 +175,7 @@ def merge_checkpoint(
     force: bool = False,
     progress: bool = True,
     onto: str = "original",
-    quantize: str | None = None,
-    double_quant: bool = False,
+    quantize: str | QuantFormat | None = None,
 ) -> dict:
     """Write base + adapter as one HF checkpoint in `out`; returns {"out", "bytes", "seconds", "shards"}."""
     from tqdm.auto import tqdm
@@ -182,7 +184,7 @@ def merge_checkpoint(
     out_dtype = torch_dtype(dtype) if dtype else None
     out = Path(out)
     refuse_existing(out, force)
-    merger = Merger(base, adapter, onto, quantize, double_quant)
+    merger = Merger(base, adapter, onto, quantize)
     files, config = merger.files, merger.config
 
     def merge_shard(src_file: Path, dst_file: Path) -> tuple[list[str], int]:

@@ -20,62 +20,13 @@ import functools
 import torch
 import torch.nn as nn
 
-from lora_llama.errors import UserError
 from lora_llama.kernels import fused, workspace
 from lora_llama.kernels.gemm import copies_transposed, linear
-from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES, QUANTIZE_KINDS
-from lora_llama.quant.formats import (
-    NF4_BLOCK,
-    dequantize_absmax,
-    dequantize_int8,
-    dequantize_nf4,
-    quantize_absmax,
-    quantize_int8,
-    quantize_nf4,
-)
-from lora_llama.quant.gguf_blocks import GGUF_FORMATS, dequantize_gguf
+from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
+from lora_llama.quant.formats import NF4_BLOCK, dequantize_absmax
+from lora_llama.quant.handlers import QuantFormat, dequantize_codes, layer_format, quant_format
 
 DECODER_LINEARS = tuple(LINEAR_NAMES[t] for t in BLOCK_LINEARS)  # q_proj ... down_proj
-REQUANTIZED = ("int8", "nf4")  # quantized from float weights while loading (source keeps a file's own blocks)
-LAYER_KINDS = (*REQUANTIZED, *GGUF_FORMATS)
-
-
-def check_kind(kind: str, kinds=QUANTIZE_KINDS) -> None:
-    if kind not in kinds:
-        raise UserError(f"unknown quantize {kind!r} (use {' or '.join(kinds)})")
-
-
-def dequantized(weight: torch.Tensor, kind: str, double_quant: bool = False) -> torch.Tensor:
-    """dequant(quant(W)) in float32: the weight a `kind` base multiplies with (what `merge --onto dequantized` uses).
-    For `source` the base's weights are the GGUF file's blocks already dequantized: W itself."""
-    check_kind(kind)
-    if kind == "source":
-        return weight.float()
-    if kind == "int8":
-        return dequantize_int8(*quantize_int8(weight))
-    codes, absmax = quantize_nf4(weight)
-    if double_quant:
-        absmax = dequantize_absmax(*quantize_absmax(absmax))
-    return dequantize_nf4(codes, absmax, weight.shape)
-
-
-def dequantize_codes(
-    kind: str,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    shape: tuple,
-    dtype: torch.dtype,
-    absmax2: torch.Tensor | None = None,
-    offset: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The (out, in) = shape weight in `dtype` from a quantized layer's tensors (absmax2 and offset: nf4's double
-    quantization)."""
-    if kind == "int8":
-        return dequantize_int8(codes, scales, dtype)
-    if kind in GGUF_FORMATS:  # the scales live inside the blocks
-        return dequantize_gguf(kind, codes, dtype)
-    absmax = scales if absmax2 is None else dequantize_absmax(scales, absmax2, offset)
-    return dequantize_nf4(codes, absmax, shape, dtype)
 
 
 # On CUDA the eager dequantization is a chain of kernels, each a pass over weight-sized float32 memory; inductor
@@ -107,24 +58,30 @@ class QuantizedLinear(nn.Module):
         bias: torch.Tensor | None = None,
     ):
         super().__init__()
-        check_kind(kind, LAYER_KINDS)
+        layer_format(kind)
         self.in_features, self.out_features, self.kind = in_features, out_features, kind
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear, kind: str, double_quant: bool = False) -> "QuantizedLinear":
-        w = layer.weight.detach()
-        codes, scales = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
-        bias = layer.bias.detach() if layer.bias is not None else None
-        if not (kind == "nf4" and double_quant):
-            return cls(layer.in_features, layer.out_features, kind, codes, scales, bias)
-        scale_codes, absmax2, offset = quantize_absmax(scales)
-        q = cls(layer.in_features, layer.out_features, kind, codes, scale_codes, bias)
-        q.register_buffer("absmax2", absmax2)  # the scales' own scales and offset (double quantization)
-        q.register_buffer("offset", offset)
+    def from_tensors(cls, in_features: int, out_features: int, kind: str, tensors: dict, bias=None):
+        """A layer over a format's tensors: codes and scales, and any others (nf4's second level) as buffers."""
+        q = cls(in_features, out_features, kind, tensors["codes"], tensors["scales"], bias)
+        for name, t in tensors.items():
+            if name not in ("codes", "scales"):
+                q.register_buffer(name, t)
         return q
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear, fmt: QuantFormat | str) -> "QuantizedLinear":
+        fmt = quant_format(fmt)
+        bias = layer.bias.detach() if layer.bias is not None else None
+        tensors = fmt.quantize(layer.weight.detach())
+        return cls.from_tensors(layer.in_features, layer.out_features, fmt.name, tensors, bias)
+
+    def quant_format(self) -> QuantFormat:
+        return layer_format(self.kind, self._buffers.keys() | self._parameters.keys())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -284,10 +241,9 @@ def shardable(layer: QuantizedLinear) -> None:
 # ---------------------------------------------------------------------------- the model
 
 
-def quantize_loaded_linears(model, kind: str, double_quant: bool = False) -> None:
-    """Replace every decoder linear whose weight has been loaded (is no longer on `meta`) by its quantized copy;
-    an adapted one keeps its adapter and gets its frozen base quantized."""
-    check_kind(kind, REQUANTIZED)
+def quantize_loaded_linears(model, fmt: QuantFormat) -> None:
+    """Replace every decoder linear whose weight has been loaded (is no longer on `meta`) by its quantized copy in
+    `fmt`; an adapted one keeps its adapter and gets its frozen base quantized."""
     for block in model.model.layers:
         for parent in (block.self_attn, block.mlp):
             for name in DECODER_LINEARS:
@@ -299,7 +255,7 @@ def quantize_loaded_linears(model, kind: str, double_quant: bool = False) -> Non
                     and lin.weight.device.type != "meta"
                     and (lin.bias is None or lin.bias.device.type != "meta")
                 ):
-                    setattr(holder, attr, QuantizedLinear.from_linear(lin, kind, double_quant))
+                    setattr(holder, attr, QuantizedLinear.from_linear(lin, fmt))
 
 
 def tensor_bytes(module: nn.Module) -> int:

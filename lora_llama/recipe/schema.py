@@ -14,8 +14,9 @@ from pydantic import Field, ValidationError, create_model, model_validator
 from lora_llama.errors import UserError
 from lora_llama.lora.init import moves_w0
 from lora_llama.lora.settings import LoraSettings
-from lora_llama.model.config import DEVICE, PRECISIONS, QUANTIZE_KINDS, DType
+from lora_llama.model.config import DEVICE, PRECISIONS, DType
 from lora_llama.objectives.catalog import DEFAULT, OBJECTIVES, check_objective_fits_data, data_formats, readers
+from lora_llama.quant.names import SETTINGS
 from lora_llama.validation import Settings, describe
 
 
@@ -24,7 +25,7 @@ class ModelSection(Settings):
 
     source: str = Field("smollm2-135m-instruct", description="HF model folder, .gguf file, Hub id or registered name")
     dtype: DType = Field("float32", description="the frozen base's dtype under train.precision fp32")
-    quantize: Literal[("auto", *QUANTIZE_KINDS)] | None = Field(
+    quantize: Literal[("auto", *SETTINGS)] | None = Field(
         None,
         description="hold the frozen decoder linears in 8 bits (int8: a scale per row), 4 (nf4: QLoRA's, blocks "
         "of 64), or as a GGUF base's own blocks (source: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "

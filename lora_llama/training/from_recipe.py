@@ -28,6 +28,7 @@ from lora_llama.lora.init import moves_w0
 from lora_llama.model.config import torch_dtype
 from lora_llama.objectives.base import bucket_lengths
 from lora_llama.objectives.catalog import objective_named
+from lora_llama.quant.handlers import chosen_format
 from lora_llama.quant.linear import base_weight_bytes
 from lora_llama.runtime.allocator import keep_freed_memory, return_freed_memory
 from lora_llama.runtime.auto import base_dtype, compile_options, resolve_compile, resolve_precision, resolve_quantize
@@ -91,8 +92,7 @@ def _train(recipe, out: Path, resume: bool, force: bool, log, ranks: Ranks, devi
         recipe.lora,
         resume_from,
         base_dtype(precision, torch_dtype(m.dtype)),
-        m.quantize,
-        m.nf4_double_quant,
+        chosen_format(m),
         "cpu" if sharded and not by_rows else device,
         ranks if sharded else None,
     )
