@@ -10,6 +10,7 @@ from helpers import make_tokenizer
 from lora_llama import UserError, load_model
 from lora_llama.data.loading import load_records, split
 from lora_llama.data.sft import IGNORE_INDEX, Tokenize, collate, pack, tokenize_records
+from lora_llama.recipe.schema import DataSection
 
 M = IGNORE_INDEX
 
@@ -92,7 +93,7 @@ def test_alpaca_labels_hand_computed(tok):
 
 def test_text_windows_cover_every_token(tok):
     ds = load_records_from([{"text": "the quick brown fox jumps over the lazy dog " * 5}])
-    examples = tokenize_records(ds, tok, "text", 16)
+    examples = tokenize_records(ds, tok, DataSection(format="text", max_seq_len=16))
     flat = [i for e in examples for i in e["input_ids"]]
     assert flat == tok(ds[0]["text"])["input_ids"] + [tok.eos_token_id]
     assert all(len(e["input_ids"]) <= 16 and e["labels"] == e["input_ids"] for e in examples)
@@ -145,12 +146,14 @@ def test_sources_and_auto_format(tmp_path, tok):
         write(path)
         ds = load_records(str(path))
         assert len(ds) == 3
-        assert len(tokenize_records(ds, tok, "auto", 64)) == 3
+        assert len(tokenize_records(ds, tok, DataSection(format="auto", max_seq_len=64))) == 3
 
 
 def test_field_mapping(tok):
     ds = load_records_from([{"question": "hi", "answer": "hello"}])
-    ex = tokenize_records(ds, tok, "alpaca", 64, fields={"instruction": "question", "output": "answer"})
+    ex = tokenize_records(
+        ds, tok, DataSection(format="alpaca", max_seq_len=64, fields={"instruction": "question", "output": "answer"})
+    )
     assert ex and any(label != M for label in ex[0]["labels"])
 
 

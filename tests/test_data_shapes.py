@@ -10,6 +10,7 @@ from helpers import make_tokenizer
 from lora_llama.data.records import detect_format
 from lora_llama.data.sft import IGNORE_INDEX, tokenize_records
 from lora_llama.errors import UserError
+from lora_llama.recipe.schema import DataSection
 
 # ChatML with tool calls and tool results, as Qwen's and Hermes' templates render them
 TOOL_TEMPLATE = (
@@ -50,7 +51,9 @@ def tok():
 
 def examples(tok, rows, fmt="auto"):
     records = Dataset.from_list(rows)
-    return [(e["input_ids"], e["labels"]) for e in tokenize_records(records, tok, fmt, 256)]
+    return [
+        (e["input_ids"], e["labels"]) for e in tokenize_records(records, tok, DataSection(format=fmt, max_seq_len=256))
+    ]
 
 
 @pytest.mark.parametrize(

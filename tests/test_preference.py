@@ -16,6 +16,7 @@ from lora_llama.lora.settings import lora_settings
 from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
 from lora_llama.objectives.dpo import DPO, DPOSettings
 from lora_llama.objectives.orpo import ORPO, ORPOSettings
+from lora_llama.recipe.schema import DataSection
 
 
 def ours_with_random_adapter(folder, tmp_path):
@@ -76,7 +77,7 @@ def test_dpo_first_step_equals_trl(preference_ckpt, tmp_path):
     from trl import DPOConfig, DPOTrainer
 
     tok = load_tokenizer(str(preference_ckpt))
-    pairs, skipped = tokenize_pairs(Dataset.from_list(preference_records(False)), tok, 128)
+    pairs, skipped = tokenize_pairs(Dataset.from_list(preference_records(False)), tok, DataSection(max_seq_len=128))
     assert len(pairs) == 4 and not skipped
     model = ours_with_random_adapter(preference_ckpt, tmp_path)
 
@@ -180,7 +181,7 @@ def test_ipo_is_the_squared_per_token_margin(preference_ckpt, tmp_path):
     from datasets import Dataset
 
     tok = load_tokenizer(str(preference_ckpt))
-    pairs, _ = tokenize_pairs(Dataset.from_list(preference_records(False)[:2]), tok, 128)
+    pairs, _ = tokenize_pairs(Dataset.from_list(preference_records(False)[:2]), tok, DataSection(max_seq_len=128))
     model = ours_with_random_adapter(preference_ckpt, tmp_path)
     batch = collate_pairs(pairs, tok.pad_token_id)
 
@@ -205,7 +206,7 @@ def test_reference_pass_keeps_no_graph_and_no_gradient_buffers(preference_ckpt, 
     from datasets import Dataset
 
     tok = load_tokenizer(str(preference_ckpt))
-    pairs, _ = tokenize_pairs(Dataset.from_list(preference_records(False)), tok, 128)
+    pairs, _ = tokenize_pairs(Dataset.from_list(preference_records(False)), tok, DataSection(max_seq_len=128))
     model = ours_with_random_adapter(preference_ckpt, tmp_path)
     batch = collate_pairs(pairs, tok.pad_token_id)
     saved = []
@@ -233,18 +234,26 @@ def test_preference_data_bad_and_skipped_records(preference_ckpt, tmp_path):
     tok = load_tokenizer(str(preference_ckpt))
     ok = {"prompt": "hello", "chosen": "world", "rejected": "dog"}
     pairs, skipped = tokenize_pairs(
-        Dataset.from_list([ok, {**ok, "chosen": "  "}, {**ok, "prompt": "hello " * 80}]), tok, 32
+        Dataset.from_list([ok, {**ok, "chosen": "  "}, {**ok, "prompt": "hello " * 80}]),
+        tok,
+        DataSection(max_seq_len=32),
     )
     assert len(pairs) == 1 and len(skipped) == 2
     assert any("empty" in why for why in skipped.rows) and any("max_seq_len" in why for why in skipped.rows)
-    pairs, skipped = tokenize_pairs(Dataset.from_list([ok, {"prompt": "a", "chosen": "b", "rejected": None}]), tok, 32)
+    pairs, skipped = tokenize_pairs(
+        Dataset.from_list([ok, {"prompt": "a", "chosen": "b", "rejected": None}]), tok, DataSection(max_seq_len=32)
+    )
     assert len(pairs) == 1 and skipped.rows == {"a null 'rejected'": [2]}  # rows counted from 1
     with pytest.raises(UserError, match="data the data: row 2: a null 'rejected'"):
-        tokenize_pairs(Dataset.from_list([ok, {**ok, "rejected": None}]), tok, 32, skipped=Skipped("the data", True))
+        tokenize_pairs(
+            Dataset.from_list([ok, {**ok, "rejected": None}]),
+            tok,
+            DataSection(max_seq_len=32),
+            skipped=Skipped("the data", True),
+        )
     pairs, _ = tokenize_pairs(
         Dataset.from_list([{"q": "hello", "good": "world", "bad": "dog"}]),
         tok,
-        32,
-        fields={"prompt": "q", "chosen": "good", "rejected": "bad"},
+        DataSection(max_seq_len=32, fields={"prompt": "q", "chosen": "good", "rejected": "bad"}),
     )
     assert len(pairs) == 1

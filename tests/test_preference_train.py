@@ -14,7 +14,7 @@ from lora_llama.loading.models import load_tokenizer
 from lora_llama.lora.adapted import adapters_disabled, apply_lora, lora_modules
 from lora_llama.lora.settings import lora_settings
 from lora_llama.objectives.dpo import DPO, DPOSettings
-from lora_llama.recipe.schema import load_recipe
+from lora_llama.recipe.schema import DataSection, load_recipe
 
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo"])
@@ -83,7 +83,7 @@ def test_dpo_on_an_int8_base_uses_the_int8_base_as_reference(preference_ckpt, tm
     from lora_llama.objectives.token_losses import answer_logps
 
     tok = load_tokenizer(str(preference_ckpt))
-    pairs, _ = tokenize_pairs(Dataset.from_list(preference_records(False)), tok, 128)
+    pairs, _ = tokenize_pairs(Dataset.from_list(preference_records(False)), tok, DataSection(max_seq_len=128))
     batch = collate_pairs(pairs, tok.pad_token_id)
     plain = load_model(preference_ckpt, quantize="int8")
     with torch.no_grad():

@@ -15,7 +15,7 @@ from lora_llama.data.sources import source_sections
 from lora_llama.data.streaming import StreamedExamples
 from lora_llama.errors import UserError
 from lora_llama.loading.models import load_tokenizer, model_source
-from lora_llama.recipe.schema import load_recipe
+from lora_llama.recipe.schema import DataSection, load_recipe
 
 
 def conversations(path, n=40, bad=(3, 17)):
@@ -57,7 +57,7 @@ def test_a_stream_read_in_order_gives_the_in_memory_examples_pass_after_pass(tin
         log=said.append,
     )
     records = load_records(str(data)).filter(lambda r: r["messages"] is not None)
-    want = tokenize_records(records, tok, "chat", 48)
+    want = tokenize_records(records, tok, DataSection(format="chat", max_seq_len=48))
     assert len(want) == 38
     if packing:
         want = pack(want + want, 48)[:-1]  # the last row of two passes still fills from the third

@@ -17,6 +17,7 @@ from lora_llama.objectives.grpo import rollout
 from lora_llama.objectives.grpo.objective import GRPO, GRPOSettings
 from lora_llama.objectives.grpo.rewards import score_rollouts
 from lora_llama.objectives.grpo.tools import Toolbox, answer_calls, load_environment, load_tools, tool_schemas
+from lora_llama.recipe.schema import DataSection
 from lora_llama.runtime.distributed import Ranks
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -162,7 +163,7 @@ def test_tool_rollouts_and_their_loss_equal_trls(tmp_path, monkeypatch, environm
     import datasets
 
     records = datasets.Dataset.from_list([{"prompt": p} for p in prompts])
-    examples, _ = prompt_examples(records, tok, 2048, tools=tool_schemas(settings))
+    examples, _ = prompt_examples(records, tok, DataSection(), 2048, tools=tool_schemas(settings))
     grpo = GRPO(settings, tok, [tok.eos_token_id], seed=0)
     batch = grpo.rollouts.batch(model, examples, generation=0)
     score_rollouts([batch], Ranks(), grpo.reward_weights, grpo.reward_names, settings)

@@ -13,6 +13,7 @@ from lora_llama.errors import UserError
 from lora_llama.objectives.grpo import rollout
 from lora_llama.objectives.grpo.objective import GRPO, GRPOSettings
 from lora_llama.objectives.grpo.tools import load_tools, tool_schemas
+from lora_llama.recipe.schema import DataSection
 
 
 def test_a_template_that_cannot_render_tools_is_refused_naming_data_chat_template(tiny_ckpt, tmp_path):
@@ -57,7 +58,9 @@ def test_sft_on_tool_use_conversations_targets_the_calls_and_answers_not_the_res
     import datasets
 
     tok = tool_tokenizer()
-    [example] = tokenize_records(datasets.Dataset.from_list([record]), tok, "auto", 1024)
+    [example] = tokenize_records(
+        datasets.Dataset.from_list([record]), tok, DataSection(format="auto", max_seq_len=1024)
+    )
     text = tok.decode(example["input_ids"])
     assert '<tools>\n{"type": "function", "function": {"name": "add"' in text
     assert "<tool_response>\n5\n</tool_response>" in text

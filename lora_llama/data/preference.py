@@ -75,19 +75,13 @@ def tokenize_pair(tokenize: Tokenize, record: dict, index: int) -> dict | str:
     return tokenize_answers(tokenize, prompt, answers)
 
 
-def tokenize_pairs(
-    records,
-    tokenizer,
-    max_seq_len: int,
-    train_on_prompt: bool = False,
-    fields: dict | None = None,
-    skipped: Skipped | None = None,
-) -> tuple[list[dict], Skipped]:
-    """Every record -> a pair, and the rows skipped (a column missing, an empty answer, no room for one)."""
-    tokenize = Tokenize(tokenizer, "chat", max_seq_len, train_on_prompt)
+def tokenize_pairs(records, tokenizer, data, skipped: Skipped | None = None) -> tuple[list[dict], Skipped]:
+    """Every record -> a pair, read as the `data` section says (max_seq_len, train_on_prompt, fields), and the rows
+    skipped (a column missing, an empty answer, no room for one)."""
+    tokenize = Tokenize(tokenizer, "chat", data.max_seq_len, data.train_on_prompt)
     pairs, skipped = [], skipped if skipped is not None else Skipped("the data")
     for i, record in enumerate(records):
-        rec = rename_fields(record, fields or {})
+        rec = rename_fields(record, data.fields)
         try:
             needs(rec, ("chosen", "rejected"))
             pair = tokenize_pair(tokenize, rec, i)
@@ -103,13 +97,10 @@ def tokenize_pairs(
 def build_pairs(data, tokenizer, seed: int, log=print) -> tuple[list[dict], list[dict]]:
     """(train, val) pairs for a recipe's `data` section; skipped records are counted in one warning."""
     train_records, val_records = load_splits(data, seed)
-    kw = dict(
-        tokenizer=tokenizer, max_seq_len=data.max_seq_len, train_on_prompt=data.train_on_prompt, fields=data.fields
-    )
     return tokenize_splits(
         train_records,
         val_records,
-        lambda records, skipped: tokenize_pairs(records, **kw, skipped=skipped)[0],
+        lambda records, skipped: tokenize_pairs(records, tokenizer, data, skipped)[0],
         data.source,
         "preference pair",
         log,

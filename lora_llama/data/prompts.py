@@ -53,21 +53,16 @@ def prompt_ids(tokenizer, prompt, index: int, system_prompt: str | None = None, 
 
 
 def prompt_examples(
-    records,
-    tokenizer,
-    max_prompt_len: int,
-    fields: dict | None = None,
-    system_prompt: str | None = None,
-    skipped: Skipped | None = None,
-    tools=None,
+    records, tokenizer, data, max_prompt_len: int, skipped: Skipped | None = None, tools=None
 ) -> tuple[list[dict], Skipped]:
-    """Every record -> a prompt example, and the rows skipped (a prompt missing, empty or too long)."""
+    """Every record -> a prompt example, read as the `data` section says (fields, system_prompt), and the rows
+    skipped (a prompt missing, empty or too long)."""
     examples, skipped = [], skipped if skipped is not None else Skipped("the data")
     for i, raw in enumerate(records):
-        record = rename_fields(dict(raw), fields or {})
+        record = rename_fields(dict(raw), data.fields)
         try:
             needs(record, ("prompt",))
-            ids = prompt_ids(tokenizer, record["prompt"], i, system_prompt, tools)
+            ids = prompt_ids(tokenizer, record["prompt"], i, data.system_prompt, tools)
             if not ids or len(ids) > max_prompt_len:
                 raise BadRecord("an empty prompt" if not ids else f"a prompt over {max_prompt_len} tokens")
         except BadRecord as e:
@@ -90,17 +85,10 @@ def build_prompts(
         train_records, val_records = split(records, data.val_size, seed)
     else:
         train_records, val_records = load_splits(data, seed)
-    kw = dict(
-        tokenizer=tokenizer,
-        max_prompt_len=max_prompt_len,
-        fields=data.fields,
-        system_prompt=data.system_prompt,
-        tools=tools,
-    )
     return tokenize_splits(
         train_records,
         val_records,
-        lambda records, skipped: prompt_examples(records, **kw, skipped=skipped)[0],
+        lambda records, skipped: prompt_examples(records, tokenizer, data, max_prompt_len, skipped, tools)[0],
         data.source,
         "prompt",
         log,

@@ -6,32 +6,25 @@ from __future__ import annotations
 
 from lora_llama.errors import BadRecord, UserError
 
-# the columns each shape needs, in the order auto tries them (the first that fits wins)
-SHAPES = (
-    ("preference", ("prompt", "chosen", "rejected")),  # trl's explicit prompt
-    ("unpaired", ("prompt", "completion", "label")),  # trl's unpaired preference (KTO)
-    ("preference", ("chosen", "rejected")),  # trl's implicit prompt: the conversations' common start
-    ("chat", ("messages",)),  # OpenAI / transformers messages
-    ("chat", ("conversations",)),  # ShareGPT
-    ("prompt-completion", ("prompt", "completion")),  # trl's prompt-completion, standard or conversational
-    ("alpaca", ("instruction", "output")),
-    ("text", ("text",)),
-)
-# the columns each format reads (SFT's): a record without one is a bad row
-NEEDS = {
-    "text": ("text",),
-    "alpaca": ("instruction", "output"),
-    "chat": ("messages",),
-    "prompt-completion": ("prompt", "completion"),
+# Each data format and the shapes it reads, as the columns of each, in the order `format: auto` tries them: the first
+# shape whose columns a record has wins. A format's first shape holds the columns it reads once data.fields and
+# ShareGPT's conversations are renamed: a record without one of them is a bad row.
+FORMATS = {
+    "preference": (("prompt", "chosen", "rejected"), ("chosen", "rejected")),  # trl's explicit and implicit prompt
+    "unpaired": (("prompt", "completion", "label"),),  # trl's unpaired preference (KTO)
+    "chat": (("messages",), ("conversations",)),  # OpenAI / transformers messages, ShareGPT
+    "prompt-completion": (("prompt", "completion"),),  # trl's, standard or conversational
+    "alpaca": (("instruction", "output"),),
+    "text": (("text",),),
 }
 SHOWN_ROWS = 5  # row numbers a summary line names per reason
 ROW = "__row__"  # the column load_splits adds: each record's row in its source, counted from 1
 
 
 def detect_format(columns: list[str]) -> str:
-    """The data format the columns fit (SHAPES' order), or one line naming the columns seen."""
-    for fmt, needs in SHAPES:
-        if set(needs) <= set(columns):
+    """The data format the columns fit (FORMATS' order), or one line naming the columns seen."""
+    for fmt, shapes in FORMATS.items():
+        if any(set(shape) <= set(columns) for shape in shapes):
             return fmt
     raise UserError(
         f"cannot tell the data's shape from its columns ({', '.join(columns) or 'none'}): it is none of messages, "
@@ -53,7 +46,7 @@ def rename_fields(record: dict, fields: dict[str, str]) -> dict:
 def sft_record(record: dict, fmt: str, fields: dict[str, str]) -> dict:
     """The record with the columns its format reads, or BadRecord (a column missing or null)."""
     record = rename_fields(record, fields)
-    needs(record, NEEDS[fmt])
+    needs(record, FORMATS[fmt][0])
     return record
 
 

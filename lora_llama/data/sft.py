@@ -20,7 +20,7 @@ from lora_llama.data.chat import (
     tool_list,
 )
 from lora_llama.data.loading import load_splits
-from lora_llama.data.records import NEEDS, Skipped, detect_format, row_of, sft_record
+from lora_llama.data.records import Skipped, detect_format, row_of, sft_record
 from lora_llama.errors import BadRecord, UserError
 from lora_llama.labels import IGNORE_INDEX
 
@@ -34,6 +34,8 @@ EMPTY_EXAMPLE = {"input_ids": [0, 0], "labels": [IGNORE_INDEX, IGNORE_INDEX]}
 
 
 # ---------------------------------------------------------------------------- formats
+
+READS = ("text", "chat", "prompt-completion", "alpaca")  # the data formats Tokenize reads
 
 
 class Tokenize:
@@ -126,36 +128,25 @@ class Tokenize:
         return {"input_ids": ids[: self.max_len], "labels": labels[: self.max_len]}
 
 
-def tokenize_records(
-    records,
-    tokenizer,
-    fmt: str,
-    max_seq_len: int,
-    train_on_prompt=False,
-    prompt_template=None,
-    fields: dict | None = None,
-    skipped: Skipped | None = None,
-) -> list[dict]:
-    """Every record -> examples. A row that cannot be read, or keeps no target within max_seq_len, is skipped and
+def tokenize_records(records, tokenizer, data, skipped: Skipped | None = None) -> list[dict]:
+    """Every record -> examples, read as a recipe's `data` section says (format, max_seq_len, train_on_prompt,
+    prompt_template, fields). A row that cannot be read, or keeps no target within max_seq_len, is skipped and
     counted in `skipped` (with its `strict`, refused)."""
-    fields, skipped = fields or {}, skipped if skipped is not None else Skipped("the data")
-    tokenize = record_tokenizer(
-        records.column_names, tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template, fields
-    )
-    return [e for i, rec in enumerate(records) for e in record_examples(tokenize, rec, i, fields, skipped)]
+    skipped = skipped if skipped is not None else Skipped("the data")
+    tokenize = record_tokenizer(records.column_names, tokenizer, data)
+    return [e for i, rec in enumerate(records) for e in record_examples(tokenize, rec, i, data.fields, skipped)]
 
 
-def record_tokenizer(columns, tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template, fields) -> Tokenize:
-    """The Tokenize for records with these columns (`format: auto` detects theirs), or one line when the format
-    is not one SFT reads."""
-    if fmt == "auto":
-        fmt = detect_format([*columns, *fields])
-    if fmt not in NEEDS:
+def record_tokenizer(columns, tokenizer, data) -> Tokenize:
+    """The Tokenize for records with these columns as the `data` section reads them (`format: auto` detects
+    theirs), or one line when the format is not one SFT reads."""
+    fmt = detect_format([*columns, *data.fields]) if data.format == "auto" else data.format
+    if fmt not in READS:
         raise UserError(
             f"the data's columns ({', '.join(columns)}) are data.format {fmt}: set train.objective to "
             f"one that reads {fmt} data, or map your columns with data.fields"
         )
-    return Tokenize(tokenizer, fmt, max_seq_len, train_on_prompt, prompt_template)
+    return Tokenize(tokenizer, fmt, data.max_seq_len, data.train_on_prompt, data.prompt_template)
 
 
 def record_examples(tokenize: Tokenize, record: dict, index: int, fields: dict, skipped: Skipped) -> list[dict]:
@@ -274,17 +265,8 @@ def build_examples(data, tokenizer, seed: int, log=print) -> tuple[list[dict], l
     said in one line."""
     train_records, val_records = load_splits(data, seed)
     skipped = Skipped(data.source, data.strict)
-    kw = dict(
-        tokenizer=tokenizer,
-        fmt=data.format,
-        max_seq_len=data.max_seq_len,
-        train_on_prompt=data.train_on_prompt,
-        prompt_template=data.prompt_template,
-        fields=data.fields,
-        skipped=skipped,
-    )
-    train = tokenize_records(train_records, **kw)
-    val = tokenize_records(val_records, **kw) if len(val_records) else []
+    train = tokenize_records(train_records, tokenizer, data, skipped)
+    val = tokenize_records(val_records, tokenizer, data, skipped) if len(val_records) else []
     skipped.report(len(train_records) + len(val_records), log)
     if not train:
         raise UserError(f"data source {data.source!r} gives no training example with a target token")

@@ -53,15 +53,7 @@ class StreamedExamples:
             for record in self._records(data, epoch):
                 if tokenize is None:  # format auto reads the first record's columns
                     columns = [c for c in record if c != ROW]
-                    tokenize = record_tokenizer(
-                        columns,
-                        self.tokenizer,
-                        data.format,
-                        data.max_seq_len,
-                        data.train_on_prompt,
-                        data.prompt_template,
-                        data.fields,
-                    )
+                    tokenize = record_tokenizer(columns, self.tokenizer, data)
                 examples = record_examples(tokenize, record, read, data.fields, skipped)
                 read, given = read + 1, given + len(examples)
                 yield from examples
@@ -88,7 +80,6 @@ def streamed_val(data, tokenizer, log) -> list[dict]:
         log("data.streaming: no held-out examples (set data.val_source for an eval loss)")
         return []
     records, skipped = load_records(data.val_source), Skipped(data.val_source, data.strict)
-    kw = dict(train_on_prompt=data.train_on_prompt, prompt_template=data.prompt_template, fields=data.fields)
-    val = tokenize_records(records, tokenizer, data.format, data.max_seq_len, **kw, skipped=skipped)
+    val = tokenize_records(records, tokenizer, data, skipped)
     skipped.report(len(records), log)
     return val
