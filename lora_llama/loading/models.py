@@ -19,6 +19,7 @@ from lora_llama.files.shards import iter_shards
 from lora_llama.files.tokenizer_files import make_tokenizer_config_portable
 from lora_llama.model.config import ModelArgs, family_of, portable_hf_config
 from lora_llama.model.llama import Llama
+from lora_llama.model.moe import ExpertStacks, native_name, stacked_name
 from lora_llama.quant.gguf_blocks import row_bytes
 from lora_llama.quant.gguf_tensors import linear_blocks
 from lora_llama.quant.handlers import QuantFormat, quant_format
@@ -199,29 +200,14 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | QuantForma
     fmt = quant_format(quantize)
     from_float = fmt is not None and fmt.from_float
     blocks = gguf_linear_blocks(source, args) if fmt is not None and fmt.keeps_file_blocks else {}
-    seen: set[str] = {f"{path}.weight" for path in blocks}
+    reader = _ShardReader(model, dtype, device, from_float, {f"{path}.weight" for path in blocks})
     for file, shard in iter_shards(folder, owned=from_float):
-        for key in list(shard):
-            # old checkpoints store the RoPE buffer (it is derived); a GGUF's own blocks replace its dequantized copy
-            if key.endswith("rotary_emb.inv_freq") or key in seen:
-                del shard[key]
-                continue
-            if key not in expected:
-                raise UserError(f"{file.name}: unexpected tensor {key!r} for a {args.model_type} model")
-            if shard[key].shape != expected[key]:
-                raise UserError(
-                    f"{file.name}: {key} has shape {tuple(shard[key].shape)}, "
-                    f"config.json implies {tuple(expected[key])}"
-                )
-            # a linear to be quantized is quantized from the checkpoint's own precision, not from dtype's rounding
-            keep = from_float and key.endswith("_proj.weight") and key.startswith("model.layers.")
-            shard[key] = shard[key].to(device=device, dtype=None if keep else dtype)
-            seen.add(key)
-        model.load_state_dict(shard, strict=False, assign=True)
+        model.load_state_dict(reader.tensors(file, shard), strict=False, assign=True)
         del shard
         if from_float:
             quantize_loaded_linears(model, fmt)
             release_freed_memory()  # the shard's full-precision weights are gone now
+    seen, expected = reader.seen, reader.expected
     install_blocks(model, blocks, device)
     if args.tie_word_embeddings:
         model.tie_weights()
@@ -233,6 +219,45 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | QuantForma
         p.requires_grad_(p.is_floating_point())
     model.source, model.folder = str(source), folder
     return model.eval()
+
+
+class _ShardReader:
+    """A checkpoint's tensors under the model's names, checked against its shapes, in the dtype they are held in;
+    each expert's linears stacked as the model holds them."""
+
+    def __init__(self, model, dtype, device, from_float: bool, seen: set[str]):
+        self.args, self.dtype, self.device, self.from_float = model.args, dtype, device, from_float
+        self.expected = {k: v.shape for k, v in model.state_dict().items()}
+        self.seen = seen  # a GGUF's own blocks replace its dequantized copy
+        self.stacks = ExpertStacks(self.expected, dtype, device)
+
+    def tensors(self, file: Path, shard: dict) -> dict:
+        out = {}
+        for key in list(shard):
+            t = shard.pop(key)
+            if key.endswith("rotary_emb.inv_freq") or key in self.seen:  # old checkpoints store the RoPE buffer
+                continue
+            if self.args.moe is not None and stacked_name(key) is not None:
+                try:
+                    done = self.stacks.add(key, t)
+                except ValueError as e:
+                    raise UserError(f"{file.name}: {e}") from None
+                if done:
+                    out[done[0]] = done[1]
+                    self.seen.add(done[0])
+                continue
+            name = native_name(key)
+            if name not in self.expected:
+                raise UserError(f"{file.name}: unexpected tensor {key!r} for a {self.args.model_type} model")
+            if t.shape != self.expected[name]:
+                raise UserError(
+                    f"{file.name}: {key} has shape {tuple(t.shape)}, config.json implies {tuple(self.expected[name])}"
+                )
+            # a linear to be quantized is quantized from the checkpoint's own precision, not from dtype's rounding
+            keep = self.from_float and name.endswith("_proj.weight") and name.startswith("model.layers.")
+            out[name] = t.to(device=self.device, dtype=None if keep else self.dtype)
+            self.seen.add(name)
+        return out
 
 
 def meta_model(folder: Path):

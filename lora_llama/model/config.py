@@ -23,6 +23,7 @@ class Family:
     o_bias: bool | None = None  # bias on o: the same
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     sliding_window: bool = False  # every layer honours config's sliding_window (Mistral)
+    experts: bool = False  # a mixture of experts in the MLP of every sparse layer (MoeArgs)
 
 
 FAMILIES = {
@@ -30,6 +31,9 @@ FAMILIES = {
     "mistral": Family("MistralForCausalLM", qkv_bias=False, o_bias=False, sliding_window=True),
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+    "mixtral": Family("MixtralForCausalLM", qkv_bias=False, o_bias=False, sliding_window=True, experts=True),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", qkv_bias=True, o_bias=False, experts=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, experts=True),
 }
 # keys transformers adds when it loads or converts a model: local paths and names that mean nothing elsewhere
 _LOAD_TIME_KEYS = ("_name_or_path", "_model_name_or_path", "_commit_hash", "_attn_implementation_autoset")
@@ -73,6 +77,40 @@ def torch_dtype(name: str):
     return getattr(torch, DTYPE_NAMES[name])
 
 
+@dataclass(frozen=True)
+class MoeArgs:
+    """A mixture of experts in place of a layer's MLP (read off transformers' modeling_mixtral.py,
+    modeling_qwen2_moe.py, modeling_qwen3_moe.py)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    expert_dim: int  # each expert's intermediate size
+    norm_topk_prob: bool  # the top-k probabilities renormalised to sum to 1 (Mixtral always)
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the mixture; the others keep a dense MLP
+    shared_expert_dim: int = 0  # Qwen2-MoE: an expert every token passes through, scaled by a sigmoid gate
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the training loss
+    output_router_logits: bool = False  # the config asks for the load-balancing loss in training
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, mixtral: bool) -> "MoeArgs":
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        every, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+        if cfg.get("router_jitter_noise"):
+            raise UserError("router_jitter_noise (noise on the router's input in training) is not supported")
+        return cls(
+            num_experts=experts,
+            top_k=cfg["num_experts_per_tok"],
+            expert_dim=cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"],
+            norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+            sparse_layers=tuple(
+                i for i in range(cfg["num_hidden_layers"]) if experts and i not in dense and (i + 1) % every == 0
+            ),
+            shared_expert_dim=cfg.get("shared_expert_intermediate_size") or 0,
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+            output_router_logits=bool(cfg.get("output_router_logits", False)),
+        )
+
+
 @dataclass
 class ModelArgs:
     model_type: str = "llama"  # a key of FAMILIES
@@ -96,6 +134,7 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    moe: MoeArgs | None = None  # a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)
     hf_config: dict = field(default_factory=dict, repr=False)  # the original, written back by merge
 
     def __post_init__(self):
@@ -132,7 +171,7 @@ class ModelArgs:
             rope_scaling=dict(scaling) if scaling else None,
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            qkv_bias=cfg.get("qkv_bias", attention_bias if family.qkv_bias is None else family.qkv_bias),
             o_bias=attention_bias if family.o_bias is None else family.o_bias,
             mlp_bias=cfg.get("mlp_bias", False),
             qk_norm=family.qk_norm,
@@ -140,13 +179,18 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
+            moe=MoeArgs.from_hf_config(cfg, model_type_of(cfg) == "mixtral") if family.experts else None,
             hf_config=dict(cfg),
         )
 
 
+def model_type_of(cfg: dict) -> str:
+    return cfg.get("model_type", "llama")
+
+
 def family_of(cfg: dict) -> Family:
     """The family of an HF config; what it sets that we do not implement is refused, never ignored."""
-    model_type = cfg.get("model_type", "llama")
+    model_type = model_type_of(cfg)
     if model_type not in FAMILIES:
         raise UserError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
     family = FAMILIES[model_type]

@@ -25,6 +25,7 @@ from lora_llama.kernels.fused import compiled, strict_compiling
 from lora_llama.model.cache import KVCache, StaticKVCache
 from lora_llama.model.config import ModelArgs, rope_inv_freq
 from lora_llama.model.linears import each_layer, run_linear
+from lora_llama.model.moe import SparseMoE
 
 # attention's forward kernels (ours on the CPU, SDPA's flash / efficient / cuDNN): quadratic in the length to
 # recompute, linear to keep, so selective checkpointing keeps their outputs and recomputes the rest of the block
@@ -109,11 +110,12 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        inner = intermediate_size or args.intermediate_size
+        self.gate_proj = nn.Linear(args.dim, inner, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, inner, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(inner, args.dim, bias=args.mlp_bias)
         self.projection = each_layer
 
     def forward(self, x, lean: bool = False):
@@ -129,7 +131,12 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = FeedForward(args)
+        moe = args.moe
+        if moe is not None and layer_idx in moe.sparse_layers:
+            shared = FeedForward(args, moe.shared_expert_dim) if moe.shared_expert_dim else None
+            self.mlp = SparseMoE(args, shared)
+        else:
+            self.mlp = FeedForward(args)
 
     def forward(self, x, cos, sin, mask, cache=None, lean: bool = False, keep=None, segments=None):
         """lean: keep the norms' outputs and the SwiGLU product as recipes for backward (training).
@@ -160,6 +167,10 @@ class Llama(nn.Module):
         self.offload_activations = False  # CUDA: saved activations in pinned host memory until backward
         self._rope: dict = {}  # device -> inv_freq, built once per device
         self._compiled_blocks: list | None = None  # set by compile_blocks
+        self.router_logits: list = []  # a mixture's router logits of the last forward, per sparse layer
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.record = self.router_logits
         # where the weights came from (set by load_model): adapters record `source` as their base,
         # a merge of quantised layers re-reads the original weights from `folder`
         self.source: str | None = None
@@ -194,6 +205,7 @@ class Llama(nn.Module):
         segment_ids (B, T): for packed rows; tokens attend only within their segment.
         """
         B, T = input_ids.shape
+        self.router_logits.clear()
         start = cache.pos if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
