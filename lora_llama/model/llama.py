@@ -219,6 +219,8 @@ class Llama(nn.Module):
             mask = self.attention_mask(T, start, x.device, segment_ids, None if cache is None else cache.key_mask)
         segments = segment_ids if mask is None else None  # packed rows attend runs without a mask
         last = len(self.model.layers) - 1
+        # the load-balancing loss reads the router at every position, as transformers does
+        routes_all = self.args.moe is not None and self.args.moe.output_router_logits and torch.is_grad_enabled()
         # training passes only: a cache's growing length would make every decoded token a new graph, and eval's
         # no-grad graphs would be compiled again beside the training ones
         compiled = self._compiled_blocks and cache is None and torch.is_grad_enabled()
@@ -227,7 +229,7 @@ class Llama(nn.Module):
         with strict_compiling() if compiled else contextlib.nullcontext():
             for i, layer in enumerate(blocks):
                 # the last block's output projection and MLP run at the kept positions only (a loss's targets)
-                rows = keep if i == last else None
+                rows = keep if i == last and not routes_all else None
                 with offloaded(self.offload_activations and self.training, x.device):
                     if self.gradient_checkpointing and self.training:
                         selective = (
@@ -249,7 +251,7 @@ class Llama(nn.Module):
                         )
         if cache is not None:
             cache.advance(T)
-        return self.model.norm(x)
+        return self.model.norm(kept(x, keep) if routes_all else x)
 
     def compile_blocks(self, **options) -> None:
         """Run each decoder block through torch.compile(**options) in training passes (with gradients, no KV cache):

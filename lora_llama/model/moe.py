@@ -107,6 +107,15 @@ def load_balancing_loss(router_logits: list[torch.Tensor], moe: MoeArgs, keep: t
     return e * torch.sum(picks / rows * probs / rows)
 
 
+def router_loss(model) -> torch.Tensor | None:
+    """router_aux_loss_coef times the load-balancing loss of the model's last forward, where its config asks for it
+    (`output_router_logits`), else None."""
+    moe = model.args.moe
+    if moe is None or not moe.output_router_logits or not moe.router_aux_loss_coef or not model.router_logits:
+        return None
+    return moe.router_aux_loss_coef * load_balancing_loss(model.router_logits, moe)
+
+
 # A checkpoint on the Hub (and transformers' save_pretrained) holds each expert's linears apart; the model holds
 # them stacked. Checkpoint names -> (the stacked tensor, which part): gate and up are the two halves of gate_up_proj.
 _EXPERT_LINEARS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}

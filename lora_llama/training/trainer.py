@@ -12,6 +12,7 @@ import torch
 
 from lora_llama.data.chat import stop_token_ids
 from lora_llama.errors import UserError
+from lora_llama.model.moe import router_loss
 from lora_llama.objectives.catalog import build_objective
 from lora_llama.runtime.distributed import Ranks, clip_grad_norm, replicated, sharded, sum_shard_gradients
 from lora_llama.training.batches import micro_batches
@@ -80,6 +81,9 @@ class Trainer:
         for batch in batches:
             terms, batch_stats = obj.terms(self.model, _to(batch, self.device))
             loss = sum(t / max(n, 1) for t, n in zip(terms, totals))
+            routing = router_loss(self.model)  # a mixture's load balancing, averaged over micro-batches and ranks
+            if routing is not None:
+                loss = loss + routing / (len(batches) * self.ranks.world)
             loss.backward()
             losses.append(loss.detach())
             stats = {k: stats[k] + batch_stats[k] for k in stats}

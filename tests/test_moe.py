@@ -1,0 +1,138 @@
+"""Mixtral, Qwen2-MoE and Qwen3-MoE in the native model, each against transformers' own class (tiny random configs
+made with transformers' config classes: no mixture-of-experts checkpoint can be downloaded here) and peft."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import ROOT, build_checkpoint, hf_model, token_ids
+from lora_llama import LoraSettings, apply_lora, load_model
+from lora_llama.cli import main
+from lora_llama.model.moe import load_balancing_loss, router_loss
+from lora_llama.objectives.token_losses import target_loss
+
+MOE = {  # name: (model_type, config overrides): 8 experts, top 2, with a dense layer where the family has one
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16, norm_topk_prob=True),
+    ),
+    "qwen3_moe_dense_layer": (
+        "qwen3_moe",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16, mlp_only_layers=[0]),
+    ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            decoder_sparse_step=2,  # layer 0 dense, layer 1 the mixture
+        ),
+    ),
+}
+ATTENTION = ["q", "k", "v", "o"]
+
+
+@pytest.fixture(scope="module", params=MOE)
+def moe(request, tmp_path_factory):
+    model_type, overrides = MOE[request.param]
+    folder = build_checkpoint(
+        tmp_path_factory.mktemp(request.param) / "ckpt", family=model_type, router_aux_loss_coef=0.02, **overrides
+    )
+    return request.param, folder
+
+
+def with_router_logits(folder, tmp_path):
+    """A copy of the checkpoint whose config asks for the load-balancing loss in training."""
+    import shutil
+
+    copy = shutil.copytree(folder, tmp_path / "routed")
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "output_router_logits": True}))
+    return copy
+
+
+def test_logits_match_transformers_own_class(moe):
+    name, folder = moe
+    x = token_ids(2, 40, 1)
+    with torch.no_grad():
+        assert (load_model(folder)(x) - hf_model(folder)(x).logits).abs().max() < 1e-4
+
+
+def test_loss_with_and_without_the_router_loss_equals_transformers(moe, tmp_path):
+    """transformers' loss is the mean cross-entropy plus router_aux_loss_coef times its load-balancing loss
+    when the config sets output_router_logits; so is the native model's training loss."""
+    _, folder = moe
+    x = token_ids(2, 40, 3)
+    for routed in (False, True):
+        source = with_router_logits(folder, tmp_path / str(routed)) if routed else folder
+        model, ref = load_model(source).train(), hf_model(source).train()
+        loss, n = target_loss(model, x, x)
+        extra = router_loss(model)
+        out = ref(input_ids=x, labels=x)
+        ours = loss / n + (extra if extra is not None else 0.0)
+        assert abs(float(ours) - float(out.loss)) < 1e-5
+        assert (extra is not None) == routed
+        if routed:
+            assert abs(float(load_balancing_loss(model.router_logits, model.args.moe)) - float(out.aux_loss)) < 1e-6
+
+
+def test_training_gradients_equal_peft_on_transformers(moe, tmp_path):
+    """LoRA on the attention of a mixture, router loss on: the adapter's gradients equal peft's."""
+    from peft import LoraConfig, get_peft_model
+
+    _, folder = moe
+    source = with_router_logits(folder, tmp_path)
+    x = token_ids(2, 30, 4)
+    model = load_model(source).train()
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ATTENTION))
+    peft = get_peft_model(
+        hf_model(source).train(), LoraConfig(r=4, lora_alpha=8, target_modules=[f"{t}_proj" for t in ATTENTION])
+    )
+    theirs = {k.removeprefix("base_model.model.").replace(".default", ""): p for k, p in peft.named_parameters()}
+    with torch.no_grad():  # the same non-zero B in both, so every path carries a gradient
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                if "lora_B" in n:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+                theirs[n].copy_(p)
+    loss, n = target_loss(model, x, x)
+    (loss / n + router_loss(model)).backward()
+    peft(input_ids=x, labels=x).loss.backward()
+    ours = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    assert len(ours) == 2 * 4 * 2 and all(theirs[k].grad is not None for k in ours)
+    for k in ours:
+        assert (ours[k] - theirs[k].grad).abs().max() < 1e-5, k
+
+
+def test_a_moe_checkpoint_trains_from_a_recipe(moe, tmp_path, chat_data):
+    _, folder = moe
+    args = [
+        "train",
+        str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+        f"model.source={folder}",
+        f"data.source={chat_data}",
+        "lora.targets=[q,v]",
+        "train.max_steps=2",
+        "train.batch_size=2",
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    assert main(args) == 0
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_checkpoint_with_a_wrong_expert_shape_is_one_line(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder = build_checkpoint(tmp_path / "ckpt", family="qwen3_moe", **MOE["qwen3_moe"][1])
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    tensors[key] = tensors[key][:-1]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()  # the checkpoint's own writing
+    assert main(["generate", "--model", str(folder), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{key} has shape (23, 64), config.json implies (24, 64)" in err
