@@ -9,6 +9,7 @@ import torch
 from helpers import ROOT, build_checkpoint, hf_model, token_ids
 from lora_llama import LoraSettings, apply_lora, load_model
 from lora_llama.cli import main
+from lora_llama.errors import UserError
 from lora_llama.model.moe import load_balancing_loss, router_loss
 from lora_llama.objectives.token_losses import target_loss
 
@@ -136,3 +137,43 @@ def test_a_checkpoint_with_a_wrong_expert_shape_is_one_line(tmp_path, capsys):
     assert main(["generate", "--model", str(folder), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{key} has shape (23, 64), config.json implies (24, 64)" in err
+
+
+def test_lora_on_a_mixtures_mlp_names_what_the_layer_has(moe):
+    name, folder = moe
+    model = load_model(folder)
+    sparse = model.args.moe.sparse_layers[0]
+    with pytest.raises(
+        UserError, match=f"layer {sparse} of this .* model is a mixture of experts, with no mlp.up_proj"
+    ):
+        apply_lora(model, LoraSettings(r=4, targets=["q", "up"]))
+    dense = [i for i in range(model.args.n_layers) if i not in model.args.moe.sparse_layers]
+    if dense:  # the dense layers' MLPs take LoRA as a dense model's do
+        summary = apply_lora(model, LoraSettings(r=4, targets=["up"], layers=dense))
+        assert summary["trainable"] == len(dense) * 4 * (64 + model.args.intermediate_size)
+
+
+def test_merge_folds_attention_adapters_and_export_names_what_it_writes(moe, tmp_path, capsys):
+    """merge streams the experts' tensors through unchanged and transformers loads the folder with the merged
+    model's logits; export of a mixture is one line naming what to use."""
+    from lora_llama import save_adapter
+
+    _, folder = moe
+    model = load_model(folder)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=ATTENTION))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    save_adapter(model, tmp_path / "adapter")
+    assert (
+        main(["merge", "--base", str(folder), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "m")])
+        == 0
+    )
+    x = token_ids(2, 24, 5)
+    with torch.no_grad():
+        assert (hf_model(tmp_path / "m")(x).logits - model.eval()(x)).abs().max() < 1e-4
+    capsys.readouterr()
+    assert main(["export", "--base", str(tmp_path / "m"), "--out", str(tmp_path / "m.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "convert_hf_to_gguf.py" in err and not (tmp_path / "m.gguf").exists()

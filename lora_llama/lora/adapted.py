@@ -26,6 +26,13 @@ def target_paths(model, settings: LoraSettings) -> list[str]:
     if bad:
         raise UserError(f"LoRA layer {bad[0]} does not exist (the model has layers 0..{n_layers - 1})")
     paths = [f"model.layers.{i}.{LINEARS[t]}" for i in layers for t in settings.targets if t != "lm_head"]
+    mixtures = [p for p in paths if not hasattr(model.get_submodule(p.rpartition(".")[0]), p.rpartition(".")[2])]
+    if mixtures:
+        _, _, i, name = mixtures[0].split(".", 3)
+        raise UserError(
+            f"layer {i} of this {model.args.model_type} model is a mixture of experts, with no {name}: LoRA on its "
+            "experts is not supported; target q, k, v, o (and gate, up, down of its dense layers with lora.layers)"
+        )
     return paths + (["lm_head"] if "lm_head" in settings.targets else [])
 
 

@@ -55,6 +55,11 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def architecture(args: ModelArgs):
+    if args.model_type not in ARCHITECTURES:
+        raise UserError(
+            f"export writes {', '.join(ARCHITECTURES)} models; merge a {args.model_type} adapter with "
+            "`lora-llama merge` and convert the folder with llama.cpp's convert_hf_to_gguf.py"
+        )
     return _gguf().MODEL_ARCH[ARCHITECTURES[args.model_type]]
 
 
