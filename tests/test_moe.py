@@ -74,9 +74,8 @@ def test_loss_with_and_without_the_router_loss_equals_transformers(moe, tmp_path
         loss, n = target_loss(model, x, x)
         extra = router_loss(model)
         out = ref(input_ids=x, labels=x)
-        ours = loss / n + (extra if extra is not None else 0.0)
-        assert abs(float(ours) - float(out.loss)) < 1e-5
-        assert (extra is not None) == routed
+        assert abs(float(loss / n + extra) - float(out.loss)) < 1e-5
+        assert isinstance(extra, torch.Tensor) == routed
         if routed:
             assert abs(float(load_balancing_loss(model.router_logits, model.args.moe)) - float(out.aux_loss)) < 1e-6
 

@@ -107,13 +107,13 @@ def load_balancing_loss(router_logits: list[torch.Tensor], moe: MoeArgs, keep: t
     return e * torch.sum(picks / rows * probs / rows)
 
 
-def router_loss(model) -> torch.Tensor | None:
+def router_loss(model, parts: int = 1) -> torch.Tensor | float:
     """router_aux_loss_coef times the load-balancing loss of the model's last forward, where its config asks for it
-    (`output_router_logits`), else None."""
+    (`output_router_logits`), else 0; divided by `parts` (the micro-batches and ranks it is summed over)."""
     moe = model.args.moe
     if moe is None or not moe.output_router_logits or not moe.router_aux_loss_coef or not model.router_logits:
-        return None
-    return moe.router_aux_loss_coef * load_balancing_loss(model.router_logits, moe)
+        return 0.0
+    return moe.router_aux_loss_coef * load_balancing_loss(model.router_logits, moe) / parts
 
 
 # A checkpoint on the Hub (and transformers' save_pretrained) holds each expert's linears apart; the model holds

@@ -67,9 +67,8 @@ class Trainer:
         self.metrics: MetricsLog | None = None  # opened by fit, once the step it resumes from is known
 
     def train_step(self) -> tuple[float, int, dict]:
-        """Forward/backward over grad_accum micro-batches; each loss term is divided by its count (targets,
-        pairs) over all of them on all ranks, and the gradients summed over ranks: one process's update on the
-        global batch. Returns the loss, the tokens seen and the objective's statistics (preference: per pair)."""
+        """Forward/backward over grad_accum micro-batches, each loss term divided by its count (targets, pairs) on all
+        ranks, gradients summed over ranks: one update on the global batch. (loss, tokens seen, objective's stats)"""
         ga, obj = self.recipe.train.grad_accum, self.objective
         data_step = self.step // obj.repeats  # GRPO trains num_iterations steps on each generation
         batches = [b for b in (self.micro_batches[data_step * ga + k] for k in range(ga)) if b is not None]
@@ -80,10 +79,8 @@ class Trainer:
         losses, stats = [], dict.fromkeys(obj.stat_names, 0.0)
         for batch in batches:
             terms, batch_stats = obj.terms(self.model, _to(batch, self.device))
-            loss = sum(t / max(n, 1) for t, n in zip(terms, totals))
-            routing = router_loss(self.model)  # a mixture's load balancing, averaged over micro-batches and ranks
-            if routing is not None:
-                loss = loss + routing / (len(batches) * self.ranks.world)
+            balance = router_loss(self.model, len(batches) * self.ranks.world)  # a mixture's load balancing, or 0
+            loss = sum((t / max(n, 1) for t, n in zip(terms, totals)), balance)
             loss.backward()
             losses.append(loss.detach())
             stats = {k: stats[k] + batch_stats[k] for k in stats}
