@@ -15,6 +15,7 @@ from lora_llama.errors import UserError
 from lora_llama.files.atomic import atomic_dir
 from lora_llama.files.json_files import read_json, write_json
 from lora_llama.lora.adapted import EMBEDDING_SUFFIXES, adapter_settings, apply_lora, lora_modules, lora_state_dict
+from lora_llama.lora.experts import EXPERT_WEIGHTS
 from lora_llama.lora.init import plain_adapter
 from lora_llama.lora.settings import lora_settings
 from lora_llama.lora.tokens import EMBEDDING_PATHS
@@ -60,7 +61,8 @@ def save_adapter(
         "r": r,
         "lora_alpha": alpha,
         "lora_dropout": settings.dropout,
-        "target_modules": sorted(LINEAR_NAMES[t] for t in settings.targets),
+        "target_modules": sorted(LINEAR_NAMES[t] for t in settings.targets if t != "experts"),
+        **({"target_parameters": list(EXPERT_PARAMETERS)} if "experts" in settings.targets else {}),
         "layers_to_transform": settings.layers,
         "use_rslora": settings.rslora,
         "bias": "none",
@@ -97,6 +99,7 @@ def read_adapter_config(folder: str | os.PathLike):
         if cfg.get(key):
             raise UserError(f"{folder}: {key}={cfg[key]!r} is not supported")
     targets = cfg.get("target_modules") or []
+    experts = _expert_parameters(folder, cfg)
     if targets == "all-linear":
         targets = [LINEAR_NAMES[t] for t in BLOCK_LINEARS]
     if isinstance(targets, str):
@@ -111,7 +114,7 @@ def read_adapter_config(folder: str | os.PathLike):
             r=cfg.get("r", 8),
             alpha=cfg.get("lora_alpha", 8),
             dropout=cfg.get("lora_dropout", 0.0),
-            targets=[by_hf[t] for t in targets],
+            targets=[by_hf[t] for t in targets] + (["experts"] if experts else []),
             rslora=bool(cfg.get("use_rslora", False)),
             use_dora=bool(cfg.get("use_dora", False)),
             init_lora_weights=cfg.get("init_lora_weights", True),
@@ -133,6 +136,30 @@ def modules_to_save(folder: Path, names) -> list[str] | None:
     return [known[n] for n in names] if names else None
 
 
+# a mixture's experts as peft's target_parameters names them; peft nests one wrapper per parameter around the
+# experts module in the order the module holds its parameters (gate_up_proj, then down_proj: the last outermost,
+# whatever order the config lists them in), so gate_up's tensors sit one `base_layer.` deeper
+EXPERT_PARAMETERS = tuple(f"mlp.experts.{name}" for name in EXPERT_WEIGHTS)
+
+
+def _expert_parameters(folder: Path, cfg: dict) -> list[str]:
+    """An adapter's target_parameters: both expert weights of a mixture (in either order), or none."""
+    listed = cfg.get("target_parameters") or []
+    names = [p.rsplit(".", 1)[-1] for p in listed]
+    if listed and (sorted(names) != sorted(EXPERT_WEIGHTS) or not all(".experts." in f".{p}" for p in listed)):
+        raise UserError(
+            f"{folder}: target_parameters {listed} is not supported (LoRA on a mixture's experts lists "
+            f"{' and '.join(EXPERT_PARAMETERS)})"
+        )
+    return names
+
+
+EXPERT_KEYS = {  # native infix -> peft's, of each expert weight's LoRA tensors
+    f".experts.{name}.lora_": ".experts." + "base_layer." * (len(EXPERT_WEIGHTS) - 1 - i) + "lora_"
+    for i, name in enumerate(EXPERT_WEIGHTS)
+}
+
+
 # native parameter names -> peft's file keys, for the tensors that are not LoRA's A and B
 PEFT_NAMES = {".modules_to_save.weight": ".weight", ".trainable_tokens_delta": ".token_adapter.trainable_tokens_delta"}
 WHOLE_MODULES = {name: f"{path}.weight" for name, path in EMBEDDING_PATHS.items()}  # peft's module name -> weight
@@ -142,12 +169,19 @@ def peft_name(native: str) -> str:
     for ours, theirs in PEFT_NAMES.items():
         if native.endswith(ours):
             return native.removesuffix(ours) + theirs
+    for ours, theirs in EXPERT_KEYS.items():
+        if ours in native:
+            return native.replace(ours, theirs)
     return native
 
 
 def native_name(peft: str) -> str:
     if peft in WHOLE_MODULES.values():
         return peft.removesuffix(".weight") + ".modules_to_save.weight"
+    if ".experts." in peft:  # the deepest first: `.experts.lora_` is inside every deeper name too
+        for ours, theirs in sorted(EXPERT_KEYS.items(), key=lambda kv: -len(kv[1])):
+            if theirs in peft:
+                return peft.replace(theirs, ours)
     return peft.replace(".token_adapter.trainable_tokens_delta", ".trainable_tokens_delta")
 
 
@@ -197,7 +231,7 @@ def load_adapter_weights(model, folder: str | os.PathLike) -> None:
 def load_adapter(model, folder: str | os.PathLike) -> dict:
     """Apply a PEFT LoRA adapter to a native model; returns the parameter summary."""
     settings, _ = read_adapter_config(folder)
-    ranks = {t.shape[0] for k, t in read_adapter_tensors(folder).items() if ".lora_A." in k}
+    ranks = {t.shape[0] for k, t in read_adapter_tensors(folder).items() if ".lora_A." in k and ".experts." not in k}
     if ranks - {settings.r}:  # checked before apply_lora allocates r x in for every layer
         raise UserError(
             f"{Path(folder) / ADAPTER_CONFIG} says r={settings.r}, its tensors have rank {sorted(ranks)[0]}"

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from lora_llama.errors import UserError
 from lora_llama.files.shards import read_tensors
+from lora_llama.lora.experts import LoRAExperts, expert_modules
 from lora_llama.lora.layer import LoRALinear, fold, shared_input_projection
 from lora_llama.lora.settings import LoraSettings
 from lora_llama.lora.tokens import embedding_settings, embedding_wrappers, merge_embeddings, wrap_embeddings
@@ -25,7 +26,8 @@ def target_paths(model, settings: LoraSettings) -> list[str]:
     bad = [i for i in layers if not 0 <= i < n_layers]
     if bad:
         raise UserError(f"LoRA layer {bad[0]} does not exist (the model has layers 0..{n_layers - 1})")
-    paths = [f"model.layers.{i}.{LINEARS[t]}" for i in layers for t in settings.targets if t != "lm_head"]
+    linears = [t for t in settings.targets if t not in ("lm_head", "experts")]
+    paths = [f"model.layers.{i}.{LINEARS[t]}" for i in layers for t in linears]
     mixtures = [p for p in paths if not hasattr(model.get_submodule(p.rpartition(".")[0]), p.rpartition(".")[2])]
     if mixtures:
         _, _, i, name = mixtures[0].split(".", 3)
@@ -36,13 +38,26 @@ def target_paths(model, settings: LoraSettings) -> list[str]:
     return paths + (["lm_head"] if "lm_head" in settings.targets else [])
 
 
+def expert_paths(model, settings: LoraSettings) -> list[str]:
+    """`model.layers.N.mlp.experts` of every adapted layer whose MLP is a mixture, when the targets name experts."""
+    if "experts" not in settings.targets:
+        return []
+    if model.args.moe is None:
+        raise UserError(
+            f"lora.targets experts: this {model.args.model_type} model has no mixture of experts "
+            "(its MLP's linears are gate, up, down)"
+        )
+    layers = range(model.args.n_layers) if settings.layers is None else settings.layers
+    return [f"model.layers.{i}.mlp.experts" for i in layers if i in model.args.moe.sparse_layers]
+
+
 def lora_modules(model) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
 def apply_lora(model, settings: LoraSettings) -> dict:
     """Wrap the targeted linears in LoRALinear, freeze everything else; return a parameter summary."""
-    if lora_modules(model):
+    if lora_modules(model) or expert_modules(model):
         raise UserError("the model already has LoRA adapters")
     for p in model.parameters():
         p.requires_grad_(False)
@@ -64,6 +79,11 @@ def apply_lora(model, settings: LoraSettings) -> dict:
                 settings.init_lora_weights,
             ),
         )
+    for path in expert_paths(model, settings):
+        parent = model.get_submodule(path.rpartition(".")[0])
+        parent.experts = LoRAExperts(
+            parent.experts, settings.r, settings.alpha, settings.rslora, settings.init_lora_weights
+        )
     wrap_embeddings(model, settings.modules_to_save, settings.trainable_rows)
     use_projection(model, shared_input_projection)  # LoRA layers sharing an input run as one autograd node
     return parameter_summary(model)
@@ -71,12 +91,12 @@ def apply_lora(model, settings: LoraSettings) -> dict:
 
 def adapter_settings(model) -> LoraSettings | None:
     """The settings the model's LoRA layers were made with, read off the layers (None: no adapter)."""
-    modules = lora_modules(model)
+    modules = {**lora_modules(model), **expert_modules(model)}
     if not modules:
         return None
-    by_path = {path: t for t, path in LINEARS.items()}
+    by_path = {**{path: t for t, path in LINEARS.items()}, "mlp.experts": "experts"}
     targets, layers = set(), set()
-    for name in modules:  # lm_head, or model.layers.{i}.self_attn.q_proj ...
+    for name in modules:  # lm_head, or model.layers.{i}.self_attn.q_proj ..., model.layers.{i}.mlp.experts
         parts = name.split(".", 3)
         targets.add(by_path[parts[-1] if len(parts) == 4 else name])
         if len(parts) == 4:
@@ -90,7 +110,7 @@ def adapter_settings(model) -> LoraSettings | None:
         rslora=m.rslora,
         use_dora=m.use_dora,
         init_lora_weights=m.init,
-        targets=[t for t in LINEARS if t in targets],
+        targets=[t for t in (*LINEARS, "experts") if t in targets],
         layers=None if every_layer else sorted(layers),
         **embedding_settings(model),
     )
@@ -100,7 +120,7 @@ def adapter_settings(model) -> LoraSettings | None:
 def adapters_disabled(model):
     """Inside the block the model gives its base outputs (every LoRA layer skips B·A): the base
     model without a second copy of it."""
-    modules = list(lora_modules(model).values())
+    modules = [*lora_modules(model).values(), *expert_modules(model).values()]
     if any(m.merged for m in modules):
         raise UserError("cannot disable a merged adapter; unmerge it first")
     modules += embedding_wrappers(model).values()
@@ -175,4 +195,7 @@ def merge_lora(model) -> None:
             merged = m.base_layer
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, child, merged)
+    for path, m in expert_modules(model).items():
+        m.merge()
+        model.get_submodule(path.rpartition(".")[0]).experts = m.base_layer
     merge_embeddings(model)

@@ -18,7 +18,7 @@ def lora_scale(r: int, alpha: float, rslora: bool = False) -> float:
     return alpha / (r**0.5 if rslora else r)
 
 
-Target = Literal[tuple(LINEARS)]  # the linears users may adapt, by short name
+Target = Literal[(*LINEARS, "experts")]  # the linears users may adapt, by short name, and a mixture's experts
 
 
 class LoraSettings(Settings):
@@ -28,7 +28,9 @@ class LoraSettings(Settings):
     alpha: float = Field(16.0, gt=0, description="scale numerator: the update is (alpha / r)·B·A")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input, in training only")
     targets: list[Target] = Field(
-        ["q", "k", "v", "o"], description="linears to adapt: q, k, v, o, gate, up, down, lm_head"
+        ["q", "k", "v", "o"],
+        description="linears to adapt: q, k, v, o, gate, up, down, lm_head; experts: a mixture's experts "
+        "(gate_up and down of each, written as peft's target_parameters)",
     )
     layers: list[int] | None = Field(None, description="decoder layers to adapt (0-based); null: every layer")
     rslora: bool = Field(False, description="rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r")
@@ -67,6 +69,13 @@ class LoraSettings(Settings):
             )
         if moves_w0(self.init_lora_weights) and self.use_dora:
             raise ValueError(f"lora.init_lora_weights {self.init_lora_weights} with lora.use_dora is not supported")
+        return self
+
+    @model_validator(mode="after")
+    def _experts_as_peft_adapts_them(self):
+        if "experts" in self.targets and (self.dropout or self.use_dora):
+            what = "lora.dropout" if self.dropout else "DoRA (lora.use_dora)"
+            raise ValueError(f"lora.targets experts does not work with {what}, as in peft")
         return self
 
     @model_validator(mode="after")

@@ -35,7 +35,7 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU MLPs in two stacked weights; `expert_products` is replaceable (LoRA on the experts)."""
+    """E SwiGLU MLPs in two stacked weights, computed grouped."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -51,7 +51,11 @@ class Experts(nn.Module):
         return F.linear(h, self.down_proj[expert])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x (N, H), weights and experts (N, k) -> (N, H): each token's weighted sum of its k experts."""
+        return self.grouped(x, weights, experts, self.gate_up, self.down)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up, down) -> torch.Tensor:
+        """x (N, H), weights and experts (N, k) -> (N, H): each token's weighted sum of its k experts, whose
+        products are gate_up(e, x) and down(e, h) (this module's own, or an adapter's around them)."""
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
@@ -62,8 +66,8 @@ class Experts(nn.Module):
         for e, xe in enumerate(grouped):
             if not counts[e]:
                 continue
-            g, u = self.gate_up(e, xe).chunk(2, dim=-1)
-            outs.append(self.down(e, F.silu(g) * u))
+            g, u = gate_up(e, xe).chunk(2, dim=-1)
+            outs.append(down(e, F.silu(g) * u))
         y = torch.cat(outs) * weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, y)
 

@@ -32,8 +32,10 @@ from lora_llama.files.shards import (
 from lora_llama.files.tokenizer_files import copy_tokenizer_files
 from lora_llama.loading.adapters import CHAT_TEMPLATE, adapter_deltas, embedding_changes, read_adapter_tensors
 from lora_llama.loading.models import resolve_source
+from lora_llama.lora.experts import EXPERT_WEIGHTS
 from lora_llama.lora.layer import fold
 from lora_llama.model.config import portable_hf_config, torch_dtype
+from lora_llama.model.moe import stacked_name
 from lora_llama.quant.handlers import QuantFormat, quant_format
 from lora_llama.quant.linear import DECODER_LINEARS
 from lora_llama.quant.names import SETTINGS
@@ -58,6 +60,34 @@ def check_adapter_fits(deltas: dict, shapes: dict, tied: bool) -> None:
                 f"adapter for {name} has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}, "
                 f"which do not fit the base weight {(out_f, in_f)}"
             )
+
+
+def expert_deltas(deltas: dict, shapes: dict) -> dict:
+    """The deltas with each mixture's stacked experts' adapter (peft's target_parameters: A (r·E, in), B (out, r·E))
+    cut into one (A_e, B_e) per expert linear the checkpoint holds (`experts.e.gate_proj.weight`, Mixtral's `w1`);
+    gate and up take their rows of gate_up's B."""
+    stacks = {k: v for k, v in deltas.items() if k.endswith(tuple(f"experts.{w}.weight" for w in EXPERT_WEIGHTS))}
+    if not stacks:
+        return deltas
+    per_expert = {k: v for k, v in deltas.items() if k not in stacks}
+    found = {k: stacked_name(k) for k in shapes}
+    experts = {}  # stack -> number of experts the checkpoint holds
+    for name, e, _ in filter(None, found.values()):
+        experts[name] = max(experts.get(name, 0), e + 1)
+    for key, (name, e, part) in ((k, f) for k, f in found.items() if f and f[0] + ".weight" in stacks):
+        A, B, _ = stacks[name + ".weight"]
+        n = experts[name]
+        r = A.shape[0] // n
+        a, b = A.view(n, r, -1)[e], B.view(B.shape[0], r, n)[:, :, e]
+        half = B.shape[0] // 2
+        b = {"gate": b[:half], "up": b[half:], "down": b}[part]
+        per_expert[key] = (a.contiguous(), b.contiguous(), None)
+    unplaced = [k for k in stacks if k.removesuffix(".weight") not in experts]
+    if unplaced:
+        raise UserError(
+            f"the adapter targets {unplaced[0].removesuffix('.weight')}, which the base model does not have"
+        )
+    return per_expert
 
 
 def check_rows_fit(rows: dict, shapes: dict, tied: bool) -> None:
@@ -114,6 +144,7 @@ class Merger:
         self.files = shard_files(self.folder)
         tied = bool(self.config.get("tie_word_embeddings", False))
         shapes = tensor_shapes(self.files)
+        self.deltas = expert_deltas(self.deltas, shapes)
         check_adapter_fits(self.deltas, shapes, tied)
         check_rows_fit(self.rows, shapes, tied)
         named = adapter_cfg.get("base_model_name_or_path") if adapter is not None else None

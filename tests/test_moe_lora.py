@@ -1,0 +1,140 @@
+"""LoRA on a mixture's experts (`lora.targets: experts`) against peft's `target_parameters` adapters on
+transformers' own class: the same gradients, adapters that load both ways with the same logits, merges."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import ROOT, build_checkpoint, hf_model, token_ids
+from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
+from lora_llama.cli import main
+from lora_llama.errors import UserError
+from lora_llama.objectives.token_losses import target_loss
+
+MOE = {
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16)),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            decoder_sparse_step=2,
+        ),
+    ),
+}
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module", params=MOE)
+def moe(request, tmp_path_factory):
+    model_type, overrides = MOE[request.param]
+    return build_checkpoint(tmp_path_factory.mktemp(request.param) / "ckpt", family=model_type, **overrides)
+
+
+def peft_model(folder, targets=("q_proj", "v_proj")):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), target_parameters=EXPERT_PARAMETERS)
+    return get_peft_model(hf_model(folder), config)
+
+
+def randomized(model, seed=0):
+    """Non-zero B everywhere, so every adapter changes the output and carries a gradient."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed + len(n)))
+    return model
+
+
+def test_adapter_gradients_equal_peft_target_parameters(moe, tmp_path):
+    """Our adapter, saved and loaded into peft: the same loss and the same gradient for every A and B."""
+    from peft import PeftModel
+
+    x = token_ids(2, 30, 4)
+    model = load_model(moe).train()
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["q", "v", "experts"]))
+    randomized(model)
+    save_adapter(model, tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == EXPERT_PARAMETERS and config["target_modules"] == ["q_proj", "v_proj"]
+    peft = PeftModel.from_pretrained(hf_model(moe), tmp_path / "ours", is_trainable=True).train()
+    loss, n = target_loss(model, x, x)
+    (loss / n).backward()
+    ref = peft(input_ids=x, labels=x)
+    ref.loss.backward()
+    assert abs(float(loss / n) - float(ref.loss)) < 1e-5
+    theirs = {
+        k.removeprefix("base_model.model.").replace(".default", ""): p.grad
+        for k, p in peft.named_parameters()
+        if p.grad is not None
+    }
+    ours = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    assert len(ours) == len(theirs)
+    for k, g in ours.items():
+        peft_key = k.replace("experts.gate_up_proj.lora_", "experts.base_layer.lora_").replace(
+            "experts.down_proj.lora_", "experts.lora_"
+        )
+        assert (g - theirs[peft_key]).abs().max() < 1e-4, k
+
+
+def test_peft_adapters_load_in_lora_llama_with_the_same_logits(moe, tmp_path):
+    x = token_ids(2, 24, 5)
+    peft = randomized(peft_model(moe)).eval()
+    peft.save_pretrained(tmp_path / "theirs")
+    model = load_model(moe)
+    summary = load_adapter(model, tmp_path / "theirs")
+    with torch.no_grad():
+        assert (model.eval()(x) - peft(input_ids=x).logits).abs().max() < 1e-4
+    assert summary["trainable"] == sum(p.numel() for p in peft.parameters() if p.requires_grad)
+
+
+def test_merged_equals_unmerged_and_transformers_loads_it(moe, tmp_path):
+    x = token_ids(2, 24, 6)
+    model = load_model(moe)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["experts", "o"]))
+    randomized(model, seed=3)
+    save_adapter(model, tmp_path / "adapter")
+    args = ["merge", "--base", str(moe), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")]
+    assert main(args) == 0
+    with torch.no_grad():
+        adapted = model.eval()(x)
+        assert (hf_model(tmp_path / "merged")(x).logits - adapted).abs().max() < 1e-4
+        assert (load_model(tmp_path / "merged")(x) - adapted).abs().max() < 1e-4
+
+
+def test_a_run_trains_the_experts_adapter(moe, tmp_path, chat_data):
+    args = [
+        "train",
+        str(ROOT / "recipes" / "smollm2-chat-cpu.yaml"),
+        f"model.source={moe}",
+        f"data.source={chat_data}",
+        "lora.targets=[q,v,experts]",
+        "train.max_steps=3",
+        "train.batch_size=2",
+        "train.lr=1e-2",
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    assert main(args) == 0
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    expert_b = [t for k, t in tensors.items() if k.endswith("mlp.experts.lora_B.weight")]
+    assert expert_b and all(t.abs().sum() > 0 for t in expert_b)  # trained away from B = 0
+
+
+def test_experts_on_a_dense_family_is_one_line(tiny_ckpt):
+    with pytest.raises(UserError, match="lora.targets experts: this llama model has no mixture of experts"):
+        apply_lora(load_model(tiny_ckpt), LoraSettings(targets=["q", "experts"]))
+
+
+@pytest.mark.parametrize("change, message", [({"dropout": 0.1}, "dropout"), ({"use_dora": True}, "DoRA")])
+def test_experts_refuse_what_peft_refuses(change, message):
+    with pytest.raises(UserError, match=message):
+        from lora_llama.lora.settings import lora_settings
+
+        lora_settings(targets=["experts"], **change)
