@@ -73,7 +73,8 @@ def test_target_vocabulary_is_transformers_module_names():
     assert linears == {LINEARS[t] for t in BLOCK_LINEARS}
     assert LINEARS["lm_head"] == "lm_head" and isinstance(hf.lm_head, torch.nn.Linear)
     assert LINEAR_NAMES["q"] == "q_proj" and LINEAR_NAMES["down"] == "down_proj"
-    assert set(LoraSettings.model_fields["targets"].annotation.__args__[0].__args__) == set(LINEARS)
+    # and a mixture's experts, which are parameters, not linears (tests/test_moe_lora.py)
+    assert set(LoraSettings.model_fields["targets"].annotation.__args__[0].__args__) == {*LINEARS, "experts"}
 
 
 def test_lora_scale_and_settings():

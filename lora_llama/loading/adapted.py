@@ -11,6 +11,7 @@ from lora_llama.loading.models import load_model
 from lora_llama.loading.sharded import sharded_adapted_model
 from lora_llama.lora.adapted import apply_lora
 from lora_llama.lora.init import moves_w0
+from lora_llama.quant.experts import quantize_loaded_experts
 from lora_llama.quant.handlers import QuantFormat, quant_format
 from lora_llama.quant.linear import quantize_loaded_linears
 
@@ -44,6 +45,7 @@ def adapted_model(
     summary = apply_lora(model, lora)
     if principal and quantize:
         quantize_loaded_linears(model, quantize)
+        quantize_loaded_experts(model, quantize)
     if adapter is not None:
         load_adapter_weights(model, adapter)
     return model, summary

@@ -20,6 +20,7 @@ from lora_llama.files.tokenizer_files import make_tokenizer_config_portable
 from lora_llama.model.config import ModelArgs, family_of, portable_hf_config
 from lora_llama.model.llama import Llama
 from lora_llama.model.moe import ExpertStacks, native_name, stacked_name
+from lora_llama.quant.experts import quantize_loaded_experts
 from lora_llama.quant.gguf_blocks import row_bytes
 from lora_llama.quant.gguf_tensors import linear_blocks
 from lora_llama.quant.handlers import QuantFormat, quant_format
@@ -206,6 +207,7 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | QuantForma
         del shard
         if from_float:
             quantize_loaded_linears(model, fmt)
+            quantize_loaded_experts(model, fmt)
             release_freed_memory()  # the shard's full-precision weights are gone now
     seen, expected = reader.seen, reader.expected
     install_blocks(model, blocks, device)

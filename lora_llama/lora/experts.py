@@ -57,9 +57,9 @@ class LoRAExperts(nn.Module):
         if init not in (True, False, "gaussian"):
             raise UserError(f"LoRA on experts starts from init_lora_weights true, false or gaussian, not {init!r}")
         self.base_layer = base
-        e, two_i, h = base.gate_up_proj.shape
-        self.gate_up_proj = StackedLoRA(e, two_i, h, r, init)
-        self.down_proj = StackedLoRA(e, h, two_i // 2, r, init)
+        e, i, h = base.dims
+        self.gate_up_proj = StackedLoRA(e, 2 * i, h, r, init)
+        self.down_proj = StackedLoRA(e, h, i, r, init)
         self.r, self.alpha, self.rslora, self.init = r, alpha, rslora, init
         self.dropout, self.use_dora = 0.0, False  # neither works on stacked experts (nor in peft)
         self.scale = lora_scale(r, alpha, rslora)
@@ -81,7 +81,7 @@ class LoRAExperts(nn.Module):
         """Add (or with sign -1, take back) every expert's ΔW into the stacked weights."""
         for name in EXPERT_WEIGHTS:
             w = getattr(self.base_layer, name)
-            if not w.is_floating_point():
+            if not isinstance(w, torch.Tensor):
                 raise UserError(
                     "merging LoRA into quantized experts needs their original weights: use lora-llama merge"
                 )

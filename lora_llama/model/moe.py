@@ -50,26 +50,34 @@ class Experts(nn.Module):
     def down(self, expert: int, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.down_proj[expert])
 
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """(experts, intermediate size, hidden size)."""
+        e, h, i = self.down_proj.shape
+        return e, i, h
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         return self.grouped(x, weights, experts, self.gate_up, self.down)
 
-    def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up, down) -> torch.Tensor:
-        """x (N, H), weights and experts (N, k) -> (N, H): each token's weighted sum of its k experts, whose
-        products are gate_up(e, x) and down(e, h) (this module's own, or an adapter's around them)."""
-        k = experts.shape[1]
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // k
-        grouped = x.index_select(0, tokens).split(counts)
-        outs = []
-        for e, xe in enumerate(grouped):
-            if not counts[e]:
-                continue
+    def grouped(self, x, weights, experts, gate_up, down) -> torch.Tensor:
+        return grouped_experts(x, weights, experts, self.num_experts, gate_up, down)
+
+
+def grouped_experts(x, weights, experts, num_experts: int, gate_up, down) -> torch.Tensor:
+    """x (N, H), weights and experts (N, k) -> (N, H): each token's weighted sum of its k experts' SwiGLU, whose
+    products are gate_up(e, x) and down(e, h) (the experts' own, quantized, or with an adapter around them)."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // k
+    outs = []
+    for e, xe in enumerate(x.index_select(0, tokens).split(counts)):
+        if counts[e]:
             g, u = gate_up(e, xe).chunk(2, dim=-1)
             outs.append(down(e, F.silu(g) * u))
-        y = torch.cat(outs) * weights.reshape(-1)[order, None].to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, y)
+    y = torch.cat(outs) * weights.reshape(-1)[order, None].to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, y)
 
 
 class SparseMoE(nn.Module):

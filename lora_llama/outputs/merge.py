@@ -187,7 +187,8 @@ class Merger:
         for out_key, src in self.plan(sf):
             w = sf.get_tensor(src)
             target_dtype = out_dtype or w.dtype
-            if self.onto == "dequantized" and out_key.rsplit(".", 2)[-2] in DECODER_LINEARS and w.dim() == 2:
+            quantized = out_key.rsplit(".", 2)[-2] in DECODER_LINEARS or stacked_name(out_key) is not None
+            if self.onto == "dequantized" and quantized and w.dim() == 2:
                 w = self.quantize.roundtrip(w)
             if out_key in self.deltas:
                 A, B, magnitude = self.deltas[out_key]

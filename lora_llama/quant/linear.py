@@ -245,7 +245,7 @@ def quantize_loaded_linears(model, fmt: QuantFormat) -> None:
     """Replace every decoder linear whose weight has been loaded (is no longer on `meta`) by its quantized copy in
     `fmt`; an adapted one keeps its adapter and gets its frozen base quantized."""
     for block in model.model.layers:
-        for parent in (block.self_attn, block.mlp):
+        for parent in (block.self_attn, block.mlp, getattr(block.mlp, "shared_expert", block.mlp)):
             for name in DECODER_LINEARS:
                 holder, attr, lin = parent, name, getattr(parent, name, None)
                 if hasattr(lin, "base_layer"):
@@ -268,10 +268,11 @@ def base_weight_bytes(model, decoder_linears_only: bool = False) -> int:
     """Bytes held by the frozen base weights (LoRA A/B excluded); a tied weight is counted once."""
     seen, total = set(), 0
     for name, module in model.named_modules():
-        w = module._parameters.get("weight", module._buffers.get("codes"))
+        w = module._parameters.get("weight", module._buffers.get("codes", module._parameters.get("down_proj")))
         if w is None or "lora_" in name or id(w) in seen:
             continue
-        if decoder_linears_only and name.removesuffix(".base_layer").rsplit(".", 1)[-1] not in DECODER_LINEARS:
+        last = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+        if decoder_linears_only and last not in DECODER_LINEARS and last != "experts" and not last.isdigit():
             continue
         seen.add(id(w))
         total += tensor_bytes(module)
