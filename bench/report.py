@@ -33,6 +33,7 @@ from bench.training_rows import (
     gpu_rows,
     grpo_rows,
     long_context_rows,
+    moe_rows,
     precision_rows,
     preference_packing_rows,
     recipe_run_rows,
@@ -55,6 +56,7 @@ PAGES = {
         "quant",
         "grpo",
         "preference_packing",
+        "moe",
         "decode",
         "dora",
         "variants",
@@ -116,6 +118,7 @@ ROWS = {
     "recipe_run": recipe_run_rows,
     "setup": setup_rows,
     "preference_packing": preference_packing_rows,
+    "moe": moe_rows,
 }
 
 

@@ -257,3 +257,17 @@ def preference_packing_rows(r: dict) -> list[tuple]:
             f"{r['speedup']:.2f}x {unit}/s",
         )
     ]
+
+
+def moe_rows(r: dict) -> list[tuple]:
+    tps, peak = r["tokens_per_s"], r["peak_mb"]
+    s = r["shapes"]
+    what = f"LoRA on attention + experts, Qwen3-MoE {s['num_experts']} experts top-{s['num_experts_per_tok']}, hidden "
+    return [
+        (
+            what + f"{s['hidden_size']} (peer: peft target_parameters)",
+            f"{tps['lora-llama']:.0f} tok/s, {peak['lora-llama']:.0f} MB",
+            f"{tps['peft']:.0f} tok/s, {peak['peft']:.0f} MB",
+            f"{r['speed_ratio']:.2f}x tokens/s, {r['peak_ratio']:.2f}x peak",
+        )
+    ]

@@ -75,11 +75,27 @@ def stand_in(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("stand-in"), max_position_embeddings=4096)
 
 
+@pytest.fixture(scope="module")
+def moe_stand_in(tmp_path_factory):
+    """The same, as a mixture of experts (Qwen3-MoE), for a recipe whose adapter targets experts."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("moe-stand-in"),
+        family="qwen3_moe",
+        max_position_embeddings=4096,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        head_dim=16,
+    )
+
+
 @pytest.mark.parametrize("page,block", SNIPPETS, ids=[f"{page}-{i}" for i, (page, _) in enumerate(SNIPPETS)])
-def test_a_recipe_a_page_shows_trains(page, block, stand_in, tmp_path, monkeypatch):
+def test_a_recipe_a_page_shows_trains(page, block, stand_in, moe_stand_in, tmp_path, monkeypatch):
     from lora_llama.cli import main
 
     recipe = yaml.safe_load(block) or {}
+    if "experts" in ((recipe.get("lora") or {}).get("targets") or []):
+        stand_in = moe_stand_in
     for folder in ("recipes", "tasks"):  # recipes/tools/..., tasks/ as the pages name them, from the checkout
         (tmp_path / folder).symlink_to(ROOT / folder)
     make_files(recipe, tmp_path)
