@@ -152,9 +152,12 @@ def test_lora_on_a_mixtures_mlp_names_what_the_layer_has(moe):
         assert summary["trainable"] == len(dense) * 4 * (64 + model.args.intermediate_size)
 
 
-def test_merge_folds_attention_adapters_and_export_names_what_it_writes(moe, tmp_path, capsys):
+def test_merge_folds_attention_adapters_and_export_stacks_the_experts(moe, tmp_path, capsys):
     """merge streams the experts' tensors through unchanged and transformers loads the folder with the merged
-    model's logits; export of a mixture is one line naming what to use."""
+    model's logits; export stacks each layer's experts into one (E, out, in) tensor per weight, as llama.cpp's
+    converter does, with the router in float32 and the experts' counts in the metadata."""
+    from gguf import GGUFReader
+
     from lora_llama import save_adapter
 
     _, folder = moe
@@ -165,14 +168,32 @@ def test_merge_folds_attention_adapters_and_export_names_what_it_writes(moe, tmp
             if "lora_B" in n:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
     save_adapter(model, tmp_path / "adapter")
-    assert (
-        main(["merge", "--base", str(folder), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "m")])
-        == 0
-    )
+    merged = tmp_path / "m"
+    assert main(["merge", "--base", str(folder), "--adapter", str(tmp_path / "adapter"), "--out", str(merged)]) == 0
     x = token_ids(2, 24, 5)
     with torch.no_grad():
-        assert (hf_model(tmp_path / "m")(x).logits - model.eval()(x)).abs().max() < 1e-4
-    capsys.readouterr()
-    assert main(["export", "--base", str(tmp_path / "m"), "--out", str(tmp_path / "m.gguf")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "convert_hf_to_gguf.py" in err and not (tmp_path / "m.gguf").exists()
+        assert (hf_model(merged)(x).logits - model.eval()(x)).abs().max() < 1e-4
+    moe_args = load_model(merged).args.moe
+    export = ["export", "--base", str(merged), "--out", str(tmp_path / "m.gguf"), "--type", "bf16"]
+    if len(moe_args.sparse_layers) < model.args.n_layers:  # llama.cpp's mixtures have no dense layers
+        capsys.readouterr()
+        assert main(export) == 2 and "reads a mixture of experts in every layer" in capsys.readouterr().err
+        assert not (tmp_path / "m.gguf").exists()
+        return
+    assert main(export) == 0
+    reader = GGUFReader(tmp_path / "m.gguf")
+    tensors = {t.name: t for t in reader.tensors}
+    arch = reader.fields["general.architecture"].contents()
+    assert reader.fields[f"{arch}.expert_count"].contents() == moe_args.num_experts
+    assert reader.fields[f"{arch}.expert_used_count"].contents() == moe_args.top_k
+    ref = hf_model(merged).model.layers
+    for i in moe_args.sparse_layers:
+        experts = ref[i].mlp.experts
+        half = experts.gate_up_proj.shape[1] // 2
+        want = {"gate": experts.gate_up_proj[:, :half], "up": experts.gate_up_proj[:, half:], "down": experts.down_proj}
+        for part, w in want.items():
+            t = tensors[f"blk.{i}.ffn_{part}_exps.weight"]
+            assert tuple(int(d) for d in reversed(t.shape)) == tuple(w.shape)  # GGUF lists dims innermost first
+            got = torch.from_numpy(t.data.copy()).view(torch.bfloat16).float().reshape(w.shape)
+            assert torch.equal(got, w.detach().bfloat16().float())
+        assert tensors[f"blk.{i}.ffn_gate_inp.weight"].tensor_type.name == "F32"

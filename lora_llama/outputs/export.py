@@ -25,6 +25,7 @@ from lora_llama.files.json_files import read_config
 from lora_llama.files.shards import open_safetensors
 from lora_llama.loading.models import gguf_file, load_tokenizer, resolve_source
 from lora_llama.model.config import ModelArgs, rope_inv_freq
+from lora_llama.outputs.gguf_experts import F32_TENSORS, StackedExperts, check_every_layer_mixed, write_expert_hparams
 from lora_llama.outputs.gguf_vocab import build_tokenizer, copy_tokenizer
 from lora_llama.outputs.merge import Merger
 from lora_llama.quant.gguf_tensors import permute_rows
@@ -32,7 +33,15 @@ from lora_llama.registry import local_model_name
 
 GGUF_TYPES = ("f16", "bf16", "q8_0")
 # our family -> llama.cpp architecture; llama.cpp's own converter writes Mistral as llama too
-ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+ARCHITECTURES = {
+    "llama": "LLAMA",
+    "mistral": "LLAMA",
+    "qwen2": "QWEN2",
+    "qwen3": "QWEN3",
+    "mixtral": "LLAMA",
+    "qwen2_moe": "QWEN2MOE",
+    "qwen3_moe": "QWEN3MOE",
+}
 
 
 def _gguf():
@@ -55,11 +64,6 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def architecture(args: ModelArgs):
-    if args.model_type not in ARCHITECTURES:
-        raise UserError(
-            f"export writes {', '.join(ARCHITECTURES)} models; merge a {args.model_type} adapter with "
-            "`lora-llama merge` and convert the folder with llama.cpp's convert_hf_to_gguf.py"
-        )
     return _gguf().MODEL_ARCH[ARCHITECTURES[args.model_type]]
 
 
@@ -69,6 +73,7 @@ class TensorNames:
     def __init__(self, args: ModelArgs):
         gguf = _gguf()
         self.args, self.arch = args, architecture(args)
+        check_every_layer_mixed(args, gguf.MODEL_ARCH_NAMES[self.arch])
         self.map = gguf.get_tensor_name_map(self.arch, args.n_layers)
         self.permuted = self.arch == gguf.MODEL_ARCH.LLAMA
 
@@ -99,10 +104,11 @@ def rope_factors(args: ModelArgs) -> torch.Tensor | None:
 # ---------------------------------------------------------------------------- tensor types
 
 
-def ggml_type(out_type: str, shape: tuple):
-    """1-D tensors (norms, biases) stay F32; q8_0 needs rows in blocks of 32, else F16 (as llama.cpp's converter)."""
+def ggml_type(out_type: str, shape: tuple, name: str = ""):
+    """1-D tensors (norms, biases) and routers stay F32; q8_0 needs rows in blocks of 32, else F16 (as llama.cpp's
+    converter)."""
     T = _gguf().GGMLQuantizationType
-    if len(shape) < 2:
+    if len(shape) < 2 or name.endswith(F32_TENSORS):
         return T.F32
     if out_type == "q8_0" and shape[-1] % 32 == 0:
         return T.Q8_0
@@ -148,6 +154,7 @@ def write_hparams(writer, args: ModelArgs, name: str, out_type: str) -> None:
         "bf16": gguf.LlamaFileType.MOSTLY_BF16,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     }[out_type]
+    write_expert_hparams(writer, args)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -176,12 +183,13 @@ def _tensor_infos(writer, merger, names, out_type: str, freqs) -> int:
     if freqs is not None:
         f32 = gguf.GGMLQuantizationType.F32
         writer.add_tensor_info("rope_freqs.weight", tuple(freqs.shape), np.float32, freqs.numel() * 4, raw_dtype=f32)
-    count = 0
+    count, experts = 0, StackedExperts(names.args)
     for f in merger.files:
         with open_safetensors(f) as sf:
-            for key, _, shape in merger.entries(sf):
-                qtype = ggml_type(out_type, shape)
-                writer.add_tensor_info(names.name(key), shape, np.float32, nbytes(shape, qtype), raw_dtype=qtype)
+            for key, shape in (item for k, _, s in merger.entries(sf) for item in experts.add(k, s)):
+                name = names.name(key)
+                qtype = ggml_type(out_type, shape, name)
+                writer.add_tensor_info(name, shape, np.float32, nbytes(shape, qtype), raw_dtype=qtype)
                 count += 1
     return count
 
@@ -224,11 +232,13 @@ def export_gguf(
     def write_tensors():
         if freqs is not None:
             writer.write_tensor_data(freqs.numpy())
+        experts = StackedExperts(args)
         with tqdm(total=count, desc="export", unit="tensor", disable=not progress) as bar:
             for f in merger.files:
                 with open_safetensors(f) as sf:
-                    for key, w in merger.tensors(sf):
-                        writer.write_tensor_data(convert(names.layout(key, w), ggml_type(out_type, tuple(w.shape))))
+                    for key, w in (item for k, t in merger.tensors(sf) for item in experts.add(k, t)):
+                        qtype = ggml_type(out_type, tuple(w.shape), names.name(key))
+                        writer.write_tensor_data(convert(names.layout(key, w), qtype))
                         bar.update(1)
 
     size = _atomic_gguf(writer, out, write_tensors)
@@ -292,6 +302,8 @@ def export_lora_gguf(
             "an adapter that trains embedding or lm_head rows (modules_to_save, trainable_token_indices) has no "
             "llama.cpp LoRA form; export the merged model instead"
         )
+    if any(".experts." in key for key in deltas):
+        raise UserError("an adapter on a mixture's experts has no llama.cpp LoRA form here; export the merged model")
     if cfg.get("use_dora"):
         raise UserError(
             "a DoRA adapter has no llama.cpp LoRA form (its magnitudes rescale whole rows); "

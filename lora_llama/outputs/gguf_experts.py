@@ -1,0 +1,64 @@
+"""A mixture of experts in a GGUF file, as llama.cpp's `convert_hf_to_gguf.py` writes one (Mixtral as `llama`,
+Qwen2-MoE as `qwen2moe`, Qwen3-MoE as `qwen3moe`): each layer's per-expert linears stacked into one (E, out, in)
+tensor per weight (`blk.N.ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`), the router (`ffn_gate_inp`) and the
+shared expert's gate kept in float32, and the experts' counts and sizes in the metadata."""
+
+from __future__ import annotations
+
+import torch
+
+from lora_llama.errors import UserError
+from lora_llama.model.config import ModelArgs
+from lora_llama.model.moe import stacked_name
+
+F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # routers: float32 in every file type
+
+
+class StackedExperts:
+    """The per-expert linears of a checkpoint streamed tensor by tensor, gathered into the stacked tensors llama.cpp
+    reads (`model.layers.N.mlp.experts.gate_proj.weight`, ...), each handed on once its last expert arrives; every
+    other tensor passes straight through. Values are tensors, or shapes (tensor infos come before the data)."""
+
+    def __init__(self, args: ModelArgs):
+        self.experts = args.moe.num_experts if args.moe is not None else 0
+        self.pieces: dict[str, dict] = {}
+
+    def add(self, key: str, value) -> list[tuple[str, object]]:
+        found = stacked_name(key) if self.experts else None
+        if found is None:
+            return [(key, value)]
+        name, expert, part = found
+        stack = f"{name.rsplit('.', 1)[0]}.{part}_proj.weight"
+        got = self.pieces.setdefault(stack, {})
+        got[expert] = value
+        if len(got) < self.experts:
+            return []
+        del self.pieces[stack]
+        items = [got[e] for e in range(self.experts)]
+        stacked = torch.stack(items) if isinstance(items[0], torch.Tensor) else (self.experts, *items[0])
+        return [(stack, stacked)]
+
+
+def check_every_layer_mixed(args: ModelArgs, arch: str) -> None:
+    """llama.cpp's mixture architectures read a mixture in every layer: a model with dense layers is one line."""
+    moe = args.moe
+    dense = [i for i in range(args.n_layers) if moe is not None and i not in moe.sparse_layers]
+    if dense:
+        raise UserError(
+            f"llama.cpp's {arch} reads a mixture of experts in every layer; layer {dense[0]} of this "
+            f"{args.model_type} model is dense (mlp_only_layers / decoder_sparse_step), so it has no GGUF form"
+        )
+
+
+def write_expert_hparams(writer, args: ModelArgs) -> None:
+    """The experts' metadata the converter writes: their count and the count each token uses, and for the Qwen
+    families each expert's (and the shared expert's) feed-forward size."""
+    moe = args.moe
+    if moe is None:
+        return
+    writer.add_expert_count(moe.num_experts)
+    writer.add_expert_used_count(moe.top_k)
+    if args.model_type != "mixtral":  # Mixtral's experts are its feed_forward_length
+        writer.add_expert_feed_forward_length(moe.expert_dim)
+    if moe.shared_expert_dim:
+        writer.add_expert_shared_feed_forward_length(moe.shared_expert_dim)
