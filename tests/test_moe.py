@@ -197,3 +197,20 @@ def test_merge_folds_attention_adapters_and_export_stacks_the_experts(moe, tmp_p
             got = torch.from_numpy(t.data.copy()).view(torch.bfloat16).float().reshape(w.shape)
             assert torch.equal(got, w.detach().bfloat16().float())
         assert tensors[f"blk.{i}.ffn_gate_inp.weight"].tensor_type.name == "F32"
+
+
+def test_fsdp_on_a_mixture_is_one_line(moe, chat_data):
+    from lora_llama.loading.models import model_source
+    from lora_llama.recipe.schema import load_recipe
+    from lora_llama.runtime.distributed import Ranks
+    from lora_llama.training.from_recipe import _choose_strategy
+
+    _, folder = moe
+    two = Ranks(rank=0, world=2)
+    fsdp = load_recipe(None, [f"data.source={chat_data}", "train.distributed=fsdp"])
+    with pytest.raises(UserError, match="train.distributed=fsdp on a mixture of experts is not supported; use ddp"):
+        _choose_strategy(fsdp, two, "cpu", model_source(str(folder)))
+    assert (
+        _choose_strategy(load_recipe(None, [f"data.source={chat_data}"]), two, "cpu", model_source(str(folder)))
+        == "ddp"
+    )

@@ -19,13 +19,14 @@ from lora_llama.data.sources import mix, mixture_line, source_sections
 from lora_llama.data.streaming import StreamedExamples, streamed_val
 from lora_llama.data.templates import use_chat_template
 from lora_llama.errors import UserError
+from lora_llama.files.json_files import read_config
 from lora_llama.files.shards import shard_files
 from lora_llama.harness.tasks import check_tasks, task_manager
 from lora_llama.kernels import fused
 from lora_llama.loading.adapted import adapted_model, loads_by_rows
 from lora_llama.loading.models import ModelSource, load_tokenizer, model_source
 from lora_llama.lora.init import moves_w0
-from lora_llama.model.config import torch_dtype
+from lora_llama.model.config import family_of, torch_dtype
 from lora_llama.objectives.base import bucket_lengths
 from lora_llama.objectives.catalog import objective_named
 from lora_llama.quant.handlers import chosen_format
@@ -206,6 +207,10 @@ def _choose_strategy(recipe, ranks: Ranks, device: str, source: ModelSource) -> 
                 "train.distributed=fsdp with lora.modules_to_save or lora.trainable_token_indices is not supported; "
                 "use ddp"
             )
+        if family_of(read_config(source.folder)).experts:  # fsdp's loading by rows knows no stacked experts
+            if recipe.train.distributed != "fsdp":
+                return "ddp"
+            raise UserError("train.distributed=fsdp on a mixture of experts is not supported; use ddp")
     return strategy
 
 
