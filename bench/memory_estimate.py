@@ -40,6 +40,19 @@ SHAPES = {
         num_key_value_heads=8,
         tie_word_embeddings=False,
     ),
+    "Qwen/Qwen3-30B-A3B-Instruct-2507": dict(  # a mixture: 128 experts of 768, 8 a token, in all 48 layers
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        tie_word_embeddings=False,
+    ),
     "Qwen/Qwen2.5-7B-Instruct": dict(
         vocab_size=152064,
         hidden_size=3584,
@@ -58,18 +71,22 @@ GB = 1e9
 
 
 def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    """(out, in) of each decoder linear of one layer."""
-    dim, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = dim // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
-    return {
-        "q": (dim, dim),
-        "k": (kv, dim),
-        "v": (kv, dim),
-        "o": (dim, dim),
-        "gate": (inter, dim),
-        "up": (inter, dim),
-        "down": (dim, inter),
-    }
+    """(out, in) of each decoder linear of one layer; a mixture's `experts`: every expert's gate, up and down
+    as one (out, in) of the same number of weights and the same LoRA size (E·(2I + I) rows of H, rank r each)."""
+    dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or dim // heads
+    q, kv = heads * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"q": (q, dim), "k": (kv, dim), "v": (kv, dim), "o": (dim, q)}
+    if "num_experts" in cfg:
+        return {**shapes, "experts": None}
+    inter = cfg["intermediate_size"]
+    return {**shapes, "gate": (inter, dim), "up": (inter, dim), "down": (dim, inter)}
+
+
+def expert_shapes(cfg: dict) -> list[tuple[int, int]]:
+    """(out, in) of every expert weight of one layer: gate, up and down of each expert."""
+    inter, dim = cfg["moe_intermediate_size"], cfg["hidden_size"]
+    return [(inter, dim), (inter, dim), (dim, inter)] * cfg["num_experts"]
 
 
 def quantized_bytes(out: int, inp: int, quantize: str | None, double_quant: bool = False) -> float:
@@ -80,21 +97,29 @@ def quantized_bytes(out: int, inp: int, quantize: str | None, double_quant: bool
 
 def base_bytes(cfg: dict, quantize: str | None, double_quant: bool = False) -> float:
     """The frozen base: decoder linears in their quantization, the embedding and lm_head in bf16."""
-    layers = cfg["num_hidden_layers"] * sum(
-        quantized_bytes(o, i, quantize, double_quant) for o, i in linear_shapes(cfg).values()
-    )
+    shapes = [s for s in linear_shapes(cfg).values() if s] + (expert_shapes(cfg) if "num_experts" in cfg else [])
+    router = 2 * cfg.get("num_experts", 0) * cfg["hidden_size"]  # bf16, never quantized
+    layers = cfg["num_hidden_layers"] * (router + sum(quantized_bytes(o, i, quantize, double_quant) for o, i in shapes))
     embeddings = cfg["vocab_size"] * cfg["hidden_size"] * 2 * (1 if cfg["tie_word_embeddings"] else 2)
     return layers + embeddings
 
 
 def lora_parameters(cfg: dict, r: int, targets: list[str]) -> int:
-    shapes = linear_shapes(cfg)
-    return cfg["num_hidden_layers"] * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
+    shapes = {**linear_shapes(cfg), **({"experts": (0, 0)} if "num_experts" in cfg else {})}
+    per_layer = sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t != "experts")
+    if "experts" in targets:  # lora_A (r·E, in) and lora_B (out, r·E) of gate_up and of down
+        e, inter, dim = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+        per_layer += r * e * ((dim + 2 * inter) + (inter + dim))
+    return cfg["num_hidden_layers"] * per_layer
 
 
 def activation_bytes(cfg: dict, tokens: int) -> float:
-    dim, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = dim // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    """A mixture's MLP keeps its gate, up and product for each of the k experts a token goes to."""
+    dim = cfg["hidden_size"]
+    inter = (
+        cfg["num_experts_per_tok"] * cfg["moe_intermediate_size"] if "num_experts" in cfg else cfg["intermediate_size"]
+    )
+    kv = (cfg.get("head_dim") or dim // cfg["num_attention_heads"]) * cfg["num_key_value_heads"]
     kept_inputs = cfg["num_hidden_layers"] * dim * 2
     one_block = (6 * dim + 2 * kv + 3 * inter) * 2
     gradients = 3 * dim * 4
