@@ -53,6 +53,16 @@ SHAPES = {
         moe_intermediate_size=768,
         tie_word_embeddings=False,
     ),
+    "google/gemma-3-1b-it": dict(  # 26 layers, 5 sliding to each global one; a 262k vocabulary, tied
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        tie_word_embeddings=True,
+    ),
     "Qwen/Qwen2.5-7B-Instruct": dict(
         vocab_size=152064,
         hidden_size=3584,
@@ -126,7 +136,9 @@ def activation_bytes(cfg: dict, tokens: int) -> float:
     return tokens * (kept_inputs + one_block + gradients)
 
 
-def step_gb(cfg: dict, quantize: str | None, batch: int, length: int, r: int = 16, targets=None) -> dict:
+def step_gb(
+    cfg: dict, quantize: str | None, batch: int, length: int, r: int = 16, targets=None, context: float = CONTEXT_GB
+) -> dict:
     targets = targets or list(linear_shapes(cfg))
     parts = {
         "base": base_bytes(cfg, quantize),
@@ -134,7 +146,7 @@ def step_gb(cfg: dict, quantize: str | None, batch: int, length: int, r: int = 1
         "activations": activation_bytes(cfg, batch * length),
     }
     parts = {k: v / GB for k, v in parts.items()}
-    parts["total"] = sum(parts.values()) + CONTEXT_GB
+    parts["total"] = sum(parts.values()) + context
     return parts
 
 
@@ -155,12 +167,14 @@ def table(cfg: dict = LLAMA31_8B, r: int = 16) -> str:
 
 
 def recipe_gb(path) -> tuple[dict, int, int]:
-    """(step_gb, batch, length) of a GPU recipe: its model's shapes, quantization, batch, max_seq_len, rank and
-    targets."""
+    """(step_gb, batch, length) of a recipe: its model's shapes, quantization, batch, max_seq_len, rank and
+    targets (a recipe whose model.device is cpu: no CUDA context)."""
     recipe = yaml.safe_load(open(path))
     model, lora, data, train = (recipe.get(k, {}) for k in ("model", "lora", "data", "train"))
     batch, length = train.get("batch_size", 8), data.get("max_seq_len", 256)
-    gb = step_gb(SHAPES[model["source"]], model.get("quantize"), batch, length, lora.get("r", 8), lora.get("targets"))
+    context = 0.0 if model.get("device") == "cpu" else CONTEXT_GB
+    shapes = SHAPES[model["source"]]
+    gb = step_gb(shapes, model.get("quantize"), batch, length, lora.get("r", 8), lora.get("targets"), context)
     return gb, batch, length
 
 

@@ -24,6 +24,7 @@ class Family:
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     sliding_window: bool = False  # every layer honours config's sliding_window (Mistral)
     experts: bool = False  # a mixture of experts in the MLP of every sparse layer (MoeArgs)
+    gemma: bool = False  # Gemma 3: 1 + w norms in a sandwich, scaled embeddings, gelu-tanh, sliding and global layers
 
 
 FAMILIES = {
@@ -34,6 +35,7 @@ FAMILIES = {
     "mixtral": Family("MixtralForCausalLM", qkv_bias=False, o_bias=False, sliding_window=True, experts=True),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", qkv_bias=True, o_bias=False, experts=True),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, experts=True),
+    "gemma3_text": Family("Gemma3ForCausalLM", qk_norm=True, gemma=True),
 }
 # keys transformers adds when it loads or converts a model: local paths and names that mean nothing elsewhere
 _LOAD_TIME_KEYS = ("_name_or_path", "_model_name_or_path", "_commit_hash", "_attn_implementation_autoset")
@@ -135,6 +137,12 @@ class ModelArgs:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     moe: MoeArgs | None = None  # a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)
+    gemma: bool = False  # Gemma 3's norms, embedding scale and sandwich blocks (model/gemma.py)
+    hidden_act: str = "silu"  # silu (SwiGLU) or gelu_pytorch_tanh (Gemma's GeGLU)
+    query_scale: float | None = None  # Gemma: attention scores scaled by query_scale^-1/2 instead of head_dim^-1/2
+    local_layers: tuple[int, ...] = ()  # Gemma: the sliding-window layers, with their own window and RoPE base
+    local_window: int | None = None
+    local_rope_theta: float | None = None
     hf_config: dict = field(default_factory=dict, repr=False)  # the original, written back by merge
 
     def __post_init__(self):
@@ -146,15 +154,18 @@ class ModelArgs:
             )
         if self.rope_scaling:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3"):
-                raise UserError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+            if kind not in ("default", "llama3", "linear"):
+                raise UserError(f"rope scaling type {kind!r} is not supported (supported: default, llama3, linear)")
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
         family = family_of(cfg)
         attention_bias = cfg.get("attention_bias", False)
-        # transformers >= 5 writes `rope_parameters`; Hub checkpoints carry `rope_theta` + `rope_scaling`.
+        # transformers >= 5 writes `rope_parameters` (Gemma: one per layer type); Hub checkpoints carry `rope_theta`
+        # + `rope_scaling` (Gemma: and `rope_local_base_freq`)
         rope = dict(cfg.get("rope_parameters") or {})
+        local_rope = rope.pop("sliding_attention", None) or {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        rope = dict(rope.pop("full_attention", rope))
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = rope if rope.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
         return cls(
@@ -170,7 +181,7 @@ class ModelArgs:
             rope_theta=float(theta),
             rope_scaling=dict(scaling) if scaling else None,
             max_seq_len=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", family.gemma),  # Gemma ties them by default
             qkv_bias=cfg.get("qkv_bias", attention_bias if family.qkv_bias is None else family.qkv_bias),
             o_bias=attention_bias if family.o_bias is None else family.o_bias,
             mlp_bias=cfg.get("mlp_bias", False),
@@ -180,8 +191,33 @@ class ModelArgs:
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             moe=MoeArgs.from_hf_config(cfg, model_type_of(cfg) == "mixtral") if family.experts else None,
+            **(gemma_args(cfg, local_rope) if family.gemma else {}),
             hf_config=dict(cfg),
         )
+
+
+def layer_types(cfg: dict) -> list[str]:
+    """Each layer's attention: config's `layer_types`, or Gemma 3's pattern (each `sliding_window_pattern`-th
+    layer global)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    return ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(cfg["num_hidden_layers"])]
+
+
+def gemma_args(cfg: dict, local_rope: dict) -> dict:
+    if local_rope.get("rope_type", "default") != "default":
+        raise UserError(
+            f"gemma3_text with rope type {local_rope['rope_type']!r} on its sliding layers is not supported"
+        )
+    return dict(
+        gemma=True,
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act"),
+        query_scale=float(cfg["query_pre_attn_scalar"]),
+        local_layers=tuple(i for i, t in enumerate(layer_types(cfg)) if t == "sliding_attention"),
+        local_window=cfg["sliding_window"],
+        local_rope_theta=float(local_rope["rope_theta"]),
+    )
 
 
 def model_type_of(cfg: dict) -> str:
@@ -194,9 +230,19 @@ def family_of(cfg: dict) -> Family:
     if model_type not in FAMILIES:
         raise UserError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
     family = FAMILIES[model_type]
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UserError(f"{model_type} with hidden_act {act!r} is not supported (only silu)")
+    act = (
+        (cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"))
+        if family.gemma
+        else cfg.get("hidden_act", "silu")
+    )
+    wanted = "gelu_pytorch_tanh" if family.gemma else "silu"
+    if act != wanted:
+        raise UserError(f"{model_type} with hidden_act {act!r} is not supported (only {wanted})")
+    if family.gemma:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+            if cfg.get(key):
+                raise UserError(f"{model_type} with {key} {cfg[key]!r} is not supported")
+        return family
     # Mistral's window covers every layer (ModelArgs.sliding_window); Qwen's per-layer windows are not implemented
     if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
         raise UserError(f"{model_type} with sliding-window layers (use_sliding_window / layer_types) is not supported")
@@ -229,6 +275,8 @@ def rope_inv_freq(args: ModelArgs, dtype=None):
     d = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype or torch.float32) / d))
     s = args.rope_scaling
+    if s and s.get("rope_type", s.get("type")) == "linear":  # positions divided by the factor
+        return inv_freq / s["factor"]
     if not s or s.get("rope_type", s.get("type")) != "llama3":
         return inv_freq
     factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)

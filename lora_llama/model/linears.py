@@ -41,3 +41,8 @@ def use_projection(model: nn.Module, projection) -> None:
     for module in model.modules():
         if "projection" in vars(module):
             module.projection = projection
+
+
+def kept(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """x (B, T, ...) at the flat positions keep (N,) of (B, T), as (N, ...); all of x when keep is None."""
+    return x if keep is None else x.flatten(0, 1).index_select(0, keep)

@@ -13,10 +13,12 @@ HF's rotate-half RoPE layout (no permutation).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lora_llama.kernels.attention import attend, takes_segments
@@ -24,7 +26,8 @@ from lora_llama.kernels.elementwise import apply_rope, recompute_when_saved, rms
 from lora_llama.kernels.fused import compiled, strict_compiling
 from lora_llama.model.cache import KVCache, StaticKVCache
 from lora_llama.model.config import ModelArgs, rope_inv_freq
-from lora_llama.model.linears import each_layer, run_linear
+from lora_llama.model.gemma import GemmaRMSNorm, SandwichBlock
+from lora_llama.model.linears import each_layer, kept, run_linear
 from lora_llama.model.moe import SparseMoE
 
 # attention's forward kernels (ours on the CPU, SDPA's flash / efficient / cuDNN): quadratic in the length to
@@ -57,9 +60,28 @@ def offloaded(active: bool, device: torch.device):
     return contextlib.nullcontext()
 
 
-def kept(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """x (B, T, ...) at the flat positions keep (N,) of (B, T), as (N, ...); all of x when keep is None."""
-    return x if keep is None else x.flatten(0, 1).index_select(0, keep)
+def attention_mask(T: int, start: int, device, segment_ids=None, key_mask=None, window: int | None = None):
+    """Which keys each query sees: None for plain causal attention, for packed rows on the CPU
+    (segment_ids (B, T): attend runs each example on its own, without a (T, T) mask), and for one new
+    token that sees every key; else (1 or B, 1, T, start + T) bool, built once for all layers: causal,
+    inside the sliding window (Mistral), inside its own example, past the row's left padding (key_mask
+    (B, start + T)). window: the layer's sliding window, if any."""
+    windowed = window is not None and start + T > window
+    plain = segment_ids is None or takes_segments(device)
+    if not windowed and (start == 0 or T == 1) and plain and key_mask is None:
+        return None
+    if not windowed and T == 1 and key_mask is not None:  # one new token sees every key but its row's padding
+        return key_mask[:, None, None, : start + 1]
+    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    k_pos = torch.arange(start + T, device=device)[None]
+    mask = k_pos <= q_pos  # (T, start + T)
+    if windowed:
+        mask &= k_pos > q_pos - window
+    if key_mask is not None:  # a padding query sees itself alone: no row without a key (its output is unused)
+        return ((mask & key_mask[:, None, : start + T]) | (k_pos == q_pos))[:, None]  # (B, 1, T, start + T)
+    if segment_ids is not None:
+        return (mask & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]  # (B, 1, T, T)
+    return mask[None, None]
 
 
 class RMSNorm(nn.Module):
@@ -83,10 +105,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
-        if args.qk_norm:  # Qwen3: each head of q and k normalised before RoPE
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        if args.qk_norm:  # Qwen3, Gemma 3: each head of q and k normalised before RoPE
+            norm = GemmaRMSNorm if args.gemma else RMSNorm
+            self.q_norm, self.k_norm = norm(args.head_dim, args.norm_eps), norm(args.head_dim, args.norm_eps)
         self.qk_norm = args.qk_norm
+        # Gemma scales scores by query_scale^-1/2: q scaled so that attention's head_dim^-1/2 gives it
+        self.q_scale = (args.head_dim / args.query_scale) ** 0.5 if args.query_scale else None
         self.projection = each_layer  # (x, layers) -> their outputs; replaceable (linears.use_projection)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, keep=None, segments=None):
@@ -101,6 +125,8 @@ class Attention(nn.Module):
         k = k.transpose(1, 2)  # (B, n_kv, T, head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_scale is not None and self.q_scale != 1.0:
+            q = q * self.q_scale
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, n_kv, pos + T, head_dim)
         # mask None with T == 1: one query sees every key
@@ -117,9 +143,12 @@ class FeedForward(nn.Module):
         self.up_proj = nn.Linear(args.dim, inner, bias=args.mlp_bias)
         self.down_proj = nn.Linear(inner, args.dim, bias=args.mlp_bias)
         self.projection = each_layer
+        self.gelu = args.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU
 
     def forward(self, x, lean: bool = False):
         g, u = self.projection(x, (self.gate_proj, self.up_proj))  # (B, T, intermediate)
+        if self.gelu:
+            return run_linear(self.down_proj, F.gelu(g, approximate="tanh") * u)
         h = swiglu(g, u)
         with recompute_when_saved(h, lambda: silu_mul(g, u), lean):  # g, u are saved by SwiGLU anyway
             return run_linear(self.down_proj, h)
@@ -153,8 +182,13 @@ class Backbone(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(
+            SandwichBlock(Attention(args, i), FeedForward(args), args.dim, args.norm_eps)
+            if args.gemma
+            else Block(args, i)
+            for i in range(args.n_layers)
+        )
+        self.norm = (GemmaRMSNorm if args.gemma else RMSNorm)(args.dim, args.norm_eps)
 
 
 class Llama(nn.Module):
@@ -188,11 +222,13 @@ class Llama(nn.Module):
             self.lm_head.weight = nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
             self.args.tie_word_embeddings = False
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos/sin (B, 1, T, head_dim) for integer positions (B, T); angles in float32 as HF does."""
-        key = positions.device
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False):
+        """cos/sin (B, 1, T, head_dim) for integer positions (B, T); angles in float32 as HF does. local: Gemma's
+        sliding layers' own base."""
+        key = positions.device, local
         if key not in self._rope:
-            self._rope[key] = rope_inv_freq(self.args).to(positions.device)
+            args = replace(self.args, rope_theta=self.args.local_rope_theta, rope_scaling=None) if local else self.args
+            self._rope[key] = rope_inv_freq(args).to(positions.device)
         freqs = positions[..., None].float() * self._rope[key]  # (B, T, head_dim // 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
@@ -212,12 +248,12 @@ class Llama(nn.Module):
         if keep is not None and keep.dtype == torch.bool:
             keep = keep.flatten().nonzero().squeeze(1)  # flat positions: a compiled block sees no data-dependent shape
         x = self.model.embed_tokens(input_ids)  # (B, T, dim)
-        cos, sin = self.rope(position_ids, x.dtype)
-        if isinstance(cache, StaticKVCache) and T == 1:
-            mask = cache.step_mask(self.args.sliding_window)
-        else:
-            mask = self.attention_mask(T, start, x.device, segment_ids, None if cache is None else cache.key_mask)
-        segments = segment_ids if mask is None else None  # packed rows attend runs without a mask
+        if self.args.gemma:  # Gemma scales the embeddings by sqrt(dim), rounded to their dtype
+            x = x * torch.tensor(self.args.dim**0.5, dtype=x.dtype)
+        views = {
+            local: self._attention_inputs(position_ids, x.dtype, start, segment_ids, cache, local)
+            for local in {False, *([True] if self.args.local_layers else [])}
+        }
         last = len(self.model.layers) - 1
         # the load-balancing loss reads the router at every position, as transformers does
         routes_all = self.args.moe is not None and self.args.moe.output_router_logits and torch.is_grad_enabled()
@@ -228,6 +264,7 @@ class Llama(nn.Module):
         # compile errors of forward and backward surface here, where the compiled blocks fall back to eager
         with strict_compiling() if compiled else contextlib.nullcontext():
             for i, layer in enumerate(blocks):
+                cos, sin, mask, segments = views[i in self.args.local_layers]  # Gemma: sliding or global layer
                 # the last block's output projection and MLP run at the kept positions only (a loss's targets)
                 rows = keep if i == last and not routes_all else None
                 with offloaded(self.offload_activations and self.training, x.device):
@@ -253,36 +290,25 @@ class Llama(nn.Module):
             cache.advance(T)
         return self.model.norm(kept(x, keep) if routes_all else x)
 
+    def _attention_inputs(self, position_ids, dtype, start: int, segment_ids, cache, local: bool) -> tuple:
+        """(cos, sin, mask, segments) for the global layers, or with local for Gemma's sliding layers (their own
+        RoPE base and window); packed rows attend runs without a mask."""
+        T = position_ids.shape[1]
+        cos, sin = self.rope(position_ids, dtype, local)
+        window = self.args.local_window if local else self.args.sliding_window
+        if isinstance(cache, StaticKVCache) and T == 1:
+            mask = cache.step_mask(window)
+        else:
+            key_mask = None if cache is None else cache.key_mask
+            mask = attention_mask(T, start, position_ids.device, segment_ids, key_mask, window)
+        return cos, sin, mask, segment_ids if mask is None else None
+
     def compile_blocks(self, **options) -> None:
         """Run each decoder block through torch.compile(**options) in training passes (with gradients, no KV cache):
         one graph per block with its elementwise work fused and its backward written by inductor; every block
         shares the graphs of the first (parameters are graph inputs). Where compiling fails, a warning and eager
         blocks."""
         self._compiled_blocks = [compiled(layer, "decoder blocks run eager", **options) for layer in self.model.layers]
-
-    def attention_mask(self, T: int, start: int, device, segment_ids=None, key_mask=None):
-        """Which keys each query sees: None for plain causal attention, for packed rows on the CPU
-        (segment_ids (B, T): attend runs each example on its own, without a (T, T) mask), and for one new
-        token that sees every key; else (1 or B, 1, T, start + T) bool, built once for all layers: causal,
-        inside the sliding window (Mistral), inside its own example, past the row's left padding (key_mask
-        (B, start + T))."""
-        window = self.args.sliding_window
-        windowed = window is not None and start + T > window
-        plain = segment_ids is None or takes_segments(device)
-        if not windowed and (start == 0 or T == 1) and plain and key_mask is None:
-            return None
-        if not windowed and T == 1 and key_mask is not None:  # one new token sees every key but its row's padding
-            return key_mask[:, None, None, : start + 1]
-        q_pos = torch.arange(start, start + T, device=device)[:, None]
-        k_pos = torch.arange(start + T, device=device)[None]
-        mask = k_pos <= q_pos  # (T, start + T)
-        if windowed:
-            mask &= k_pos > q_pos - window
-        if key_mask is not None:  # a padding query sees itself alone: no row without a key (its output is unused)
-            return ((mask & key_mask[:, None, : start + T]) | (k_pos == q_pos))[:, None]  # (B, 1, T, start + T)
-        if segment_ids is not None:
-            return (mask & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]  # (B, 1, T, T)
-        return mask[None, None]
 
     def forward(
         self,

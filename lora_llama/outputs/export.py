@@ -64,6 +64,11 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def architecture(args: ModelArgs):
+    if args.model_type not in ARCHITECTURES:  # Gemma 3: llama.cpp's own converter writes it
+        raise UserError(
+            f"export writes {', '.join(ARCHITECTURES)} models; convert a merged {args.model_type} folder "
+            "(lora-llama merge) with llama.cpp's convert_hf_to_gguf.py"
+        )
     return _gguf().MODEL_ARCH[ARCHITECTURES[args.model_type]]
 
 
