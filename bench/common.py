@@ -215,3 +215,23 @@ def reset_peak() -> None:
     """Linux: writing 5 to clear_refs resets VmHWM, so the peak that follows is the measured work's own."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def hf_step_rates(model, recipe, tokenizer, steps: int) -> float:
+    """The median tokens/s of `steps` training steps of a transformers (+ peft) model on a recipe's first batches
+    (the first two left out), each a forward, backward and AdamW update at the recipe's lr."""
+    from lora_llama.data.sft import build_examples, collate
+
+    examples = build_examples(recipe.data, tokenizer, recipe.train.seed)[0]
+    b = recipe.train.batch_size
+    batches = [collate(examples[i * b : (i + 1) * b], tokenizer.pad_token_id) for i in range(steps)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.train.lr)
+    model.train()
+    rates = []
+    for batch in batches:
+        start = time.perf_counter()
+        model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rates.append(batch["input_ids"].numel() / (time.perf_counter() - start))
+    return statistics.median(rates[2:])

@@ -7,12 +7,10 @@ bench/results/dora.jsonl.
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 
-from bench.common import ROOT, cpu_line, record, scratch_dir
+from bench.common import ROOT, cpu_line, hf_step_rates, record, scratch_dir
 
 RECIPE = ROOT / "recipes" / "smollm2-chat-cpu.yaml"
 
@@ -23,7 +21,6 @@ def peft_worker(use_dora: bool, steps: int) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_llama.data.sft import build_examples, collate
     from lora_llama.loading.models import resolve_source
     from lora_llama.model.config import LINEAR_NAMES
     from lora_llama.recipe.schema import load_recipe
@@ -42,19 +39,7 @@ def peft_worker(use_dora: bool, steps: int) -> None:
             target_modules=[LINEAR_NAMES[t] for t in r.lora.targets],
         ),
     )
-    examples = build_examples(r.data, tok, r.train.seed)[0]
-    b = r.train.batch_size
-    batches = [collate(examples[i * b : (i + 1) * b], tok.pad_token_id) for i in range(steps + 2)]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=r.train.lr)
-    model.train()
-    rates = []
-    for batch in batches:
-        start = time.perf_counter()
-        model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        rates.append(batch["input_ids"].numel() / (time.perf_counter() - start))
-    print(json.dumps({"tokens_per_s": statistics.median(rates[2:])}))
+    print(json.dumps({"tokens_per_s": hf_step_rates(model, r, tok, steps + 2)}))
 
 
 def peft_run(use_dora: bool, steps: int) -> float:

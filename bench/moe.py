@@ -8,13 +8,11 @@ figures go to bench/results/moe.jsonl.
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
-from bench.common import ROOT, cpu_line, record, scratch_dir, status_mb
+from bench.common import ROOT, cpu_line, hf_step_rates, record, scratch_dir, status_mb
 
 RECIPE = ROOT / "recipes" / "smollm2-chat-cpu.yaml"
 SHAPES = dict(
@@ -52,7 +50,6 @@ def peft_worker(a) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_llama.data.sft import build_examples, collate
     from lora_llama.recipe.schema import load_recipe
 
     torch.set_num_threads(2)
@@ -65,19 +62,8 @@ def peft_worker(a) -> None:
         target_modules=[f"{t}_proj" for t in ATTENTION],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
     )
-    model = get_peft_model(model, config).train()
-    examples = build_examples(r.data, tok, r.train.seed)[0]
-    b = r.train.batch_size
-    batches = [collate(examples[i * b : (i + 1) * b], tok.pad_token_id) for i in range(a.steps)]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=r.train.lr)
-    rates = []
-    for batch in batches:
-        start = time.perf_counter()
-        model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        rates.append(batch["input_ids"].numel() / (time.perf_counter() - start))
-    print(json.dumps({"tokens_per_s": statistics.median(rates[2:]), "peak_mb": status_mb("VmHWM")}))
+    rate = hf_step_rates(get_peft_model(model, config), r, tok, a.steps)
+    print(json.dumps({"tokens_per_s": rate, "peak_mb": status_mb("VmHWM")}))
 
 
 def peft_run(a, folder) -> dict:

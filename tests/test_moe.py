@@ -214,3 +214,13 @@ def test_fsdp_on_a_mixture_is_one_line(moe, chat_data):
         _choose_strategy(load_recipe(None, [f"data.source={chat_data}"]), two, "cpu", model_source(str(folder)))
         == "ddp"
     )
+
+
+def test_a_mixture_in_a_gguf_file_is_one_line(tmp_path, capsys):
+    """A GGUF mixture (written here by export) is not read as a base: one line, nothing cached."""
+    folder = build_checkpoint(tmp_path / "ckpt", family="qwen3_moe", **{**MOE["qwen3_moe"][1], "vocab_size": 300})
+    assert main(["export", "--base", str(folder), "--out", str(tmp_path / "m.gguf")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "m.gguf"), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds a mixture of experts, which is not read from GGUF" in err

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from test_moe import MOE as MIXTURES
 
 from helpers import ROOT, build_checkpoint, hf_model, token_ids
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, save_adapter
@@ -12,20 +13,7 @@ from lora_llama.cli import main
 from lora_llama.errors import UserError
 from lora_llama.objectives.token_losses import target_loss
 
-MOE = {
-    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
-    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16)),
-    "qwen2_moe": (
-        "qwen2_moe",
-        dict(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=24,
-            shared_expert_intermediate_size=40,
-            decoder_sparse_step=2,
-        ),
-    ),
-}
+MOE = {name: MIXTURES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe")}  # one of each family
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
@@ -52,7 +40,7 @@ def randomized(model, seed=0):
 
 
 def test_adapter_gradients_equal_peft_target_parameters(moe, tmp_path):
-    """Our adapter, saved and loaded into peft: the same loss and the same gradient for every A and B."""
+    """Our adapter, saved and loaded into peft: the same logits, loss and gradient for every A and B."""
     from peft import PeftModel
 
     x = token_ids(2, 30, 4)
@@ -63,6 +51,8 @@ def test_adapter_gradients_equal_peft_target_parameters(moe, tmp_path):
     config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
     assert config["target_parameters"] == EXPERT_PARAMETERS and config["target_modules"] == ["q_proj", "v_proj"]
     peft = PeftModel.from_pretrained(hf_model(moe), tmp_path / "ours", is_trainable=True).train()
+    with torch.no_grad():
+        assert (model(x) - peft(input_ids=x).logits).abs().max() < 1e-4
     loss, n = target_loss(model, x, x)
     (loss / n).backward()
     ref = peft(input_ids=x, labels=x)

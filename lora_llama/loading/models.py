@@ -128,6 +128,17 @@ def remember(seen: Path, key: str) -> None:
         pass
 
 
+def holds_experts(gguf: Path) -> bool:
+    """Whether a GGUF file's metadata gives its architecture experts (`ARCH.expert_count` above 0)."""
+    try:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(gguf).fields
+    except Exception:  # not a readable GGUF: transformers' reading says so in its own line
+        return False
+    return any(k.endswith(".expert_count") and int(f.contents() or 0) > 0 for k, f in fields.items())
+
+
 def gguf_to_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached HF folder (float32 safetensors + tokenizer)."""
     key, seen = gguf_cache_key(gguf)
@@ -136,6 +147,8 @@ def gguf_to_folder(gguf: Path) -> Path:
         if not seen.is_file():
             remember(seen, key)
         return folder
+    if holds_experts(gguf):  # read once, before the first conversion (seconds for a large file)
+        raise UserError(f"{gguf} holds a mixture of experts, which is not read from GGUF: train its HF checkpoint")
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
