@@ -3,7 +3,7 @@
 #   bash bench/gpu_call.sh                 # call 1: every part in order, the whole inside CALL_S seconds (default 450)
 #   bash bench/gpu_call.sh 8b-nf4 grpo     # call 2: the parts named (what failed, was mended or did not fit)
 # Parts, in call 1's order:
-#   tests                   the CUDA tests, each listed with its outcome, each stopped after TEST_S seconds
+#   tests                   the CUDA tests (families too), each listed with its outcome, each stopped after TEST_S s
 #   135m, 8b, 8b-nf4, 1b    bench.gpu's configurations, each against transformers+peft (with and without liger-kernel;
 #                           for nf4, peft on bitsandbytes' 4-bit base)
 #   grpo                    bench.grpo against trl's GRPOTrainer, bench.decode's figures inside its line
@@ -40,7 +40,7 @@ fi
 export PYTHONUNBUFFERED=1
 
 tests() {
-  $PY -m pytest -p no:cacheprovider --timeout "${TEST_S:-90}" -q -rA tests/test_cuda.py 2>&1 \
+  $PY -m pytest -p no:cacheprovider --timeout "${TEST_S:-90}" -q -rA tests/test_cuda.py tests/test_cuda_families.py 2>&1 \
     | tee -a "$out/call.log" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|skipped" >"$out/tests.txt"
   cat "$out/tests.txt"
 }

@@ -142,6 +142,13 @@ TRIGGERS = {
     "fsdp shards nf4 layers by row: in_features N is not a multiple of 64": lambda m: m.fsdp_nf4(),
     "--nnodes above 1 needs --rdzv-endpoint HOST:PORT ...": lambda m: m.cli("train", m.empty, "--nnodes", "2"),
     "model_type 'gemma' is not supported (supported: ...)": lambda m: m.gemma(),
+    "layer N of this ... model is a mixture of experts, with no mlp.gate_proj: its experts take lora.targets "
+    "experts; ...": lambda m: m.train(f"model.source={m.mixture()}", "lora.targets=[q,gate]"),
+    "lora.targets experts: this llama model has no mixture of experts (its MLP's linears are gate, up, down)": (
+        lambda m: m.train("lora.targets=[q,experts]")
+    ),
+    "train.distributed=fsdp on a mixture of experts is not supported; use ddp": lambda m: m.fsdp_mixture(),
+    "... holds a mixture of experts, which is not read from GGUF: train its HF checkpoint": lambda m: m.gguf_mixture(),
     "adapter for ... has lora_A (N, N) and lora_B (N, N), which do not fit the base weight (N, N)": (
         lambda m: m.other_base()
     ),
@@ -154,6 +161,28 @@ TRIGGERS = {
 
 
 class MoreMistakes(Mistakes):
+    def mixture(self):
+        from test_moe import MOE
+
+        folder = self.tmp / "mixture"
+        model_type, overrides = MOE["qwen3_moe"]
+        return folder if folder.is_dir() else build_checkpoint(folder, family=model_type, **overrides)
+
+    def fsdp_mixture(self):
+        from lora_llama.loading.models import model_source
+        from lora_llama.recipe.schema import load_recipe
+        from lora_llama.runtime.distributed import Ranks
+        from lora_llama.training.from_recipe import _choose_strategy
+
+        recipe = load_recipe(None, ["train.distributed=fsdp"])
+        return self.error(
+            lambda: _choose_strategy(recipe, Ranks(rank=0, world=2), "cpu", model_source(str(self.mixture())))
+        )
+
+    def gguf_mixture(self):
+        self.cli("export", "--base", self.mixture(), "--out", self.tmp / "mixture.gguf", code=0)
+        return self.cli("generate", "--model", self.tmp / "mixture.gguf", "--prompt", "hi")
+
     def dora(self):
         from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
 

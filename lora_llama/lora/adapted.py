@@ -32,8 +32,8 @@ def target_paths(model, settings: LoraSettings) -> list[str]:
     if mixtures:
         _, _, i, name = mixtures[0].split(".", 3)
         raise UserError(
-            f"layer {i} of this {model.args.model_type} model is a mixture of experts, with no {name}: LoRA on its "
-            "experts is not supported; target q, k, v, o (and gate, up, down of its dense layers with lora.layers)"
+            f"layer {i} of this {model.args.model_type} model is a mixture of experts, with no {name}: its experts "
+            "take lora.targets experts; gate, up, down adapt dense layers (pick those with lora.layers)"
         )
     return paths + (["lm_head"] if "lm_head" in settings.targets else [])
 
