@@ -29,10 +29,16 @@ SHAPES = dict(
 ATTENTION = ["q", "k", "v", "o"]
 
 
-def checkpoint(folder):
+def shapes(a) -> dict:
+    """SHAPES with --experts, --top-k and --expert-dim where given (many small experts: Qwen3-MoE's proportions)."""
+    given = {"num_experts": a.experts, "num_experts_per_tok": a.top_k, "moe_intermediate_size": a.expert_dim}
+    return {**SHAPES, **{k: v for k, v in given.items() if v}}
+
+
+def checkpoint(folder, a):
     from tests.helpers import build_checkpoint
 
-    return build_checkpoint(folder, family="qwen3_moe", **SHAPES)
+    return build_checkpoint(folder, family="qwen3_moe", **shapes(a))
 
 
 def settings(a, folder) -> list[str]:
@@ -82,13 +88,16 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seq", type=int, default=128, help="data.max_seq_len")
     ap.add_argument("--batch", type=int, default=4, help="train.batch_size")
+    ap.add_argument("--experts", type=int, help="num_experts (default 8)")
+    ap.add_argument("--top-k", type=int, help="num_experts_per_tok (default 2)")
+    ap.add_argument("--expert-dim", type=int, help="moe_intermediate_size (default 512)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         a.folder = a.worker
         return peft_worker(a)
     tmp = scratch_dir("lora-llama-moe-bench-")
-    folder = checkpoint(tmp / "ckpt")
+    folder = checkpoint(tmp / "ckpt", a)
     ours = train(
         "none", tmp / "run", SimpleNamespace(steps=a.steps, precision="fp32", device="cpu"), settings(a, folder)
     )
@@ -97,7 +106,7 @@ def main():
     record(
         "moe",
         {
-            "shapes": SHAPES,
+            "shapes": shapes(a),
             "tokens_per_s": {"lora-llama": ours["tokens_per_s"], "peft": theirs["tokens_per_s"]},
             "peak_mb": {"lora-llama": ours["peak_mb"], "peft": theirs["peak_mb"]},
             "speed_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
