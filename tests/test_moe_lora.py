@@ -128,3 +128,22 @@ def test_experts_refuse_what_peft_refuses(change, message):
         from lora_llama.lora.settings import lora_settings
 
         lora_settings(targets=["experts"], **change)
+
+
+def test_merge_lora_in_memory_folds_the_experts_and_disabled_adapters_give_the_base(moe):
+    from lora_llama import merge_lora
+    from lora_llama.lora.adapted import adapters_disabled
+    from lora_llama.lora.experts import expert_modules
+
+    x = token_ids(2, 24, 10)
+    model = load_model(moe)
+    with torch.no_grad():
+        base = model(x)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["experts", "q"]))
+    randomized(model, seed=5)
+    with torch.no_grad():
+        adapted = model.eval()(x)
+        with adapters_disabled(model):  # the reference pass of DPO, ORPO, KTO and GRPO's KL
+            assert torch.equal(model(x), base) and (adapted - base).abs().max() > 1e-3
+        merge_lora(model)
+        assert not expert_modules(model) and (model(x) - adapted).abs().max() < 1e-4
