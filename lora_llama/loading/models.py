@@ -244,7 +244,8 @@ class _ShardReader:
         self.args, self.dtype, self.device, self.from_float = model.args, dtype, device, from_float
         self.expected = {k: v.shape for k, v in model.state_dict().items()}
         self.seen = seen  # a GGUF's own blocks replace its dequantized copy
-        self.stacks = ExpertStacks(self.expected, dtype, device)
+        # experts to be quantized are quantized from the checkpoint's own precision, as the linears are
+        self.stacks = ExpertStacks(self.expected, None if from_float else dtype, device)
 
     def tensors(self, file: Path, shard: dict) -> dict:
         out = {}
