@@ -210,7 +210,6 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | QuantForma
     folder = resolve_source(source)
     model = meta_model(folder)
     args = model.args
-    expected = {k: v.shape for k, v in model.state_dict().items()}
     fmt = quant_format(quantize)
     from_float = fmt is not None and fmt.from_float
     blocks = gguf_linear_blocks(source, args) if fmt is not None and fmt.keeps_file_blocks else {}
@@ -222,12 +221,11 @@ def load_model(source: str | os.PathLike, dtype=None, quantize: str | QuantForma
             quantize_loaded_linears(model, fmt)
             quantize_loaded_experts(model, fmt)
             release_freed_memory()  # the shard's full-precision weights are gone now
-    seen, expected = reader.seen, reader.expected
     install_blocks(model, blocks, device)
     if args.tie_word_embeddings:
         model.tie_weights()
-        seen.add("lm_head.weight")
-    missing = sorted(set(expected) - seen)
+        reader.seen.add("lm_head.weight")
+    missing = sorted(set(reader.expected) - reader.seen)
     if missing:
         raise UserError(f"{folder}: checkpoint lacks {len(missing)} tensors, first {missing[0]!r}")
     for p in model.parameters():
