@@ -22,30 +22,31 @@ from lora_llama.model.moe import Experts
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # in the order peft's target_parameters lists them
 
 
+def expert_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int, expert: int | None = None):
+    """(A_e (r, in), B_e (out, r)) of one expert from peft's stacked lora_A (r·E, in) and lora_B (out, r·E); with
+    expert None, every expert's: (A (E, r, in), B (out, r, E))."""
+    a = lora_a.view(experts, lora_a.shape[0] // experts, -1)
+    b = lora_b.view(lora_b.shape[0], lora_b.shape[1] // experts, experts)
+    return (a, b) if expert is None else (a[expert], b[:, :, expert])
+
+
 class StackedLoRA(nn.Module):
     """Rank-r factors of E experts' (out, in) weights, stacked as peft stacks them."""
 
     def __init__(self, experts: int, out_features: int, in_features: int, r: int, init):
         super().__init__()
-        self.experts, self.r = experts, r
+        self.experts = experts
         self.lora_A = nn.Linear(in_features, r * experts, bias=False)
         self.lora_B = nn.Linear(r * experts, out_features, bias=False)
         init_adapter(self.lora_A, self.lora_B, init)
 
-    def factors(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A_e (r, in), B_e (out, r))."""
-        a = self.lora_A.weight.view(self.experts, self.r, -1)[expert]
-        b = self.lora_B.weight.view(-1, self.r, self.experts)[:, :, expert]
-        return a, b
-
     def update(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.factors(expert)
+        a, b = expert_factors(self.lora_A.weight, self.lora_B.weight, self.experts, expert)
         return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype))
 
     def delta(self, scale: float) -> torch.Tensor:
         """Every expert's scale · B_e · A_e, (E, out, in)."""
-        a = self.lora_A.weight.view(self.experts, self.r, -1)
-        b = self.lora_B.weight.view(-1, self.r, self.experts)
+        a, b = expert_factors(self.lora_A.weight, self.lora_B.weight, self.experts)
         return torch.einsum("ore,eri->eoi", b, a) * scale
 
 

@@ -32,7 +32,7 @@ from lora_llama.files.shards import (
 from lora_llama.files.tokenizer_files import copy_tokenizer_files
 from lora_llama.loading.adapters import CHAT_TEMPLATE, adapter_deltas, embedding_changes, read_adapter_tensors
 from lora_llama.loading.models import resolve_source
-from lora_llama.lora.experts import EXPERT_WEIGHTS
+from lora_llama.lora.experts import EXPERT_WEIGHTS, expert_factors
 from lora_llama.lora.layer import fold
 from lora_llama.model.config import portable_hf_config, torch_dtype
 from lora_llama.model.moe import stacked_name
@@ -76,9 +76,7 @@ def expert_deltas(deltas: dict, shapes: dict) -> dict:
         experts[name] = max(experts.get(name, 0), e + 1)
     for key, (name, e, part) in ((k, f) for k, f in found.items() if f and f[0] + ".weight" in stacks):
         A, B, _ = stacks[name + ".weight"]
-        n = experts[name]
-        r = A.shape[0] // n
-        a, b = A.view(n, r, -1)[e], B.view(B.shape[0], r, n)[:, :, e]
+        a, b = expert_factors(A, B, experts[name], e)
         half = B.shape[0] // 2
         b = {"gate": b[:half], "up": b[half:], "down": b}[part]
         per_expert[key] = (a.contiguous(), b.contiguous(), None)
