@@ -111,6 +111,12 @@ def dequantize_absmax(codes: torch.Tensor, absmax2: torch.Tensor, offset: torch.
     return (values * absmax2[:, None]).view(-1)[: codes.numel()].add_(offset).view(codes.shape)
 
 
+def nf4_absmax(scales: torch.Tensor, absmax2: torch.Tensor | None = None, offset: torch.Tensor | None = None):
+    """nf4's float absmax per block of 64: the scales themselves, or with double quantization (absmax2 given)
+    their 8-bit codes dequantized."""
+    return scales if absmax2 is None else dequantize_absmax(scales, absmax2, offset)
+
+
 @fused.made_once
 @torch.no_grad()
 def _pair_table(device: torch.device) -> torch.Tensor:

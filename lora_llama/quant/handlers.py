@@ -24,9 +24,9 @@ from lora_llama.errors import UserError
 from lora_llama.quant.formats import (
     DOUBLE_QUANT_BLOCK,
     NF4_BLOCK,
-    dequantize_absmax,
     dequantize_int8,
     dequantize_nf4,
+    nf4_absmax,
     quantize_absmax,
     quantize_int8,
     quantize_nf4,
@@ -131,9 +131,7 @@ class NF4(QuantFormat):
         return {**whole, "codes": whole["codes"][lo:hi].clone(), "scales": whole["scales"][lo:hi].clone()}
 
     def by_rows(self, t):
-        if "absmax2" not in t:
-            return t
-        return {"codes": t["codes"], "scales": dequantize_absmax(t["scales"], t["absmax2"], t["offset"])}
+        return {"codes": t["codes"], "scales": nf4_absmax(t["scales"], t.get("absmax2"), t.get("offset"))}
 
     def dequantize(self, t, shape, dtype):
         return dequantize_nf4(t["codes"], self.by_rows(t)["scales"], shape, dtype)

@@ -23,7 +23,7 @@ import torch.nn as nn
 from lora_llama.kernels import fused, workspace
 from lora_llama.kernels.gemm import copies_transposed, linear
 from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
-from lora_llama.quant.formats import NF4_BLOCK, dequantize_absmax
+from lora_llama.quant.formats import NF4_BLOCK, nf4_absmax
 from lora_llama.quant.handlers import QuantFormat, dequantize_codes, layer_format, quant_format
 
 DECODER_LINEARS = tuple(LINEAR_NAMES[t] for t in BLOCK_LINEARS)  # q_proj ... down_proj
@@ -140,8 +140,7 @@ def dequantize_weight(args: tuple) -> torch.Tensor:
     format) where it is installed, the formats of COMPILED_ON_CUDA in one compiled kernel, the rest eager."""
     kind, codes, scales, shape, dtype, absmax2, offset = args
     if codes.is_cuda and kind == "nf4" and _bitsandbytes() is not None:
-        absmax = scales if absmax2 is None else dequantize_absmax(scales, absmax2, offset)
-        return nf4_by_bitsandbytes(codes, absmax, shape, dtype)
+        return nf4_by_bitsandbytes(codes, nf4_absmax(scales, absmax2, offset), shape, dtype)
     compiled = kind in COMPILED_ON_CUDA and codes.is_cuda and fused.compiling()
     return (_dequantize_compiled if compiled else dequantize_codes)(*args)
 
@@ -178,8 +177,7 @@ def transient_weight(args: tuple, transposed: bool = False) -> torch.Tensor:
     ):
         w = dequantize_weight(args)
         return w.t() if transposed else w
-    if absmax2 is not None:  # one value a block of 64: small
-        scales = dequantize_absmax(scales, absmax2, offset)
+    scales = nf4_absmax(scales, absmax2, offset)  # one value a block of 64: small; other formats' scales as they are
 
     def rows(r0, r1):
         return dequantize_codes(kind, codes[r0:r1], scales[r0:r1], (r1 - r0, shape[1]), dtype)
