@@ -125,8 +125,11 @@ def test_compiled_formulas_use_every_thread_whatever_size_compiled_them(tmp_path
 
 
 @pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])  # scores of ~1, or of tens
-# (BLOCK, KEYS, GROUP_TILE): one tile per block, all groups in one product; many tiles, one group at a time
-@pytest.mark.parametrize("blocks", [(128, 2048, 4 << 20), (16, 24, 1)], ids=["one-tile", "many-tiles"])
+# (BLOCK, KEYS, GROUP_TILE): one tile per block, all groups in one product; many tiles, one group at a time; many
+# tiles, three groups a product (of 2 rows x 2 key/value heads: a product spans both rows' masks)
+@pytest.mark.parametrize(
+    "blocks", [(128, 2048, 4 << 20), (16, 24, 1), (16, 24, 3 * 24 * 16 * 3)], ids=["one-tile", "many-tiles", "3-groups"]
+)
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 # the forward's q·kᵀ as oneDNN bf16 products with float32 output (torch >= 2.9), or per group in float32
 @pytest.mark.parametrize("bf16_sums", [True, False], ids=["batched-forward", "per-group-forward"])
@@ -143,7 +146,7 @@ def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed, bf16_sum
         torch.randn(2, h, 70, 16, generator=g).mul(s).bfloat16().requires_grad_()
         for h, s in ((6, scale), (2, 1.0), (2, 1.0))
     )
-    segments = torch.tensor([[0] * 30 + [1] * 40, [0] * 70]) if packed else None
+    segments = torch.tensor([[0] * 30 + [1] * 40, [0] * 10 + [1] * 25 + [2] * 35]) if packed else None
     out = attend(q, k, v, causal=True, segments=segments)
     assert out.grad_fn.name() == "_CausalAttentionBackward" and out.dtype == torch.bfloat16
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -155,9 +158,9 @@ def test_training_attention_in_bf16(monkeypatch, scale, blocks, packed, bf16_sum
 @pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_flash_forward_in_bf16(monkeypatch, scale, packed):
-    """aten's flash forward (what a CPU with AMX runs) with the blocked backward: its base-2 log-sum-exp is what the
-    backward's recomputed probabilities need, so the gradients match float64 too. It runs on any CPU (AMX only
-    makes it fast)."""
+    """aten's flash forward (what a CPU with AMX runs on unpacked rows) with the blocked backward: its base-2
+    log-sum-exp is what the backward's recomputed probabilities need, so the gradients match float64 too. It runs on
+    any CPU (AMX only makes it fast)."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     calls = []
     monkeypatch.setattr(attention, "FLASH_FORWARD", lambda *a: calls.append(a[0].shape) or op(*a))
@@ -169,7 +172,7 @@ def test_flash_forward_in_bf16(monkeypatch, scale, packed):
     segments = torch.tensor([[0] * 30 + [1] * 40, [0] * 70]) if packed else None
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     check(lambda a, b, c: attend(a, b, c, causal=True, segments=segments), (q, k, v), (q64, k64, v64))
-    assert len(calls) == (3 if packed else 1)  # one problem per packed example: (row 0: 2, row 1: 1)
+    assert len(calls) == (0 if packed else 1)  # packed rows: the blocked forward, which hides earlier examples' keys
     out, lse = attention.causal_attention(q.detach(), k.detach(), v.detach(), segments)
     monkeypatch.setattr(attention, "FLASH_FORWARD", None)
     out_blocked, lse_blocked = attention.causal_attention(q.detach(), k.detach(), v.detach(), segments)

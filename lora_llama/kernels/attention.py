@@ -1,12 +1,13 @@
 """Attention through SDPA, and for CPU training and packed rows the blocked kernel of blocked_attention.py: linear
 memory, no mask tensor.
 
-Packed rows (`segments`, one id per example, each example contiguous) are independent causal problems: each example
-of each row runs on its own slice, so no dense (B, 1, T, T) mask exists and no work is spent on keys of other
-examples. The kernel is wrapped as custom ops (opaque to torch.compile, one op that selective checkpointing keeps)
-and an autograd Function; in bf16 on a CPU with AMX its forward is aten's flash kernel (`FLASH_FORWARD`). GPUs,
-float16, sliding windows, the KV cache and inference of unpacked rows keep SDPA and its kernels (packed rows there
-with a mask).
+Packed rows (`segments`, one id per example, each example contiguous) are independent causal problems: the blocked
+kernel starts each block of queries at its examples' first keys and hides the keys of earlier examples, so no dense
+(B, 1, T, T) mask exists, little work is spent on keys of other examples, and short examples share the batched
+products of whole rows. The kernel is wrapped as custom ops (opaque to torch.compile, one op that selective
+checkpointing keeps) and an autograd Function; in bf16 on a CPU with AMX the forward of unpacked rows is aten's flash
+kernel (`FLASH_FORWARD`). GPUs, float16, sliding windows, the KV cache and inference of unpacked rows keep SDPA and its
+kernels (packed rows there with a mask).
 """
 
 from __future__ import annotations
@@ -114,33 +115,15 @@ def causal_segment_mask(segments: torch.Tensor) -> torch.Tensor:
     return causal & (segments[:, :, None] == segments[:, None, :])
 
 
-def _pieces(segments: torch.Tensor | None, B: int, T: int) -> list[tuple[slice, slice]]:
-    """(batch rows, positions) of each independent causal problem: the whole batch, or each example of each
-    packed row (a run of equal segment ids)."""
-    if segments is None:
-        return [(slice(0, B), slice(0, T))]
-    new = torch.ones_like(segments, dtype=torch.bool)
-    new[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    pieces = []
-    for r, starts in enumerate(torch.nonzero(new)[:, 1].split(new.sum(1).tolist())):
-        bounds = starts.tolist() + [T]
-        pieces += [(slice(r, r + 1), slice(a, b)) for a, b in zip(bounds, bounds[1:])]
-    return pieces
-
-
 # custom ops: opaque to torch.compile (no loop to unroll) and one op that selective checkpointing can keep
 @torch.library.custom_op("lora_llama::causal_attention", mutates_args=())
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, base-2 log-sum-exp) of causal attention, each packed example (segments) on its own."""
-    pieces = _pieces(segments, q.shape[0], q.shape[2])
-    if len(pieces) == 1:
-        return _causal_forward(q, k, v)
-    out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=work_dtype(q))
-    for r, t in pieces:
-        out[r, :, t], lse[r, :, t] = _causal_forward(q[r, :, t], k[r, :, t], v[r, :, t])
-    return out, lse
+    if segments is not None:
+        return forward(q, k, v, segments)
+    return _causal_forward(q, k, v)
 
 
 @causal_attention.register_fake
@@ -158,13 +141,7 @@ def causal_attention_backward(
     grad_out: torch.Tensor,
     segments: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pieces = _pieces(segments, q.shape[0], q.shape[2])
-    if len(pieces) == 1:
-        return backward(q, k, v, out, lse, grad_out)
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    for r, t in pieces:
-        dq[r, :, t], dk[r, :, t], dv[r, :, t] = backward(*(x[r, :, t] for x in (q, k, v, out, lse, grad_out)))
-    return dq, dk, dv
+    return backward(q, k, v, out, lse, grad_out, segments)
 
 
 @causal_attention_backward.register_fake

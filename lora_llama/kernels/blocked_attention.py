@@ -30,17 +30,29 @@ BLOCK = (
 )
 KEYS = 2048
 GROUP_TILE = 4 << 20  # bf16: elements of one tile's scores over the groups it batches (8 MB in bf16, 16 in float32)
+_FINITE = 1e30  # the floor of a running max: exp2(-inf - m) stays 0 where a tile hides a whole row
 LOG2E = 1.4426950408889634  # scores in base 2: exp2(x·log2(e)) = exp(x)
 
 
 class _Layout:
     """The rows of every query head sharing a key/value head, position-major: (B·H_kv, T·rep, ...), so that a
-    block of positions s..e is rows s·rep..e·rep, one matrix per (batch row, key/value head) group."""
+    block of positions s..e is rows s·rep..e·rep, one matrix per (batch row, key/value head) group.
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor):
+    segments (B, T), packed rows: a query sees the keys from its example's first position (`starts`) to its own;
+    a block's key tiles begin at the earliest example start among its queries (over all batch rows), so packed
+    rows cost about their examples' own causal work, in the same batched products as unpacked ones."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None = None):
         self.B, self.H, self.T, self.d = q.shape
         self.Hkv = k.shape[1]
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
+        self.starts = None if segments is None else _example_starts(segments)
+        # per block: the first key any of its queries sees, and the latest example start among them
+        self.first_key = [0] * len(range(0, self.T, BLOCK))
+        if self.starts is not None:
+            self.first_key = self.starts[:, ::BLOCK].amin(0).tolist()
+            ends = [min(s + BLOCK, self.T) for s in range(0, self.T, BLOCK)]
+            self.last_start = [int(self.starts[:, s - 1].amax()) for s in ends]
 
     def rows(self, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in the work dtype (callers may change it in place);
@@ -85,20 +97,48 @@ class _Layout:
         return max(1, GROUP_TILE // (min(KEYS, self.T) * BLOCK * self.rep))
 
     def tiles(self):
-        """(rows, s, e, k0, k1) per block of queries s..e-1 and tile of keys k0..k1-1 it can see, tiles in order."""
-        for s in range(0, self.T, BLOCK):
+        """(rows, s, e, k0, k1) per block of queries s..e-1 and tile of keys k0..k1-1 it can see, tiles in order
+        (the first tile of a block begins at its first_key)."""
+        for b, s in enumerate(range(0, self.T, BLOCK)):
             e = min(s + BLOCK, self.T)
-            for k0 in range(0, e, KEYS):
+            for k0 in range(self.first_key[b], e, KEYS):
                 yield slice(s * self.rep, e * self.rep), s, e, k0, min(k0 + KEYS, e)
 
-    def hide(self, scores: torch.Tensor, s: int, e: int, k0: int, k1: int, keys_first: bool = False) -> torch.Tensor:
-        """-inf where a key lies after its query, in the scores of queries s..e and keys k0..k1: (e-s)·rep rows
-        by k1-k0 keys, or keys by rows (keys_first). Only keys s..k1 (the diagonal's) can lie after a query."""
+    def hide(
+        self, scores: torch.Tensor, grp: slice, s: int, e: int, k0: int, k1: int, keys_first: bool = False
+    ) -> torch.Tensor:
+        """-inf where a key lies after its query or (packed rows) before its example, in the scores of groups grp,
+        queries s..e and keys k0..k1: (G, (e-s)·rep, k1-k0), or keys by rows (keys_first). Only keys s..k1 (the
+        diagonal's) can lie after a query."""
         c0 = max(s, k0)
-        if k1 > c0:  # (leading dims: groups)
+        if k1 > c0:
             part = scores[..., c0 - k0 :, :] if keys_first else scores[..., c0 - k0 :]
             part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
+        if self.starts is not None and self.last_start[s // BLOCK] > k0:
+            # (B, rows, keys), or (B, keys, rows)
+            hidden = _before_example(self.starts[:, s:e], k0, k1, self.rep, keys_first)
+            g0, g1 = grp.start, min(grp.stop, self.n)
+            per_group = scores.view(g1 - g0, *hidden.shape[1:])
+            for b in range(g0 // self.Hkv, (g1 - 1) // self.Hkv + 1):  # the groups of batch row b share its mask
+                lo, hi = max(g0, b * self.Hkv), min(g1, (b + 1) * self.Hkv)
+                per_group[lo - g0 : hi - g0].masked_fill_(hidden[b], -math.inf)
         return scores
+
+
+def _before_example(starts: torch.Tensor, k0: int, k1: int, rep: int, keys_first: bool) -> torch.Tensor:
+    """(B, queries·rep, keys), or (B, keys, queries·rep): True where key k0 + j lies before the example of the
+    query (each query row repeated for its rep heads), contiguous as the scores it masks."""
+    before = starts[:, :, None] > torch.arange(k0, k1, device=starts.device)  # (B, queries, keys)
+    before = before[:, :, None].expand(-1, -1, rep, -1).flatten(1, 2)
+    return before.transpose(1, 2).contiguous() if keys_first else before.contiguous()
+
+
+def _example_starts(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T): the position where each position's example (a run of equal segment ids) begins."""
+    pos = torch.arange(segments.shape[1], device=segments.device).expand(segments.shape)
+    new = torch.ones_like(segments, dtype=torch.bool)
+    new[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return torch.where(new, pos, 0).cummax(1).values
 
 
 @functools.lru_cache(maxsize=64)
@@ -136,7 +176,7 @@ def _tn(a, b):  # aᵀ·b, as (bᵀ·a)ᵀ: oneDNN reads the small bᵀ contiguo
     return linear(b.t().contiguous(), a.t()).t()
 
 
-def forward(q, k, v):
+def forward(q, k, v, segments=None):
     """out (B, H, T, d) in q's dtype and the base-2 log-sum-exp (B, H, T) of plain causal attention.
 
     Per block of queries, over tiles of keys: scores in base 2 (exp2 runs ~4x faster than exp on the CPU), the online
@@ -144,7 +184,7 @@ def forward(q, k, v):
     scale·log2(e) folded into q. bf16: q·kᵀ in float32 from bf16 values, so it runs exactly as a bf16 product
     with float32 sums and output (`_bf16_sums`), batched over groups like the backward; the scale is applied
     in the exponent, q staying a bf16 value."""
-    L = _Layout(q, k)
+    L = _Layout(q, k, segments)
     c = LOG2E / math.sqrt(L.d)
     batched = q.dtype == torch.bfloat16 and _BF16_SUMS
     qs = L.rows(q, None if batched else c)
@@ -159,10 +199,13 @@ def forward(q, k, v):
             for rows, s, e, k0, k1 in L.tiles():
                 qg, kg, vg = qs[grp, rows], kk[grp, k0:k1], vv[grp, k0:k1]
                 p = torch.bmm(qg, kg.transpose(1, 2)) if batched else _nt(qg[0], kg[0])[None]  # (G, b·rep, K)
-                p = L.hide(p, s, e, k0, k1)
+                p = L.hide(p, grp if batched else slice(g0, g0 + 1), s, e, k0, k1)
                 acc, total, m = out[grp, rows], sums[grp, rows], lse[grp, rows]
-                if k0 == 0:  # key 0 is seen by all: the max is finite from tile 0
+                first = k0 == L.first_key[s // BLOCK]
+                if first:  # every query sees its block's first key unless packed rows hide it (see below)
                     torch.amax(p, -1, out=m)
+                    if L.starts is not None:  # a row that sees no key of this tile: a finite max, its exp2 is 0
+                        m.clamp_(min=-_FINITE)
                 else:  # a row that sees no key of this tile has -inf here
                     m_new = torch.maximum(m, p.amax(-1))
                     r = (m - m_new).mul_(scale).exp2_()
@@ -174,7 +217,7 @@ def forward(q, k, v):
                     else p.sub_(m[..., None]).exp2_()
                 )
                 pv = torch.bmm(p.to(vv.dtype), vg) if batched else _nn(p[0].to(vv.dtype), vg[0])[None]
-                if k0 == 0:
+                if first:
                     acc.copy_(pv)
                     torch.sum(p, -1, out=total)
                 else:
@@ -205,14 +248,14 @@ def _bf16_sums(active: bool):
         setting.fp32_precision = before
 
 
-def backward(q, k, v, out, lse, grad_out):
+def backward(q, k, v, out, lse, grad_out, segments=None):
     """dq, dk, dv of plain causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse (B, H, T) from forward).
 
     Keys-first tiles: Pᵀ = exp2(k·qᵀ - lse) and dPᵀ - delta = v·dOᵀ - delta come out of one product each, the
     subtraction fused into it as the product's bias (one per query row)."""
     if q.dtype == torch.bfloat16:
-        return _backward_bf16(q, k, v, out, lse, grad_out)
-    L = _Layout(q, k)
+        return _backward_bf16(q, k, v, out, lse, grad_out, segments)
+    L = _Layout(q, k, segments)
     scale = 1 / math.sqrt(L.d)
     c = scale * LOG2E  # the base-2 scale, folded into q
     qs, g, kk, vv = L.rows(q, c), L.rows(grad_out), L.keys(k), L.keys(v)
@@ -222,7 +265,7 @@ def backward(q, k, v, out, lse, grad_out):
     for i in range(L.n):
         for rows, s, e, k0, k1 in L.tiles():
             q_blk, g_blk, k_t, v_t = qs[i, rows], g[i, rows], kk[i, k0:k1], vv[i, k0:k1]  # (b·rep, d), (K, d)
-            pt = L.hide(_nt(k_t, q_blk, neg_lse[i, rows]), s, e, k0, k1, keys_first=True).exp2_()  # Pᵀ (K, b·rep)
+            pt = L.hide(_nt(k_t, q_blk, neg_lse[i, rows]), slice(i, i + 1), s, e, k0, k1, True).exp2_()  # Pᵀ (K, b·rep)
             dv[i, k0:k1] += _nn(pt, g_blk)
             dst = _nt(v_t, g_blk, neg_delta[i, rows]).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
             dk[i, k0:k1] += _nn(dst, q_blk)
@@ -235,7 +278,7 @@ def backward(q, k, v, out, lse, grad_out):
     )
 
 
-def _backward_bf16(q, k, v, out, lse, grad_out):
+def _backward_bf16(q, k, v, out, lse, grad_out, segments):
     """backward for bfloat16: the same keys-first tiles, each product one bf16 batched product over several
     (batch row, key/value head) groups (torch.bmm, which PyTorch sends to oneDNN for bf16: ~750 GFLOP/s here,
     where float32's bmm goes to MKL at ~180 and the per-group products stay faster), sums in float32.
@@ -245,28 +288,28 @@ def _backward_bf16(q, k, v, out, lse, grad_out):
     ones (`_Layout.augmented`), so what is rounded to bf16 is the small difference. q is not scaled (c·q would
     round it again): the rounded difference is scaled by c. Each tile's share is rounded once to bf16 before the
     float32 accumulators take it."""
-    L = _Layout(q, k)
+    L = _Layout(q, k, segments)
     d, scale = L.d, 1 / math.sqrt(L.d)
     c = scale * LOG2E
     qa = L.augmented(q, L.rows(lse).mul_(-1 / c))  # (n, T·rep, d + 2): q, -lse/c
     ga = L.augmented(grad_out, L.rows(torch.linalg.vecdot(grad_out.float(), out.float())).neg_())  # dO, -delta
     ka, va = L.augmented(k), L.augmented(v)  # (n, T, d + 2): k, 1, 1
     kt = ka[..., :d].transpose(1, 2).contiguous()  # kᵀ (n, d, T): dqᵀ = kᵀ·dSᵀ, a plain product
-    dqt = q.new_empty((L.n, d, L.T * L.rep), dtype=torch.float32)  # every column is written by its block's key tile 0
+    dqt = q.new_empty((L.n, d, L.T * L.rep), dtype=torch.float32)  # every column is written by its block's first tile
     dk, dv = (q.new_zeros((L.n, L.T, d), dtype=torch.float32) for _ in range(2))
     groups = L.groups()
     for g0 in range(0, L.n, groups):
         grp = slice(g0, g0 + groups)
         for rows, s, e, k0, k1 in L.tiles():
             q_blk, g_blk = qa[grp, rows].contiguous(), ga[grp, rows].contiguous()  # (G, b·rep, d + 2)
-            pt = L.hide(torch.bmm(ka[grp, k0:k1], q_blk.transpose(1, 2)), s, e, k0, k1, keys_first=True)
+            pt = L.hide(torch.bmm(ka[grp, k0:k1], q_blk.transpose(1, 2)), grp, s, e, k0, k1, keys_first=True)
             pt = pt.mul_(c).exp2_()  # Pᵀ (G, K, b·rep)
             # dO and q without their two extra columns (views): a product 66 columns wide runs ~25% slower than 64
             dv[grp, k0:k1] += torch.bmm(pt, g_blk[..., :d])
             dst = torch.bmm(va[grp, k0:k1], g_blk.transpose(1, 2)).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
             dk[grp, k0:k1] += torch.bmm(dst, q_blk[..., :d])
             part = torch.bmm(kt[grp, :, k0:k1], dst)  # (G, d, b·rep)
-            if k0 == 0:
+            if k0 == L.first_key[s // BLOCK]:
                 dqt[grp, :, rows] = part
             else:
                 dqt[grp, :, rows] += part
