@@ -180,3 +180,34 @@ def setup_rows(r: dict) -> list[tuple]:
             f"{r['installed_mb'] / 1000:.1f} GB installed ({largest})",
         )
     ]
+
+
+CPU_SHAPES = {"135m": "SmolLM2-135M", "360m": "SmolLM2-360M", "0.5b": "Qwen2.5-0.5B", "1b": "Llama-3.2-1B"}
+
+
+def cpu_rows(r: dict) -> list[tuple]:
+    """bench.cpu: the default recipe's ratio to the GEMM rate, then each size beside transformers+peft."""
+    rows = []
+    for row in r["rows"]:
+        ours, gemm = row["lora_llama"], f"{row['gemm_ratio']:.2f} of torch's GEMM rate"
+        if "peer" not in row:
+            rows.append(
+                (
+                    f"default recipe ({row['precision']}): useful GFLOP/s (peer: torch's products at its shapes)",
+                    f"{ours['tokens_per_s']:.0f} tok/s, {row['useful_gflops']} GFLOP/s",
+                    f"{row['gemm_gflops']['model']} GFLOP/s",
+                    gemm,
+                )
+            )
+            continue
+        peer = row["peer"]
+        rows.append(
+            (
+                f"{CPU_SHAPES[row['size']]} shapes, 4 x 512, r=16 on all linears ({row['precision']}); "
+                f"10M tokens: {row['hours_per_10m_tokens']} h",
+                f"{ours['tokens_per_s']:.0f} tok/s, {ours['peak_mb']} MB ({gemm})",
+                f"{peer['tokens_per_s']:.0f} tok/s, {peer['peak_mb']} MB",
+                f"{row['tokens_per_s_ratio']:.2f}x tokens/s, {row['memory_ratio']:.2f} memory",
+            )
+        )
+    return rows

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bench.data_rows import agent_rows, data_cache_rows, streaming_rows, studio_rows
 from bench.part_rows import (
+    cpu_rows,
     demo_rows,
     dequant_rows,
     forward_rows,
@@ -45,11 +46,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 # which benchmarks each page shows, in this order
 PAGES = {
-    "README.md": ("setup", "demo", "precision", "train_step", "merge"),
+    "README.md": ("setup", "demo", "precision", "cpu", "merge"),
     "docs/performance.md": (
         "setup",
         "demo",
         "precision",
+        "cpu",
         "recipe_run",
         "gpu",
         "train_step",
@@ -119,6 +121,7 @@ ROWS = {
     "setup": setup_rows,
     "preference_packing": preference_packing_rows,
     "moe": moe_rows,
+    "cpu": cpu_rows,
 }
 
 

@@ -1,0 +1,229 @@
+"""LoRA training on this CPU at four model sizes: lora-llama against transformers+peft, and against the rate torch's
+own products reach at each model's shapes, in one run.
+
+Random models with the shapes of SmolLM2-135M, SmolLM2-360M, Qwen2.5-0.5B and Llama-3.2-1B (bf16 checkpoints, the
+SmolLM2 tokenizer), each trained for --steps steps on Shakespeare as rows of 512 tokens, 4 rows a step, LoRA r=16 on
+all seven linears, AdamW, 2 threads: lora-llama through `lora-llama train` with `train.precision: auto` (its pick on
+this CPU is named in the line), transformers+peft in a plain loop over rows of the same shape in the same precision
+(bf16 weights under autocast for bf16-mixed, as peft's users run it; float32 otherwise), each in a process of its
+own. Tokens/s is the median of the steps after the first; peak memory is each process's VmHWM.
+
+Beside each: the useful GFLOP/s of lora-llama's step over torch's GEMM rate at the model's shapes (bench/cpu_rate.py),
+the rate measured before and after the size's runs (the better of the two: products on a shared machine drift).
+`--default` adds the default recipe itself (recipes/smollm2-chat-cpu.yaml: the shipped SmolLM2-135M-Instruct,
+packed chat rows of 256, r=8 on q, k, v, o) with its ratio to the GEMM rate.
+
+    python -m bench.cpu [--sizes 135m,360m,0.5b,1b] [--steps 5] [--default]
+
+Run it alone: it measures the machine (about 25 minutes on 2 cores with all four sizes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import ROOT, SMOLLM2_SHAPES, cpu_line, record, scratch_dir
+from bench.cpu_rate import TARGET_NAMES, gemm_rate, useful_flops
+
+SIZES = {  # name: (model_type, config.json shapes)
+    "135m": ("llama", SMOLLM2_SHAPES),
+    "360m": (
+        "llama",
+        dict(
+            SMOLLM2_SHAPES,
+            hidden_size=960,
+            intermediate_size=2560,
+            num_hidden_layers=32,
+            num_attention_heads=15,
+            num_key_value_heads=5,
+        ),
+    ),  # fmt: skip
+    "0.5b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            max_position_embeddings=4096,
+        ),
+    ),  # fmt: skip
+    "1b": (
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            max_position_embeddings=4096,
+        ),
+    ),  # fmt: skip
+}
+SEQ, ROWS, R = 512, 4, 16
+PEAK = (  # runs the CLI, then prints the process's peak resident memory
+    "import sys\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
+    "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]\n"
+    "print('PEAK_KB', hwm, flush=True)\nsys.exit(code)\n"
+)
+
+
+def checkpoint(folder: Path, size: str) -> Path:
+    """A random bf16 checkpoint of the size's shapes, with the SmolLM2 tokenizer (its ids fit every vocabulary)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lora_llama import load_tokenizer
+
+    model_type, shapes = SIZES[size]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shapes), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
+    return folder
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
+    return done
+
+
+def ours(recipe: str, overrides: list[str], out: Path, skip: int) -> dict:
+    """`lora-llama train` on a recipe: tokens/s (median of the logged steps after `skip`), peak MB, precision."""
+    wrapper = out.parent / "peak.py"
+    wrapper.write_text(PEAK)
+    args = ["train", recipe, *overrides, f"output.dir={out}", "train.eval_every=100000", "train.save_every=100000"]
+    done = run([sys.executable, str(wrapper), *args, "--force"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    said = (done.stdout + done.stderr).splitlines()
+    precision = next(line for line in said if "; precision " in line).split("; precision ")[1]
+    return {
+        "tokens_per_s": round(
+            statistics.median(r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > skip), 1
+        ),
+        "peak_mb": round(int(done.stdout.split("PEAK_KB")[1].split()[0]) / 1024),
+        "precision": precision.split()[0],
+    }
+
+
+def peer(folder: Path, precision: str, steps: int) -> dict:
+    done = run([sys.executable, "-m", "bench.cpu", "--worker", str(folder), "--precision", precision,
+                "--steps", str(steps)])  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def peer_worker(folder: str, precision: str, steps: int) -> None:
+    """transformers + peft, the way its users train: bf16 weights under autocast for bf16-mixed."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    bf16 = precision == "bf16-mixed"
+    base = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation="sdpa"
+    )
+    targets = [f"{t}_proj" for t in TARGET_NAMES]
+    model = get_peft_model(base, LoraConfig(r=R, lora_alpha=2 * R, lora_dropout=0.0, target_modules=targets))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps):
+        ids = torch.randint(3, 49152, (ROWS, SEQ), generator=g)
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    hwm = int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1])
+    print(json.dumps({"tokens_per_s": round(ROWS * SEQ / statistics.median(times[1:]), 1), "peak_mb": hwm // 1024}))
+
+
+def rate(cfg: dict, rows: int, precision: str) -> dict:
+    return gemm_rate(cfg, rows, torch.bfloat16 if precision == "bf16-mixed" else torch.float32)
+
+
+def best(a: dict, b: dict) -> dict:
+    return {k: max(a[k], b[k]) for k in a}
+
+
+def one_size(size: str, tmp: Path, steps: int) -> dict:
+    cfg = SIZES[size][1]
+    folder = checkpoint(tmp / size, size)
+    overrides = [f"model.source={folder}", f"data.max_seq_len={SEQ}", f"train.batch_size={ROWS}", "data.val_size=0",
+                 f"train.max_steps={steps}", f"lora.r={R}", f"lora.alpha={2 * R}",
+                 f"lora.targets=[{','.join(TARGET_NAMES)}]"]  # fmt: skip
+    mine = ours("recipes/smollm2-shakespeare-cpu.yaml", overrides, tmp / f"run-{size}", skip=1)
+    before = rate(cfg, ROWS * SEQ, mine["precision"])
+    theirs = peer(folder, mine["precision"], steps)
+    gemm = best(before, rate(cfg, ROWS * SEQ, mine["precision"]))
+    return figures(size, mine, theirs, gemm, useful_flops(cfg, SEQ, R, TARGET_NAMES))
+
+
+def figures(size: str, mine: dict, theirs: dict | None, gemm: dict, flops: float) -> dict:
+    useful = mine["tokens_per_s"] * flops / 1e9
+    out = {
+        "size": size,
+        "precision": mine["precision"],
+        "lora_llama": {k: mine[k] for k in ("tokens_per_s", "peak_mb")},
+        "useful_gflops": round(useful),
+        "gemm_gflops": gemm,
+        "gemm_ratio": round(useful / gemm["model"], 2),
+        "hours_per_10m_tokens": round(1e7 / mine["tokens_per_s"] / 3600, 1),
+    }
+    if theirs:
+        out["peer"] = theirs
+        out["tokens_per_s_ratio"] = round(mine["tokens_per_s"] / theirs["tokens_per_s"], 2)
+        out["memory_ratio"] = round(mine["peak_mb"] / theirs["peak_mb"], 2)
+    return out
+
+
+def default_recipe(tmp: Path) -> dict:
+    """The default recipe as shipped, 12 steps, its tokens/s past the first two (the compiled loops' build)."""
+    mine = ours("recipes/smollm2-chat-cpu.yaml", ["train.max_steps=12"], tmp / "run-default", skip=2)
+    cfg, rows = SIZES["135m"][1], 4 * 256
+    gemm = best(rate(cfg, rows, mine["precision"]), rate(cfg, rows, mine["precision"]))
+    return figures("default recipe", mine, None, gemm, useful_flops(cfg, 256, 8, ("q", "k", "v", "o"), packed=True))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default=",".join(SIZES), help="of " + ", ".join(SIZES))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--default", action="store_true", help="also the default recipe's ratio to the GEMM rate")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--precision", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return peer_worker(a.worker, a.precision, a.steps)
+    torch.set_num_threads(2)
+    print(cpu_line(), flush=True)
+    tmp = scratch_dir("lora-llama-cpu-bench-")
+    rows = [default_recipe(tmp)] if a.default else []
+    for size in a.sizes.split(","):
+        rows.append(one_size(size, tmp, a.steps))
+        print(json.dumps(rows[-1]), flush=True)
+    record("cpu", {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
