@@ -45,6 +45,25 @@ def test_nf4_equals_bitsandbytes(shape):
     shifted = torch.empty(codes.numel() + 1, dtype=torch.uint8)[1:]  # the same bytes at an odd offset
     shifted.copy_(codes.reshape(-1))
     assert torch.equal(dequantize_nf4(shifted, absmax, w.shape), bnb.dequantize_4bit(packed, state))
+    # bf16: bitsandbytes' float32 weight rounded once (on the CPU whole blocks go through one compiled loop)
+    assert torch.equal(
+        dequantize_nf4(codes, absmax, w.shape, torch.bfloat16), bnb.dequantize_4bit(packed, state).bfloat16()
+    )
+
+
+def test_nf4_in_bf16_on_the_cpu_is_one_compiled_loop(monkeypatch):
+    from lora_llama.kernels import fused
+    from lora_llama.quant import formats
+
+    calls = []
+    compiled = formats._nf4_compiled
+    monkeypatch.setattr(formats, "_nf4_compiled", lambda *a: calls.append(1) or compiled(*a))
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1))
+    codes, absmax = quantize_nf4(w)
+    got = dequantize_nf4(codes, absmax, w.shape, torch.bfloat16)
+    monkeypatch.setattr(fused, "ENABLED", False)  # the eager chain: a float32 weight, scaled, then cast
+    assert calls == [1] and fused._broken is None
+    assert torch.equal(got, dequantize_nf4(codes, absmax, w.shape, torch.bfloat16)) and calls == [1]
 
 
 def test_nf4_codebook_and_layout_by_hand():

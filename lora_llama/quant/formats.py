@@ -144,9 +144,30 @@ def _code_values(packed: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(words, _word_table(flat.device)).view(-1)
 
 
+def _nf4_formula(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """The weights of whole blocks in bf16: each nibble's code value times its block's absmax, in float32."""
+    values = torch.stack([code[(packed >> 4).long()], code[(packed & 15).long()]], -1)
+    return (values.view(-1, NF4_BLOCK) * absmax.view(-1, 1)).to(torch.bfloat16)
+
+
+# bf16 on the CPU: one compiled loop reads each byte once and writes bf16, where the eager chain writes a float32
+# weight, scales it in place and casts it (SmolLM2's 1536 x 576 on an AVX512_BF16 EPYC, 2 threads: 0.19 against 0.41
+# ms, the same values); in float32 the eager chain is as fast, and stays
+_nf4_compiled = fused.compiled(_nf4_formula, slower="nf4 bases dequantize slower", dynamic=True)
+
+
+@fused.made_once
+def _code_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(NF4_CODE, device=device)
+
+
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
-    values = _code_values(packed)
     n = torch.Size(shape).numel()
+    whole_blocks = n == 2 * packed.numel() and n % NF4_BLOCK == 0
+    if dtype == torch.bfloat16 and packed.device.type == "cpu" and whole_blocks and fused.compiling():
+        table = _code_table(packed.device)
+        return _nf4_compiled(packed.reshape(-1), absmax.reshape(-1).float(), table).view(shape)
+    values = _code_values(packed)
     if values.numel() % NF4_BLOCK == 0:
         values = values.view(-1, NF4_BLOCK).mul_(absmax.reshape(-1, 1)).view(-1)
     else:  # a last, partial block
