@@ -3,6 +3,12 @@
 Shapes of SmolLM2-135M at batch 4 x 512 (2048 rows): the base projections forward (x·Wᵀ) and
 their input gradients (gy·W, W passed transposed as a view), and one chunk of the loss's
 vocabulary projection. Prints GFLOP/s of each and their ratio; the last line is JSON.
+
+--int8: what int8 x int8 products would give a frozen int8 base in a bf16 step, forward x·Wᵀ at the shapes of
+SmolLM2-135M and Llama-3.2-1B (2048 rows): the bf16 product (oneDNN), torch._int_mm on int8 operands alone, and the
+whole int8 product as a training step would run it: the activations quantized per row on the fly (absmax / 127),
+the int8 product, the int32 sums scaled back to bf16 by both scales, the quantization and the scaling each one
+compiled loop (torch.compile).
 """
 
 import argparse
@@ -22,11 +28,57 @@ SHAPES = {  # name: (rows, in, out)
 }
 
 
+INT8_SHAPES = {  # name: (rows, in, out)
+    "135M gate/up 576->1536": (2048, 576, 1536),
+    "135M down 1536->576": (2048, 1536, 576),
+    "1B gate/up 2048->8192": (2048, 2048, 8192),
+    "1B down 8192->2048": (2048, 8192, 2048),
+}
+
+
+@torch.compile(dynamic=False)
+def _quantize_rows(x):
+    scale = x.abs().amax(1, keepdim=True).float().clamp_min(1e-12) / 127
+    return (x.float() / scale).round().to(torch.int8), scale
+
+
+@torch.compile(dynamic=False)
+def _scale_back(sums, x_scale, w_scale):
+    return (sums.float() * x_scale * w_scale).to(torch.bfloat16)
+
+
+def int8_products(repeats: int) -> None:
+    print(f"{'':<26}{'bf16':>8}{'int8 mm':>9}{'int8 step':>11}   GFLOP/s, 2 threads")
+    rates = {}
+    for name, (n, k, m) in INT8_SHAPES.items():
+        x, w = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(m, k, dtype=torch.bfloat16)
+        w_codes, w_scale = _quantize_rows(w)
+        x_codes, _ = _quantize_rows(x)
+        flops = 2 * n * k * m
+
+        def whole():
+            codes, scale = _quantize_rows(x)
+            return _scale_back(torch._int_mm(codes, w_codes.t()), scale, w_scale.t())
+
+        rates[name] = {
+            "bf16": round(flops / median_time(lambda: gemm.linear(x, w), repeats) / 1e9),
+            "int8_mm": round(flops / median_time(lambda: torch._int_mm(x_codes, w_codes.t()), repeats) / 1e9),
+            "int8_step": round(flops / median_time(whole, repeats) / 1e9),
+        }
+        print(f"{name:<26}" + "".join(f"{v:>9}" for v in rates[name].values()))
+    ratios = [v["int8_step"] / v["bf16"] for v in rates.values()]
+    record("gemm", {"int8": rates, "min_ratio": round(min(ratios), 2), "max_ratio": round(max(ratios), 2)})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--int8", action="store_true", help="int8 x int8 products against bf16 ones")
     a = ap.parse_args()
     torch.set_num_threads(2)
+    if a.int8:
+        print(cpu_line())
+        return int8_products(a.repeats)
     if gemm._ONEDNN is None:
         raise SystemExit("this torch build has no oneDNN linear: gemm.linear is F.linear here")
     print(cpu_line())

@@ -27,6 +27,18 @@ def forward_rows(r: dict) -> list[tuple]:
 
 
 def gemm_rows(r: dict) -> list[tuple]:
+    if "int8" in r:  # --int8
+        steps, bf16 = [v["int8_step"] for v in r["int8"].values()], [v["bf16"] for v in r["int8"].values()]
+        raw = [v["int8_mm"] / v["bf16"] for v in r["int8"].values()]
+        return [
+            (
+                "int8 x int8 products (activations quantized per row, scaled back) vs bf16, GFLOP/s "
+                f"(int8 operands alone: {min(raw):.2f}-{max(raw):.2f}x bf16)",
+                f"{min(steps)}-{max(steps)}",
+                f"{min(bf16)}-{max(bf16)}",
+                f"{r['min_ratio']:.2f}-{r['max_ratio']:.2f}",
+            )
+        ]
     ours = [v["onednn"] for v in r["gflops"].values()]
     peer = [v["F.linear"] for v in r["gflops"].values()]
     return [

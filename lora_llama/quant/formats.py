@@ -44,8 +44,20 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
+def _int8_formula(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
+
+
+# bf16 on the CPU: one compiled loop, each code read once and each weight written once in bf16, where the eager
+# chain writes a float32 weight, scales it in place and casts it (SmolLM2's 1536 x 576, AVX512_BF16 EPYC, 2 threads:
+# 0.15 against 0.20 ms; the same values)
+_int8_compiled = fused.compiled(_int8_formula, slower="int8 bases dequantize slower", dynamic=True)
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """q · scale in float32, rounded once into dtype (a mixed int8·float32 multiply runs ~10x slower)."""
+    if dtype == torch.bfloat16 and q.device.type == "cpu" and fused.compiling():
+        return _int8_compiled(q, scale.float())
     return q.to(torch.float32).mul_(scale[:, None]).to(dtype)
 
 
