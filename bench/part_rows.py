@@ -101,11 +101,10 @@ def quant_rows(r: dict) -> list[tuple]:
     model = QUANT_MODELS.get(named, "default recipe")
 
     def evals(v):
-        return (
-            f", eval {v['eval_loss_step_0']:.4f}"
-            if v.get("eval_loss_step_0") is not None and named != "smollm2-like"
-            else ""
-        )  # a random model's eval loss means nothing
+        if v.get("eval_loss_step_0") is None or named == "smollm2-like":  # a random model's eval loss means nothing
+            return ""
+        end = v.get("eval_loss_end")
+        return f", eval {v['eval_loss_step_0']:.4f}" + (f" -> {end:.4f}" if end is not None else "")
 
     return [
         (

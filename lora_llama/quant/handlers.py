@@ -5,12 +5,13 @@ A handler knows the tensors a frozen (out, in) weight is held in (`layout`), how
 (`dequantize`), what training on it does to a weight (`roundtrip`, what `merge --onto dequantized` folds into) and
 its bytes (`bytes`). Loaders, merge, export and the command line hold a handler and name no format.
 
-    Int8()          one scale per output row (formats.py)
+    Int8(products)  one scale per output row (formats.py); products: int8 x int8 products (int8_products.py)
     NF4(double)     QLoRA's 4-bit codes in blocks of 64, their absmax optionally in 8 bits (formats.py)
     GGUFBlocks(k)   a GGUF file's own blocks of kind k, read from the file, never made here (gguf_blocks.py)
     FileBlocks()    the setting `source`: each linear keeps its GGUF file's blocks, as a GGUFBlocks of their kind
 
-`quant_format` turns a recipe's setting (`model.quantize`, `model.nf4_double_quant`) into its handler.
+`quant_format` turns a recipe's settings (`model.quantize`, `model.nf4_double_quant`, `model.int8_products`) into
+its handler.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from lora_llama.quant.formats import (
     quantize_nf4,
 )
 from lora_llama.quant.gguf_blocks import GGUF_FORMATS, dequantize_gguf, row_bytes
+from lora_llama.quant.int8_products import PROJECTIONS
 from lora_llama.quant.names import SETTINGS
 
 Tensors = dict[str, torch.Tensor]  # a layer's quantized tensors by name: codes, scales and any others
@@ -78,12 +80,28 @@ class QuantFormat:
         """The recipe's model settings that choose this format."""
         return {"quantize": self.name}
 
+    def integer_products(self, linear_name: str) -> bool:
+        """Whether the decoder linear of this name multiplies its int8 codes by int8 activations (int8_products.py)."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
 
 
 class Int8(QuantFormat):
     name = "int8"
+
+    def __init__(self, products: bool = False):
+        self.products = products  # int8 x int8 products for the projections int8_products.py names
+
+    def integer_products(self, linear_name: str) -> bool:
+        return self.products and linear_name in PROJECTIONS
+
+    def settings(self):
+        return {"quantize": self.name, "int8_products": self.products}
+
+    def __repr__(self) -> str:
+        return f"Int8(products={self.products})"
 
     def layout(self, out, inp):
         return {"codes": ((out, inp), torch.int8), "scales": ((out,), torch.float32)}
@@ -180,20 +198,23 @@ def layer_format(kind: str, tensor_names=()) -> QuantFormat:
     return NF4("absmax2" in tensor_names) if kind == NF4.name else LAYER_FORMATS[kind]
 
 
-def quant_format(setting: str | QuantFormat | None, double_quant: bool = False) -> QuantFormat | None:
+def quant_format(
+    setting: str | QuantFormat | None, double_quant: bool = False, products: bool = False
+) -> QuantFormat | None:
     """The handler a setting names (a handler stands for itself; None: no quantization)."""
     if setting is None or isinstance(setting, QuantFormat):
         return setting
     if setting not in SETTINGS:
         raise UserError(f"unknown quantize {setting!r} (use {' or '.join(SETTINGS)})")
-    return NF4(double_quant) if BY_SETTING[setting] is NF4 else BY_SETTING[setting]()
+    handler = BY_SETTING[setting]
+    return NF4(double_quant) if handler is NF4 else Int8(products) if handler is Int8 else handler()
 
 
 def chosen_format(settings) -> QuantFormat | None:
     """The handler a model section chooses: a recipe's `model`, the YAML mapping of a run's recipe, or the command
     line's --quantize and --nf4-double-quant."""
     read = settings.get if isinstance(settings, Mapping) else lambda key: getattr(settings, key, None)
-    return quant_format(read("quantize"), bool(read("nf4_double_quant")))
+    return quant_format(read("quantize"), bool(read("nf4_double_quant")), bool(read("int8_products")))
 
 
 def dequantize_codes(

@@ -23,6 +23,7 @@ import torch.nn as nn
 from lora_llama.kernels import fused, workspace
 from lora_llama.kernels.gemm import copies_transposed, linear
 from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
+from lora_llama.quant import int8_products
 from lora_llama.quant.formats import NF4_BLOCK, nf4_absmax
 from lora_llama.quant.handlers import QuantFormat, dequantize_codes, layer_format, quant_format
 
@@ -63,6 +64,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.integer_products = False  # int8 x int8 products (int8_products.py), set for the projections that take them
 
     @classmethod
     def from_tensors(cls, in_features: int, out_features: int, kind: str, tensors: dict, bias=None):
@@ -109,6 +111,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if self.integer_products and int8_products.applies(x):
+            return int8_products.int8_linear(x, self.codes, self.scales, bias)
         if torch.compiler.is_compiling():  # one opaque op in the graph: nothing weight-sized saved for backward
             kind, codes, scales, _, _, absmax2, offset = self.dequantize_args(x.dtype)
             return dequantized_linear(
@@ -253,7 +257,9 @@ def quantize_loaded_linears(model, fmt: QuantFormat) -> None:
                     and lin.weight.device.type != "meta"
                     and (lin.bias is None or lin.bias.device.type != "meta")
                 ):
-                    setattr(holder, attr, QuantizedLinear.from_linear(lin, fmt))
+                    quantized = QuantizedLinear.from_linear(lin, fmt)
+                    quantized.integer_products = fmt.integer_products(name)
+                    setattr(holder, attr, quantized)
 
 
 def tensor_bytes(module: nn.Module) -> int:
