@@ -45,7 +45,7 @@ SIZES = {  # name: (model_type, config.json shapes)
             num_attention_heads=15,
             num_key_value_heads=5,
         ),
-    ),  # fmt: skip
+    ),
     "0.5b": (
         "qwen2",
         dict(
@@ -59,7 +59,7 @@ SIZES = {  # name: (model_type, config.json shapes)
             rope_theta=1000000.0,
             max_position_embeddings=4096,
         ),
-    ),  # fmt: skip
+    ),
     "1b": (
         "llama",
         dict(
@@ -73,7 +73,7 @@ SIZES = {  # name: (model_type, config.json shapes)
             rope_theta=500000.0,
             max_position_embeddings=4096,
         ),
-    ),  # fmt: skip
+    ),
 }
 SEQ, ROWS, R = 512, 4, 16
 PEAK = (  # runs the CLI, then prints the process's peak resident memory
@@ -124,8 +124,9 @@ def ours(recipe: str, overrides: list[str], out: Path, skip: int) -> dict:
 
 
 def peer(folder: Path, precision: str, steps: int) -> dict:
-    done = run([sys.executable, "-m", "bench.cpu", "--worker", str(folder), "--precision", precision,
-                "--steps", str(steps)])  # fmt: skip
+    done = run(
+        [sys.executable, "-m", "bench.cpu", "--worker", str(folder), "--precision", precision, "--steps", str(steps)]
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -169,9 +170,16 @@ def best(a: dict, b: dict) -> dict:
 def one_size(size: str, tmp: Path, steps: int) -> dict:
     cfg = SIZES[size][1]
     folder = checkpoint(tmp / size, size)
-    overrides = [f"model.source={folder}", f"data.max_seq_len={SEQ}", f"train.batch_size={ROWS}", "data.val_size=0",
-                 f"train.max_steps={steps}", f"lora.r={R}", f"lora.alpha={2 * R}",
-                 f"lora.targets=[{','.join(TARGET_NAMES)}]"]  # fmt: skip
+    overrides = [
+        f"model.source={folder}",
+        f"data.max_seq_len={SEQ}",
+        f"train.batch_size={ROWS}",
+        "data.val_size=0",
+        f"train.max_steps={steps}",
+        f"lora.r={R}",
+        f"lora.alpha={2 * R}",
+        f"lora.targets=[{','.join(TARGET_NAMES)}]",
+    ]
     mine = ours("recipes/smollm2-shakespeare-cpu.yaml", overrides, tmp / f"run-{size}", skip=1)
     before = rate(cfg, ROWS * SEQ, mine["precision"])
     theirs = peer(folder, mine["precision"], steps)

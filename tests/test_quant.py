@@ -51,26 +51,6 @@ def test_nf4_equals_bitsandbytes(shape):
     )
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
-def test_bf16_dequantization_on_the_cpu_is_one_compiled_loop(monkeypatch, kind):
-    """The compiled loop gives the eager chain's weights (float32 products rounded once to bf16) bit for bit."""
-    from lora_llama.kernels import fused
-    from lora_llama.quant import formats
-
-    calls = []
-    name = f"_{kind}_compiled"
-    compiled = getattr(formats, name)
-    monkeypatch.setattr(formats, name, lambda *a: calls.append(1) or compiled(*a))
-    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1))
-    fmt = quant_format(kind)
-    tensors = fmt.quantize(w)
-    got = fmt.dequantize(tensors, w.shape, torch.bfloat16)
-    monkeypatch.setattr(fused, "ENABLED", False)  # the eager chain: a float32 weight, scaled, then cast
-    assert calls == [1] and fused._broken is None
-    assert torch.equal(got, fmt.dequantize(tensors, w.shape, torch.bfloat16)) and calls == [1]
-    assert torch.equal(got, fmt.dequantize(tensors, w.shape, torch.float32).bfloat16())
-
-
 def test_nf4_codebook_and_layout_by_hand():
     w = torch.tensor([[1.0, -1.0, 0.0, 0.5] * 16])  # one block of 64, absmax 1
     codes, absmax = quantize_nf4(w)

@@ -111,3 +111,23 @@ def test_the_format_check_sees_a_format(tmp_path):
     f = tmp_path / "m.py"
     f.write_text('if kind == "nf4":\n    load(args.nf4_double_quant)\nDTYPES = {"I8": "int8"}\n')
     assert format_names(f) == ["1: nf4", "2: nf4_double_quant"]
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_bf16_dequantization_on_the_cpu_is_one_compiled_loop(monkeypatch, kind):
+    """The compiled loop gives the eager chain's weights (float32 products rounded once to bf16) bit for bit."""
+    from lora_llama.kernels import fused
+    from lora_llama.quant import formats
+
+    calls = []
+    name = f"_{kind}_compiled"
+    compiled = getattr(formats, name)
+    monkeypatch.setattr(formats, name, lambda *a: calls.append(1) or compiled(*a))
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1))
+    fmt = quant_format(kind)
+    tensors = fmt.quantize(w)
+    got = fmt.dequantize(tensors, w.shape, torch.bfloat16)
+    monkeypatch.setattr(fused, "ENABLED", False)  # the eager chain: a float32 weight, scaled, then cast
+    assert calls == [1] and fused._broken is None
+    assert torch.equal(got, fmt.dequantize(tensors, w.shape, torch.bfloat16)) and calls == [1]
+    assert torch.equal(got, fmt.dequantize(tensors, w.shape, torch.float32).bfloat16())
