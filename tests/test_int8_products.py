@@ -73,7 +73,10 @@ def test_the_layer_runs_int8_products_where_set_and_keeps_nothing_for_backward(l
     assert not int8_products.applies(x.float()) and not int8_products.applies(x.to("meta"))
 
 
-def test_only_gate_and_up_take_it_and_lora_on_them_trains(tiny_ckpt):
+def test_only_gate_and_up_take_it_and_lora_on_them_trains(tiny_ckpt, monkeypatch):
+    calls = []
+    run = int8_products.int8_linear
+    monkeypatch.setattr(int8_products, "int8_linear", lambda *a: calls.append(a[1].shape) or run(*a))
     model = load_model(tiny_ckpt, dtype=torch.bfloat16, quantize=Int8(products=True))
     block = model.model.layers[0]
     taken = {n: getattr(block.mlp, n).integer_products for n in ("gate_proj", "up_proj", "down_proj")}
@@ -85,6 +88,8 @@ def test_only_gate_and_up_take_it_and_lora_on_them_trains(tiny_ckpt):
             torch.nn.init.normal_(p, std=0.02)
     ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(2))
     model(ids).float().sum().backward()
+    inter, hidden = block.mlp.gate_proj.base_layer.out_features, block.mlp.gate_proj.in_features
+    assert calls == [(inter, hidden)] * 2 * len(model.model.layers)  # gate and up, under their adapters
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
 
