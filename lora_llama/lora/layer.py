@@ -155,8 +155,10 @@ class LoRALinear(nn.Module):
     def low_rank_node(self, x: torch.Tensor) -> tuple | None:
         """(W0, b, A, B, scale) for kernels' fused node, or None when this layer must run on its own."""
         base = self.base_layer
-        if self.merged or self.disabled or self.use_dora or not self.fused(x) or getattr(base, "integer_products", 0):
-            return None  # (a base in int8 x int8 products runs its own product)
+        if self.merged or self.disabled or self.use_dora or not self.fused(x):
+            return None
+        if type(base) is QuantizedLinear and base.runs_integer_products(x):
+            return None  # its product is int8 x int8, its own
         w0 = base.transient_weight if type(base) is QuantizedLinear else base.weight  # dequantized inside the node
         return w0, base.bias, self.lora_A.weight, self.lora_B.weight, self.scale
 

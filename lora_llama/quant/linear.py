@@ -109,9 +109,13 @@ class QuantizedLinear(nn.Module):
     def transient_weight(self, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
         return transient_weight(self.dequantize_args(dtype), transposed)
 
+    def runs_integer_products(self, x: torch.Tensor) -> bool:
+        """Whether x meets this layer's int8 codes in int8 products (set for it, bf16 on the CPU)."""
+        return self.integer_products and int8_products.applies(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        if self.integer_products and int8_products.applies(x):
+        if self.runs_integer_products(x):
             return int8_products.int8_linear(x, self.codes, self.scales, bias)
         if torch.compiler.is_compiling():  # one opaque op in the graph: nothing weight-sized saved for backward
             kind, codes, scales, _, _, absmax2, offset = self.dequantize_args(x.dtype)
