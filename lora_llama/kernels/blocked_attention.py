@@ -47,6 +47,7 @@ class _Layout:
         self.Hkv = k.shape[1]
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
         self.starts = None if segments is None else _example_starts(segments)
+        self._hidden_keys = {}  # (s, k0, keys_first): the tile's mask of earlier examples' keys, made once per call
         # per block: the first key any of its queries sees, and the latest example start among them
         self.first_key = [0] * len(range(0, self.T, BLOCK))
         if self.starts is not None:
@@ -115,8 +116,10 @@ class _Layout:
             part = scores[..., c0 - k0 :, :] if keys_first else scores[..., c0 - k0 :]
             part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
         if self.starts is not None and self.last_start[s // BLOCK] > k0:
-            # (B, rows, keys), or (B, keys, rows)
-            hidden = _before_example(self.starts[:, s:e], k0, k1, self.rep, keys_first)
+            key = (s, k0, keys_first)  # the float path visits each tile once per group: the mask is made once
+            if key not in self._hidden_keys:  # (B, rows, keys), or (B, keys, rows)
+                self._hidden_keys[key] = _before_example(self.starts[:, s:e], k0, k1, self.rep, keys_first)
+            hidden = self._hidden_keys[key]
             g0, g1 = grp.start, min(grp.stop, self.n)
             per_group = scores.view(g1 - g0, *hidden.shape[1:])
             for b in range(g0 // self.Hkv, (g1 - 1) // self.Hkv + 1):  # the groups of batch row b share its mask
