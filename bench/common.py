@@ -235,3 +235,14 @@ def hf_step_rates(model, recipe, tokenizer, steps: int) -> float:
         opt.zero_grad()
         rates.append(batch["input_ids"].numel() / (time.perf_counter() - start))
     return statistics.median(rates[2:])
+
+
+# `python -c CLI_WITH_PEAK train ...`: runs the CLI in that process, then prints its peak resident memory (VmHWM, the
+# process's own: ru_maxrss would start from the RSS of the bench that forked it) and, on a GPU, its peak of CUDA
+# memory allocated
+CLI_WITH_PEAK = (
+    "import sys, torch\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
+    "print('PEAK_KB', next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1], flush=True)\n"
+    "print('GPU_PEAK_MB', torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0)\n"
+    "sys.exit(code)"
+)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import ROOT, SMOLLM2_SHAPES, cpu_line, record, scratch_dir
+from bench.common import CLI_WITH_PEAK, ROOT, SMOLLM2_SHAPES, cpu_line, record, scratch_dir
 from bench.cpu_rate import TARGET_NAMES, gemm_rate, useful_flops
 
 SIZES = {  # name: (model_type, config.json shapes)
@@ -76,11 +76,6 @@ SIZES = {  # name: (model_type, config.json shapes)
     ),
 }
 SEQ, ROWS, R = 512, 4, 16
-PEAK = (  # runs the CLI, then prints the process's peak resident memory
-    "import sys\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
-    "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]\n"
-    "print('PEAK_KB', hwm, flush=True)\nsys.exit(code)\n"
-)
 
 
 def checkpoint(folder: Path, size: str) -> Path:
@@ -107,10 +102,8 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 def ours(recipe: str, overrides: list[str], out: Path, skip: int) -> dict:
     """`lora-llama train` on a recipe: tokens/s (median of the logged steps after `skip`), peak MB, precision."""
-    wrapper = out.parent / "peak.py"
-    wrapper.write_text(PEAK)
     args = ["train", recipe, *overrides, f"output.dir={out}", "train.eval_every=100000", "train.save_every=100000"]
-    done = run([sys.executable, str(wrapper), *args, "--force"])
+    done = run([sys.executable, "-c", CLI_WITH_PEAK, *args, "--force"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     said = (done.stdout + done.stderr).splitlines()
     precision = next(line for line in said if "; precision " in line).split("; precision ")[1]

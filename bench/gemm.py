@@ -7,8 +7,8 @@ vocabulary projection. Prints GFLOP/s of each and their ratio; the last line is 
 --int8: what int8 x int8 products would give a frozen int8 base in a bf16 step, forward x·Wᵀ at the shapes of
 SmolLM2-135M and Llama-3.2-1B (2048 rows): the bf16 product (oneDNN), torch._int_mm on int8 operands alone, and the
 whole int8 product as a training step would run it: the activations quantized per row on the fly (absmax / 127),
-the int8 product, the int32 sums scaled back to bf16 by both scales, the quantization and the scaling each one
-compiled loop (torch.compile).
+the int8 product, the int32 sums scaled back to bf16 by both scales (lora_llama.quant.int8_products.product, the
+quantization and the scaling each one compiled loop).
 """
 
 import argparse
@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from bench.common import cpu_line, median_time, record
 from lora_llama.kernels import gemm
+from lora_llama.quant import int8_products
+from lora_llama.quant.formats import quantize_int8
 
 SHAPES = {  # name: (rows, in, out)
     "q/o 576->576": (2048, 576, 576),
@@ -36,29 +38,17 @@ INT8_SHAPES = {  # name: (rows, in, out)
 }
 
 
-@torch.compile(dynamic=False)
-def _quantize_rows(x):
-    scale = x.abs().amax(1, keepdim=True).float().clamp_min(1e-12) / 127
-    return (x.float() / scale).round().to(torch.int8), scale
-
-
-@torch.compile(dynamic=False)
-def _scale_back(sums, x_scale, w_scale):
-    return (sums.float() * x_scale * w_scale).to(torch.bfloat16)
-
-
-def int8_products(repeats: int) -> None:
+def int8_rates(repeats: int) -> None:
     print(f"{'':<26}{'bf16':>8}{'int8 mm':>9}{'int8 step':>11}   GFLOP/s, 2 threads")
     rates = {}
     for name, (n, k, m) in INT8_SHAPES.items():
         x, w = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(m, k, dtype=torch.bfloat16)
-        w_codes, w_scale = _quantize_rows(w)
-        x_codes, _ = _quantize_rows(x)
+        w_codes, w_scale = quantize_int8(w.float())  # the int8 base's codes and row scales
+        x_codes, _ = quantize_int8(x.float())  # int8 operands alone: rows quantized the same way
         flops = 2 * n * k * m
 
-        def whole():
-            codes, scale = _quantize_rows(x)
-            return _scale_back(torch._int_mm(codes, w_codes.t()), scale, w_scale.t())
+        def whole():  # what a gate or up projection with model.int8_products runs
+            return int8_products.product(x, w_codes, w_scale)
 
         rates[name] = {
             "bf16": round(flops / median_time(lambda: gemm.linear(x, w), repeats) / 1e9),
@@ -78,7 +68,7 @@ def main():
     torch.set_num_threads(2)
     if a.int8:
         print(cpu_line())
-        return int8_products(a.repeats)
+        return int8_rates(a.repeats)
     if gemm._ONEDNN is None:
         raise SystemExit("this torch build has no oneDNN linear: gemm.linear is F.linear here")
     print(cpu_line())

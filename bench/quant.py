@@ -18,18 +18,9 @@ import statistics
 import subprocess
 import sys
 
-from bench.common import ROOT, cpu_line, llama_1b_checkpoint, record, scratch_dir, smollm2_like_gguf
+from bench.common import CLI_WITH_PEAK, ROOT, cpu_line, llama_1b_checkpoint, record, scratch_dir, smollm2_like_gguf
 
 KINDS = ("none", "int8", "nf4", "source", "int8-products")  # int8-products: model.int8_products on an int8 base
-# runs the CLI in this process and reports its peak resident memory when it is done
-# (and, on a GPU, the peak of CUDA memory allocated)
-# (VmHWM, the process's own: ru_maxrss would start from the RSS of the bench that forked it, 1.1B model and all)
-WRAPPER = (
-    "import sys, torch\nfrom lora_llama.cli import main\ncode = main(sys.argv[1:])\n"
-    "print('PEAK_KB', next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1], flush=True)\n"
-    "print('GPU_PEAK_MB', torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0)\n"
-    "sys.exit(code)"
-)
 
 
 def train(kind: str, out, a, model_args: list[str]) -> dict:
@@ -47,7 +38,7 @@ def train(kind: str, out, a, model_args: list[str]) -> dict:
     args += (
         model_args + [f"model.quantize={quantize}"] + (["model.int8_products=true"] if kind == "int8-products" else [])
     )
-    r = subprocess.run([sys.executable, "-c", WRAPPER, *args], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", CLI_WITH_PEAK, *args], cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"{kind} failed:\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
