@@ -9,8 +9,8 @@ has them, int32 sums), where the plain path dequantizes the weight to bf16 for a
 Each quantization and each scaling back is one compiled loop (kernels/fused.py), so the step pays for no float32
 temporaries. Nothing is saved for backward (the weight is frozen: only the input gradient is needed). Only the
 projections whose inputs come straight from an RMSNorm take it: the down projection's input, SwiGLU's output,
-carries outliers that per-row int8 rounds away (a trial on the default recipe with it in int8 too ended 1.6% higher
-in held-out loss, against under 1% without it, `python -m bench.quant`'s int8-products).
+carries outliers that per-row int8 rounds away: on the default recipe, a trial with it in int8 too (not a benchmark
+kept here) ended 1.6% higher in held-out loss; without it, under 1% (`python -m bench.quant`'s int8-products).
 """
 
 from __future__ import annotations
