@@ -123,7 +123,8 @@ def with_stand_ins(monkeypatch):
     monkeypatch.setattr(rollout, "tool_calls", made["read"])
 
 
-def test_a_killed_tool_calling_run_resumes_exactly_and_logs_the_tools(tiny_ckpt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("credit", ["trajectory", "turn"])
+def test_a_killed_tool_calling_run_resumes_exactly_and_logs_the_tools(tiny_ckpt, tmp_path, monkeypatch, credit):
     from safetensors.torch import load_file
     from test_grpo_train import metrics
 
@@ -133,14 +134,15 @@ def test_a_killed_tool_calling_run_resumes_exactly_and_logs_the_tools(tiny_ckpt,
     with_stand_ins(monkeypatch)
     ckpt = build_checkpoint(tmp_path / "ckpt", max_position_embeddings=2048)
     (tmp_path / "a").mkdir()
-    train_from_recipe(tool_run(ckpt, tmp_path / "a", tmp_path / "full"), log=lambda *_: None)
+    credited = f"train.grpo.credit={credit}"
+    train_from_recipe(tool_run(ckpt, tmp_path / "a", tmp_path / "full", credited), log=lambda *_: None)
     rows = [m for m in metrics(tmp_path / "full") if "loss" in m]
     assert all(m["tools/call_frequency"] > 0 for m in rows) and all(m["tools/turns"] > 1 for m in rows), rows
     assert all(m["tools/failure_frequency"] == 0 for m in rows) and "rewards/Adder/mean" in rows[0]
     assert (tmp_path / "full" / "adapter" / "chat_template.jinja").read_text() == chat_template_text("chatml-tools")
 
     (tmp_path / "b").mkdir()
-    cut = tool_run(ckpt, tmp_path / "b", tmp_path / "cut")
+    cut = tool_run(ckpt, tmp_path / "b", tmp_path / "cut", credited)
     original = trainer.Trainer.train_step
 
     def stop_at_2(self):

@@ -29,6 +29,7 @@ from lora_llama.errors import UserError
 from lora_llama.labels import target_mask
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.base import Objective
+from lora_llama.objectives.grpo.credit import set_turn_advantages
 from lora_llama.objectives.grpo.losses import (
     CLIP_STATS,
     gamma_weights,
@@ -37,7 +38,13 @@ from lora_llama.objectives.grpo.losses import (
     per_token_loss,
     reduce_loss,
 )
-from lora_llama.objectives.grpo.rewards import reward_means, reward_moments, score_rollouts, weighted_rewards
+from lora_llama.objectives.grpo.rewards import (
+    by_completion,
+    reward_means,
+    reward_moments,
+    score_rollouts,
+    weighted_rewards,
+)
 from lora_llama.objectives.grpo.rollout import Rollouts
 from lora_llama.objectives.grpo.tools import listed_tools
 from lora_llama.objectives.reporting import Measure, Reporting
@@ -46,7 +53,7 @@ from lora_llama.runtime.distributed import sharded
 from lora_llama.validation import Settings
 
 # what a rollout batch keeps on the model's device (the rest, rewards and lengths, stays on the CPU)
-ON_DEVICE = ("input_ids", "labels", "advantages", "completion", "position_ids", "segment_ids", "old_logps")
+ON_DEVICE = ("input_ids", "labels", "advantages", "completion", "turn", "position_ids", "segment_ids", "old_logps")
 
 
 class GRPOSettings(Settings):
@@ -92,6 +99,11 @@ class GRPOSettings(Settings):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the group's reward std, the batch's, or not at all"
     )
+    credit: Literal["trajectory", "turn"] = Field(
+        "trajectory",
+        description="with tools: one advantage per completion, from its whole reward (trl's), or one per model "
+        "turn, from the rewards of that turn on, normalised against the same turn of the group's completions",
+    )
     num_iterations: int = Field(1, gt=0, description="optimiser steps on each generation (trl's mu)")
     mask_truncated: bool = Field(False, description="completions that hit max_new_tokens take no loss")
     rewards: list[str] = Field(
@@ -119,6 +131,10 @@ class GRPOSettings(Settings):
     def _weights_fit(self):
         if self.environment and "rewards" not in self.model_fields_set:  # the environment scores (its get_reward)
             self.__dict__["rewards"] = []
+        if self.credit == "turn" and not (self.tools or self.environment):
+            raise ValueError(
+                "train.grpo.credit turn needs tools or an environment: without them a completion is one turn"
+            )
         if not self.rewards and not self.environment:
             raise ValueError("train.grpo.rewards needs at least one reward function")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
@@ -230,6 +246,8 @@ class GRPO(Objective):
         rolled = [self.rollouts.batch(model, b["prompts"], generation) for b in batches]
         scored = score_rollouts(rolled, ranks, self.reward_weights, self.reward_names, self.settings)
         self.completion_tokens, self.rollout_stats = scored
+        if self.settings.credit == "turn":  # in place of each completion's own advantage
+            set_turn_advantages(rolled, ranks, self.reward_weights, self.settings)
         for b in rolled:
             for k in ON_DEVICE:
                 if k in b:
@@ -250,6 +268,8 @@ class GRPO(Objective):
         logps, keep, *token_entropies = self._logps(model, batch, selects)
         owner = batch["completion"][:, 1:][keep]  # the completion of each target token
         advantages = batch["advantages"][owner]
+        if advantages.dim() == 2:  # credit per turn: each token takes its turn's
+            advantages = advantages.gather(1, batch["turn"][:, 1:][keep][:, None]).squeeze(1)
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()
         ref = None
         if s.beta:
@@ -278,7 +298,7 @@ class GRPO(Objective):
             batch = mine[i : i + rows_per_batch]
             sampled = self.rollouts.complete(model, batch or prompts[:1], None)
             if batch:
-                tables.append(self.rollouts.rewards(sampled))
+                tables.append(by_completion(self.rollouts.rewards(sampled)))
                 calling = [calling[0] + sum(n > 0 for n in sampled.calls), calling[1] + len(sampled.ids)]
         table = torch.cat(tables) if tables else torch.zeros(0, len(self.reward_names))
         total = weighted_rewards(table, self.reward_weights)

@@ -103,8 +103,9 @@ def import_named(spec: str, what: str, forms: str = "path/to/file.py:name or pac
     return getattr(module, name, None)
 
 
-def _checked(name: str, values, prompts: list, n: int) -> list[float]:
-    """The values as floats (None and NaN: NaN), or one line naming the function and the first bad row."""
+def _checked(name: str, values, prompts: list, n: int, turns: list[int]) -> list[list[float]]:
+    """Each completion's rewards by turn (NaN: none): a number (None and NaN: NaN) at its last turn, a list of them
+    at its first turns; or one line naming the function and the first bad row."""
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != n:
@@ -112,13 +113,27 @@ def _checked(name: str, values, prompts: list, n: int) -> list[float]:
         raise UserError(f"reward {name} returned {got} for {n} completions (it must return one number or None each)")
     out = []
     for i, v in enumerate(values):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
-            raise UserError(
-                f"reward {name} returned {v!r} ({type(v).__name__}) for row {i} "
-                f"(prompt {_short(prompts[i])}): not a number or None"
-            )
-        out.append(math.nan if v is None else float(v))
+        by_turn = [math.nan] * turns[i]
+        if isinstance(v, (list, tuple)):  # one reward per turn, in order
+            if len(v) > turns[i]:
+                raise UserError(
+                    f"reward {name} returned {len(v)} values for row {i} (prompt {_short(prompts[i])}), which has "
+                    f"{turns[i]} turns (a list scores the model's turns in order, at most one value each)"
+                )
+            by_turn[: len(v)] = [_number(name, x, prompts, i) for x in v]
+        else:
+            by_turn[-1] = _number(name, v, prompts, i)
+        out.append(by_turn)
     return out
+
+
+def _number(name: str, v, prompts: list, i: int) -> float:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+        raise UserError(
+            f"reward {name} returned {v!r} ({type(v).__name__}) for row {i} "
+            f"(prompt {_short(prompts[i])}): not a number or None"
+        )
+    return math.nan if v is None else float(v)
 
 
 def _short(prompt) -> str:
@@ -140,9 +155,20 @@ def _first_failing_row(fn, prompts, completions, columns) -> int | None:
 
 
 def score(rewards: dict[str, Callable], prompts: list, completions: list, columns: dict[str, list]) -> torch.Tensor:
-    """(rows, functions) float32 rewards, NaN where a function returned None. A function that raises or
-    returns something else stops the run with one line naming it and the row."""
+    """(rows, functions) float32 rewards of whole completions, NaN where a function returned None."""
+    return by_completion(score_turns(rewards, prompts, completions, columns))
+
+
+def score_turns(
+    rewards: dict[str, Callable], prompts: list, completions: list, columns: dict[str, list], turns=None
+) -> torch.Tensor:
+    """(rows, functions, turns) float32 rewards by the model's turns (`turns`: each completion's count, None: one
+    each): a function's number for a completion at its last turn, a list of numbers at its first turns, NaN where
+    it scored nothing. A function that raises or returns something else stops the run with one line naming it and
+    the row."""
     n, table = len(completions), []
+    turns = [max(int(t), 1) for t in turns] if turns is not None else [1] * n
+    width = max(turns, default=1)
     for name, fn in rewards.items():
         try:
             values = fn(prompts=prompts, completions=completions, **columns)
@@ -150,8 +176,14 @@ def score(rewards: dict[str, Callable], prompts: list, completions: list, column
             row = _first_failing_row(fn, prompts, completions, columns)
             where = f" on row {row} (prompt {_short(prompts[row])})" if row is not None else ""
             raise UserError(f"reward {name} raised {type(e).__name__}: {e}{where}") from None
-        table.append(_checked(name, values, prompts, n))
-    return torch.tensor(table, dtype=torch.float32).T.reshape(n, len(rewards))
+        table.append([t + [math.nan] * (width - len(t)) for t in _checked(name, values, prompts, n, turns)])
+    return torch.tensor(table, dtype=torch.float32).permute(1, 0, 2).reshape(n, len(rewards), width)
+
+
+def by_completion(table: torch.Tensor) -> torch.Tensor:
+    """(rows, functions) from `score_turns`' (rows, functions, turns): each function's turns summed, NaN where it
+    scored none of them."""
+    return table.nansum(2).masked_fill(table.isnan().all(2), torch.nan)
 
 
 def moments(x: torch.Tensor) -> list[float]:
@@ -200,19 +232,20 @@ def group_advantages(
     rewards: torch.Tensor, group_size: int, scale: str, batch_std: float | None = None
 ) -> torch.Tensor:
     """(rewards - group mean) / (std + 1e-4), the std of the group, of the batch, or none; NaN rewards
-    (unscorable) stay out of the means and standard deviations and get advantage 0."""
-    grouped = rewards.view(-1, group_size)
-    advantages = rewards - grouped.nanmean(1).repeat_interleave(group_size)
+    (unscorable) stay out of the means and standard deviations and get advantage 0. Rewards (rows, turns) are
+    normalised within each turn's column of the group."""
+    grouped = rewards.view(-1, group_size, *rewards.shape[1:])
+    advantages = grouped - grouped.nanmean(1, keepdim=True)
     if scale == "group":
-        advantages = advantages / (nanstd(grouped, 1).repeat_interleave(group_size) + 1e-4)
+        advantages = advantages / (nanstd(grouped, 1).unsqueeze(1) + 1e-4)
     elif scale == "batch":
         advantages = advantages / ((nanstd(rewards) if batch_std is None else batch_std) + 1e-4)
-    return advantages.nan_to_num(0.0)
+    return advantages.reshape(rewards.shape).nan_to_num(0.0)
 
 
 def score_rollouts(rolled: list[dict], ranks, weights, names: list[str], settings) -> tuple[int, dict]:
-    """Sets each batch's advantages per completion; returns the completion tokens of the global batch and the
-    rollout metrics over it (every rank's groups)."""
+    """Sets each batch's advantages per completion (objectives/grpo/credit.py sets them per turn); returns the
+    completion tokens of the global batch and the rollout metrics over it (every rank's groups)."""
     table = torch.cat([b["rewards"] for b in rolled]) if rolled else torch.zeros(0, len(names))
     total, g = weighted_rewards(table, weights), settings.group_size
     zero_std = torch.isclose(nanstd(total.view(-1, g), 1), torch.zeros(())).sum() * g if rolled else 0

@@ -21,7 +21,7 @@ from lora_llama.data.templates import TAGGED_CALL, tool_calls, tool_suffix_ids
 from lora_llama.errors import UserError
 from lora_llama.labels import IGNORE_INDEX
 from lora_llama.model.generate import sample_completions, sample_turns
-from lora_llama.objectives.grpo.rewards import load_reward, score
+from lora_llama.objectives.grpo.rewards import by_completion, load_reward, score_turns
 from lora_llama.objectives.grpo.tools import Toolbox, answer_calls, load_environment, load_tools
 
 
@@ -33,11 +33,13 @@ def completion_seed(seed: int, generation: int, index: int, sample: int) -> int:
 @dataclass
 class Sampled:
     """A batch's completions: token ids, the prompt rows they continue and, over several turns, which tokens are
-    the model's (1) and which a tool's (0), the messages, the environments and the tool counts."""
+    the model's (1) and which a tool's (0), the model's turn each token is of or follows, the messages, the
+    environments and the tool counts."""
 
     ids: list[list[int]]
     rows: list[dict]
     mask: list[list[int]] | None = None
+    turn_of: list[list[int]] | None = None
     messages: list[list[dict]] | None = None
     environments: list | None = None
     calls: list[int] = field(default_factory=list)
@@ -91,8 +93,8 @@ class Rollouts:
         return Sampled(sample_completions(model, ids, s.max_new_tokens, self.eos_ids, pad_id, **sampling), rows)
 
     def rewards(self, sampled: Sampled) -> torch.Tensor:
-        """(rows, functions) rewards; completions reach the functions in the form of their prompt (as messages
-        over several turns)."""
+        """(rows, functions, turns) rewards (score_turns); completions reach the functions in the form of their
+        prompt (as messages over several turns)."""
         rows, completions = sampled.rows, sampled.ids
         prompts = [r["prompt"] for r in rows]
         if sampled.messages is not None:
@@ -105,7 +107,8 @@ class Rollouts:
         columns = {k: [r["columns"][k] for r in rows] for k in rows[0]["columns"]} if rows else {}
         if sampled.environments is not None:
             columns["environments"] = sampled.environments
-        return score(self.reward_functions, prompts, shaped, {**columns, "completion_ids": completions})
+        columns["completion_ids"] = completions
+        return score_turns(self.reward_functions, prompts, shaped, columns, sampled.turns or None)
 
     def batch(self, model, prompts: list[dict], generation: int) -> dict:
         """One micro-batch's completions as training rows, with their rewards, lengths, truncation and tool counts."""
@@ -114,15 +117,20 @@ class Rollouts:
         completions, rows = sampled.ids, sampled.rows
         masks = sampled.mask or [[1] * len(c) for c in completions]
         truncated = [len(c) == n and c[-1] not in ends for c in completions]
+        by_turn = self.settings.credit == "turn"
         examples = []
-        for row, c, mask, cut in zip(rows, completions, masks, truncated):
+        for i, (row, c, mask, cut) in enumerate(zip(rows, completions, masks, truncated)):
             masked = cut and self.settings.mask_truncated
             targets = [IGNORE_INDEX if masked or not mine else t for t, mine in zip(c, mask)]
-            examples.append(
-                {"input_ids": row["prompt_ids"] + c, "labels": [IGNORE_INDEX] * len(row["prompt_ids"]) + targets}
-            )
+            prompt = len(row["prompt_ids"])
+            examples.append({"input_ids": row["prompt_ids"] + c, "labels": [IGNORE_INDEX] * prompt + targets})
+            if by_turn:
+                examples[-1]["turn"] = [0] * prompt + sampled.turn_of[i]
         batch = self.rows(examples)
-        batch["rewards"] = self.rewards(sampled)
+        table = self.rewards(sampled)
+        batch["rewards"] = by_completion(table)
+        if by_turn:  # for objectives/grpo/credit.py
+            batch["turn_rewards"], batch["turns"] = table, torch.tensor(sampled.turns)
         batch["lengths"] = torch.tensor([sum(m) for m in masks], dtype=torch.float32)
         batch["truncated"] = torch.tensor(truncated, dtype=torch.float32)
         if self.episodes is not None:
@@ -141,6 +149,12 @@ class Rollouts:
             firsts = torch.tensor([0] + [r["segment_ids"][-1] + 1 for r in packed]).cumsum(0)[:-1]
             batch["completion"] = (firsts[:, None] + batch["segment_ids"]).clamp(0, len(examples) - 1)  # padding: any
         batch["completions"] = torch.tensor(len(examples))
+        if "turn" in examples[0]:  # each position's turn, laid out as the rows lay out the examples
+            lengths = [len(r["input_ids"]) for r in (packed if self.packing else examples)]
+            flat = torch.tensor([t for e in examples for t in e["turn"]])
+            batch["turn"] = torch.zeros_like(batch["input_ids"])
+            for r, piece in enumerate(flat.split(lengths)):
+                batch["turn"][r, : len(piece)] = piece
         return batch
 
 
@@ -199,6 +213,7 @@ class ToolEpisodes:
             ids,
             [{**r, "prompt_ids": p} for r, p in zip(rows, prompts)],
             mask,
+            [turn_indices(row) for row in pieces],
             [conversation(m, sum(not mine for _, mine in row)) for m, row in zip(messages, pieces)],
             environments,
             counts["calls"],
@@ -213,6 +228,15 @@ class ToolEpisodes:
             prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
             prompt[-1]["content"] += told
         return prompt_ids(self.tokenizer, prompt, row["index"], self.system_prompt, schemas)
+
+
+def turn_indices(pieces: list[tuple[list[int], bool]]) -> list[int]:
+    """Each token's model turn (0 first): a turn's own tokens, and a tool's answer the turn before it."""
+    out, turn = [], -1
+    for piece, mine in pieces:
+        turn += mine
+        out += [max(turn, 0)] * len(piece)
+    return out
 
 
 def assistant_message(text: str, calls: list[dict]) -> dict:
