@@ -38,6 +38,16 @@ def agent_rows(r: dict) -> list[tuple]:
         )
         for k, what in stage.items()
     ]
+    for credit, curve in r.get("curves", {}).items():  # each GRPO run's held-out accuracy every few steps
+        steps = ", ".join(str(step) for step, _ in curve)
+        rows.append(
+            (
+                f"calculator agent, GRPO with credit: {credit}, held-out accuracy at steps {steps}",
+                ", ".join(f"{accuracy:.3f}" for _, accuracy in curve),
+                "",
+                "",
+            )
+        )
     minutes = r["sft_minutes"] + r["merge_minutes"] + r["grpo_minutes"]
     rows.append(
         (

@@ -63,7 +63,9 @@ def test_rewards_by_turn_and_the_returns_from_each_turn_on_by_hand():
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_each_turn_is_normalised_against_the_same_turn_of_its_group(scale):
     batch = {"turn_rewards": table_by_hand(), "turns": torch.tensor(TURNS)}
-    set_turn_advantages([batch], Ranks(), torch.tensor([1.0, 0.5]), SimpleNamespace(group_size=4, scale_rewards=scale))
+    set_turn_advantages(
+        [batch], Ranks(), torch.tensor([1.0, 0.5]), SimpleNamespace(group_size=4, scale_rewards=scale, credit="turn")
+    )
     # turn 0: returns 2, 0, 4 (mean 2, std 2); turn 1: 1 and 2 (mean 1.5, std sqrt(0.5)); turn 2: one return, no
     # spread to compare it with; every place without a return gets 0
     centred = torch.tensor([[0.0, -0.5, 0], [-2, 0, 0], [2, 0.5, 0], [0, 0, 0]])

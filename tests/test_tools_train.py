@@ -228,7 +228,8 @@ def test_the_template_an_adapter_was_trained_with_goes_with_it_into_merge_and_ge
 
 def test_the_calculator_data_lists_the_calculator_tool_as_transformers_describes_it():
     """calculator-chats carry recipes/tools/calculator.py's schema, so SFT and GRPO show the model the same
-    listing; each conversation's call computes its answer, and the reward scores the last number."""
+    listing; each conversation's call computes its answer, `correct` scores the last number and `right_call` the
+    turn that calls."""
     from pathlib import Path
 
     from lora_llama.data.loading import CALCULATOR_TOOL, REGISTERED_RECORDS
@@ -248,3 +249,7 @@ def test_the_calculator_data_lists_the_calculator_tool_as_transformers_describes
         0.0,
     ]
     assert calculate("482 * 37") == "17834" and calculate("7 / 2") == "3.5"
+    # right_call scores the turn that calls: 1 when the expression's value is the answer; the reply goes unscored
+    right_call = load_reward(f"{root}/recipes/tools/calculator.py:right_call")[1]
+    conversation, result = chats[0]["messages"][1:], chats[0]["messages"][2]["content"]
+    assert right_call(None, [conversation] * 2, [result, "-1"]) == [[1.0, None], [0.0, None]]

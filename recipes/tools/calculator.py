@@ -1,5 +1,6 @@
-"""A calculator tool and the reward of the calculator recipes (smollm2-tools-*.yaml): the tool evaluates an
-arithmetic expression, the reward is 1 when the completion's last message states the right number."""
+"""A calculator tool and the rewards of the calculator recipes (smollm2-tools-*.yaml): the tool evaluates an
+arithmetic expression; `correct` is 1 when the completion's last message states the right number, `right_call`
+scores each of the model's turns that calls the calculator: 1 when the expression's value is the answer."""
 
 import ast
 import operator
@@ -45,3 +46,28 @@ def correct(prompts, completions, answer, **_) -> list[float]:
         numbers = NUMBER.findall(text.replace(",", ""))
         scores.append(1.0 if numbers and float(numbers[-1]) == float(want) else 0.0)
     return scores
+
+
+def right_call(prompts, completions, answer, **_) -> list[list[float | None]]:
+    """Per assistant turn: 1 when it calls calculate on an expression whose value is the answer, 0 when its calls
+    compute something else or cannot run, None (unscored) for a turn without calls."""
+    scores = []
+    for completion, want in zip(completions, answer):
+        turns = [m for m in completion if m["role"] == "assistant"]
+        scores.append([_call_score(m.get("tool_calls") or [], want) for m in turns])
+    return scores
+
+
+def _call_score(calls: list[dict], want) -> float | None:
+    if not calls:
+        return None
+    for call in calls:
+        function = call.get("function", call)
+        arguments = function.get("arguments")
+        expression = arguments.get("expression") if isinstance(arguments, dict) else None
+        try:
+            if function.get("name") == "calculate" and float(calculate(str(expression))) == float(want):
+                return 1.0
+        except (ValueError, SyntaxError, ZeroDivisionError, TypeError):
+            pass
+    return 0.0

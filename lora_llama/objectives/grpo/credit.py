@@ -25,7 +25,10 @@ def turn_returns(table: torch.Tensor, weights: torch.Tensor, turns: torch.Tensor
 
 
 def set_turn_advantages(rolled: list[dict], ranks, weights: torch.Tensor, settings) -> None:
-    """Each batch's advantages (rows, turns) by turn: group-normalised per turn index."""
+    """With credit: turn, each batch's advantages (rows, turns) in place of its completions' (rows,): each turn's
+    return group-normalised per turn index. Nothing otherwise."""
+    if settings.credit != "turn":
+        return
     width = max((b["turn_rewards"].shape[2] for b in rolled), default=1)
     returns = [
         turn_returns(
@@ -39,3 +42,12 @@ def set_turn_advantages(rolled: list[dict], ranks, weights: torch.Tensor, settin
         std = mean_std(*ranks.sum_named({"returns": moments(everything)})["returns"])[1]
     for b, r in zip(rolled, returns):
         b["advantages"] = group_advantages(r, settings.group_size, settings.scale_rewards, std)
+
+
+def token_advantages(batch: dict, owner: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Each target token's advantage (`keep`: the target positions of the shifted rows, `owner`: their
+    completions): its completion's, or with credit per turn its own turn's."""
+    advantages = batch["advantages"]
+    if advantages.dim() == 1:
+        return advantages[owner]
+    return advantages[owner, batch["turn"][:, 1:][keep]]

@@ -29,7 +29,7 @@ from lora_llama.errors import UserError
 from lora_llama.labels import target_mask
 from lora_llama.lora.adapted import adapters_disabled
 from lora_llama.objectives.base import Objective
-from lora_llama.objectives.grpo.credit import set_turn_advantages
+from lora_llama.objectives.grpo.credit import set_turn_advantages, token_advantages
 from lora_llama.objectives.grpo.losses import (
     CLIP_STATS,
     gamma_weights,
@@ -194,10 +194,9 @@ class GRPO(Objective):
         self.settings = settings  # this run's train.grpo (the class's `settings` is its schema)
         self.rollouts = Rollouts(settings, tokenizer, eos_ids, seed, packing, max_seq_len, system_prompt)
         self.reward_names = list(self.rollouts.reward_functions)
+        # null reward_weights: 1 each, an environment's get_reward (joining the rewards) too, as trl's
         self.reward_weights = torch.tensor(settings.reward_weights or [1.0] * len(self.reward_names))
         self.repeats = settings.num_iterations  # optimiser steps per generation (trl's μ)
-        if settings.reward_weights is None:  # an environment's get_reward joins the rewards, weight 1 (trl's)
-            self.reward_weights = torch.ones(len(self.reward_names))
         self.stat_names = CLIP_STATS + (("kl",) if settings.beta else ())
         self.kept: tuple[int, list[dict]] | None = None  # (generation, its rollouts), for num_iterations > 1
         self.rollout_stats: dict = {}
@@ -246,8 +245,7 @@ class GRPO(Objective):
         rolled = [self.rollouts.batch(model, b["prompts"], generation) for b in batches]
         scored = score_rollouts(rolled, ranks, self.reward_weights, self.reward_names, self.settings)
         self.completion_tokens, self.rollout_stats = scored
-        if self.settings.credit == "turn":  # in place of each completion's own advantage
-            set_turn_advantages(rolled, ranks, self.reward_weights, self.settings)
+        set_turn_advantages(rolled, ranks, self.reward_weights, self.settings)  # with credit: turn
         for b in rolled:
             for k in ON_DEVICE:
                 if k in b:
@@ -267,9 +265,7 @@ class GRPO(Objective):
         selects = s.top_entropy_quantile < 1  # only the tokens of highest entropy take the policy loss
         logps, keep, *token_entropies = self._logps(model, batch, selects)
         owner = batch["completion"][:, 1:][keep]  # the completion of each target token
-        advantages = batch["advantages"][owner]
-        if advantages.dim() == 2:  # credit per turn: each token takes its turn's
-            advantages = advantages.gather(1, batch["turn"][:, 1:][keep][:, None]).squeeze(1)
+        advantages = token_advantages(batch, owner, keep)
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()
         ref = None
         if s.beta:

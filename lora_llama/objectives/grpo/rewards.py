@@ -1,5 +1,6 @@
 """Reward functions for GRPO: plain Python in trl's signature, `fn(prompts, completions, **columns) ->
-list[float | None]` (None: the reward does not apply to that row), so a trl reward file works unchanged.
+list[float | None]` (None: the reward does not apply to that row), so a trl reward file works unchanged; over
+several turns (tools) a row's value may be a list, one per model turn (objectives/grpo/credit.py).
 
 A recipe names each as `path/to/file.py:function`, `package.module:function` or a built-in:
     format          1 when the completion is `<think>...</think><answer>...</answer>` (whitespace around
