@@ -148,7 +148,10 @@ TRIGGERS = {
         lambda m: m.train("lora.targets=[q,experts]")
     ),
     "train.distributed=fsdp on a mixture of experts is not supported; use ddp": lambda m: m.fsdp_mixture(),
-    "... holds a mixture of experts, which is not read from GGUF: train its HF checkpoint": lambda m: m.gguf_mixture(),
+    "... holds a mixture of experts in llama.cpp's llama architecture, which is not read from GGUF (mixtures are read "
+    "as qwen2moe and qwen3moe): train its HF checkpoint": lambda m: m.gguf_mixture(),
+    "llama.cpp's qwen3moe renormalises the chosen experts' weights; this qwen3_moe model has norm_topk_prob false, so "
+    "it has no GGUF form": lambda m: m.unrenormalised_export(),
     "adapter for ... has lora_A (N, N) and lora_B (N, N), which do not fit the base weight (N, N)": (
         lambda m: m.other_base()
     ),
@@ -180,8 +183,19 @@ class MoreMistakes(Mistakes):
         )
 
     def gguf_mixture(self):
-        self.cli("export", "--base", self.mixture(), "--out", self.tmp / "mixture.gguf", code=0)
-        return self.cli("generate", "--model", self.tmp / "mixture.gguf", "--prompt", "hi")
+        from test_moe import MOE
+
+        mixtral = build_checkpoint(self.tmp / "mixtral", family="mixtral", **MOE["mixtral"][1])
+        self.cli("export", "--base", mixtral, "--out", self.tmp / "mixtral.gguf", code=0)
+        return self.cli("generate", "--model", self.tmp / "mixtral.gguf", "--prompt", "hi")
+
+    def unrenormalised_export(self):
+        from test_moe import MOE
+
+        folder = build_checkpoint(
+            self.tmp / "plain-topk", family="qwen3_moe", **{**MOE["qwen3_moe"][1], "norm_topk_prob": False}
+        )
+        return self.cli("export", "--base", folder, "--out", self.tmp / "plain-topk.gguf")
 
     def dora(self):
         from lora_llama import LoraSettings, apply_lora, load_model, save_adapter

@@ -216,11 +216,52 @@ def test_fsdp_on_a_mixture_is_one_line(moe, chat_data):
     )
 
 
-def test_a_mixture_in_a_gguf_file_is_one_line(tmp_path, capsys):
-    """A GGUF mixture (written here by export) is not read as a base: one line, nothing cached."""
-    folder = build_checkpoint(tmp_path / "ckpt", family="qwen3_moe", **{**MOE["qwen3_moe"][1], "vocab_size": 300})
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_a_mixture_exported_to_gguf_reads_back_as_the_model_it_was(name, tmp_path):
+    """A Qwen3-MoE / Qwen2-MoE GGUF (written by export, as llama.cpp's converter writes one) is read as a base: each
+    tensor is the checkpoint's, rounded to bf16 where the file holds bf16; the experts' sizes and the top-k
+    renormalisation, which transformers' GGUF config mapping drops, are the checkpoint's; and transformers' own class
+    on the folder read gives the native model's logits on the file."""
+    from safetensors.torch import load_file
+
+    from lora_llama.loading.models import gguf_to_folder
+
+    model_type, overrides = MOE[name]
+    overrides = {**overrides, "vocab_size": 300, "decoder_sparse_step": 1}  # a mixture in every layer, as llama.cpp
+    folder = build_checkpoint(tmp_path / "ckpt", family=model_type, **overrides)
+    assert main(["export", "--base", str(folder), "--out", str(tmp_path / "m.gguf"), "--type", "bf16"]) == 0
+    read = gguf_to_folder(tmp_path / "m.gguf")
+    want_cfg, got_cfg = (json.loads((f / "config.json").read_text()) for f in (folder, read))
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok"):
+        assert got_cfg.get(key) == want_cfg.get(key), key
+    assert got_cfg["norm_topk_prob"] == want_cfg.get("norm_topk_prob", False)
+    want, got = hf_model(folder).state_dict(), load_file(read / "model.safetensors")
+    assert set(got) <= set(want) and "lm_head.weight" not in set(want) - set(got)
+    for key, w in got.items():
+        assert w.shape == want[key].shape, key
+        assert torch.equal(w, want[key]) or torch.equal(w, want[key].bfloat16().float()), key
+    x = token_ids(2, 24, 5)
+    with torch.no_grad():
+        assert (hf_model(read)(x).logits - load_model(tmp_path / "m.gguf")(x)).abs().max() < 1e-4
+
+
+def test_a_mixtral_gguf_file_is_one_line(tmp_path, capsys):
+    """Mixtral's GGUF form (llama.cpp's llama with experts) is not read (transformers reads it as a dense Llama):
+    one line, nothing cached."""
+    folder = build_checkpoint(tmp_path / "ckpt", family="mixtral", **{**MOE["mixtral"][1], "vocab_size": 300})
     assert main(["export", "--base", str(folder), "--out", str(tmp_path / "m.gguf")]) == 0
     capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path / "m.gguf"), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "holds a mixture of experts, which is not read from GGUF" in err
+    assert len(err.splitlines()) == 1 and "mixture of experts in llama.cpp's llama architecture, which is not" in err
+
+
+def test_routing_llama_cpp_computes_otherwise_has_no_gguf_form(tmp_path, capsys):
+    """llama.cpp's qwen3moe renormalises the chosen experts' weights: a Qwen3-MoE with norm_topk_prob false is one
+    line, and no file."""
+    overrides = {**MOE["qwen3_moe"][1], "norm_topk_prob": False}
+    folder = build_checkpoint(tmp_path / "ckpt", family="qwen3_moe", **overrides)
+    capsys.readouterr()
+    assert main(["export", "--base", str(folder), "--out", str(tmp_path / "m.gguf")]) == 2
+    assert "qwen3moe renormalises the chosen experts' weights" in capsys.readouterr().err
+    assert not (tmp_path / "m.gguf").exists()

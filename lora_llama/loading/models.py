@@ -17,6 +17,13 @@ from lora_llama.files.atomic import atomic_dir, write_text_atomic
 from lora_llama.files.json_files import read_config, write_json
 from lora_llama.files.shards import iter_shards
 from lora_llama.files.tokenizer_files import make_tokenizer_config_portable
+from lora_llama.loading.gguf_mixtures import (
+    check_readable,
+    complete_config,
+    fit_shapes,
+    gguf_fields,
+    mixture_architecture,
+)
 from lora_llama.model.config import ModelArgs, family_of, portable_hf_config
 from lora_llama.model.llama import Llama
 from lora_llama.model.moe import ExpertStacks, native_name, stacked_name
@@ -128,17 +135,6 @@ def remember(seen: Path, key: str) -> None:
         pass
 
 
-def holds_experts(gguf: Path) -> bool:
-    """Whether a GGUF file's metadata gives its architecture experts (`ARCH.expert_count` above 0)."""
-    try:
-        from gguf import GGUFReader
-
-        fields = GGUFReader(gguf).fields
-    except Exception:  # not a readable GGUF: transformers' reading says so in its own line
-        return False
-    return any(k.endswith(".expert_count") and int(f.contents() or 0) > 0 for k, f in fields.items())
-
-
 def gguf_to_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached HF folder (float32 safetensors + tokenizer)."""
     key, seen = gguf_cache_key(gguf)
@@ -147,8 +143,10 @@ def gguf_to_folder(gguf: Path) -> Path:
         if not seen.is_file():
             remember(seen, key)
         return folder
-    if holds_experts(gguf):  # read once, before the first conversion (seconds for a large file)
-        raise UserError(f"{gguf} holds a mixture of experts, which is not read from GGUF: train its HF checkpoint")
+    fields = gguf_fields(gguf)  # read once, before the first conversion (seconds for a large file)
+    mixture = mixture_architecture(fields)
+    if mixture is not None:
+        check_readable(gguf, mixture)
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -158,11 +156,15 @@ def gguf_to_folder(gguf: Path) -> Path:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # gguf raises many types for a bad file
         raise UserError(f"cannot read GGUF file {gguf}: {e}") from None
+    if mixture is not None:
+        complete_config(config, fields, mixture)
     family_of(config.to_dict())  # an unsupported family or option is refused before anything is written
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)  # only used to map GGUF tensor names to HF names
     try:
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=hf_model)["tensors"]
+        tensors = fit_shapes(
+            load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=hf_model)["tensors"], hf_model
+        )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # a truncated or damaged file fails in many ways inside gguf / transformers
         raise UserError(

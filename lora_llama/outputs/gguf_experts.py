@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from lora_llama.errors import UserError
+from lora_llama.loading.gguf_mixtures import RENORMALISES
 from lora_llama.model.config import ModelArgs
 from lora_llama.model.moe import stacked_name
 
@@ -40,13 +41,20 @@ class StackedExperts:
 
 
 def check_every_layer_mixed(args: ModelArgs, arch: str) -> None:
-    """llama.cpp's mixture architectures read a mixture in every layer: a model with dense layers is one line."""
+    """llama.cpp's mixture architectures read a mixture in every layer, and renormalise the chosen experts'
+    weights or not by architecture: a model with dense layers, or routing otherwise, is one line."""
     moe = args.moe
     dense = [i for i in range(args.n_layers) if moe is not None and i not in moe.sparse_layers]
     if dense:
         raise UserError(
             f"llama.cpp's {arch} reads a mixture of experts in every layer; layer {dense[0]} of this "
             f"{args.model_type} model is dense (mlp_only_layers / decoder_sparse_step), so it has no GGUF form"
+        )
+    if moe is not None and arch in RENORMALISES and moe.norm_topk_prob != RENORMALISES[arch]:
+        raise UserError(
+            f"llama.cpp's {arch} {'renormalises' if RENORMALISES[arch] else 'does not renormalise'} the chosen "
+            f"experts' weights; this {args.model_type} model has norm_topk_prob {str(moe.norm_topk_prob).lower()}, "
+            "so it has no GGUF form"
         )
 
 
