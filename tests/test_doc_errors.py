@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from test_moe import MOE
 
 from helpers import ROOT, build_checkpoint, chat_file, make_adapter
 from lora_llama.cli import main
@@ -148,10 +149,8 @@ TRIGGERS = {
         lambda m: m.train("lora.targets=[q,experts]")
     ),
     "train.distributed=fsdp on a mixture of experts is not supported; use ddp": lambda m: m.fsdp_mixture(),
-    "... holds a mixture of experts in llama.cpp's llama architecture, which is not read from GGUF (mixtures are read "
-    "as qwen2moe and qwen3moe): train its HF checkpoint": lambda m: m.gguf_mixture(),
-    "llama.cpp's qwen3moe renormalises the chosen experts' weights; this qwen3_moe model has norm_topk_prob false, so "
-    "it has no GGUF form": lambda m: m.unrenormalised_export(),
+    "... in llama.cpp's llama architecture, which is not read from GGUF ...": lambda m: m.gguf_mixture(),
+    "llama.cpp's qwen3moe renormalises the chosen experts' weights; ...": lambda m: m.unrenormalised_export(),
     "adapter for ... has lora_A (N, N) and lora_B (N, N), which do not fit the base weight (N, N)": (
         lambda m: m.other_base()
     ),
@@ -164,12 +163,9 @@ TRIGGERS = {
 
 
 class MoreMistakes(Mistakes):
-    def mixture(self):
-        from test_moe import MOE
-
-        folder = self.tmp / "mixture"
-        model_type, overrides = MOE["qwen3_moe"]
-        return folder if folder.is_dir() else build_checkpoint(folder, family=model_type, **overrides)
+    def mixture(self, name: str = "qwen3_moe", **extra):
+        folder, (model_type, overrides) = self.tmp / f"{name}-{len(extra)}", MOE[name]
+        return folder if folder.is_dir() else build_checkpoint(folder, family=model_type, **{**overrides, **extra})
 
     def fsdp_mixture(self):
         from lora_llama.loading.models import model_source
@@ -177,25 +173,15 @@ class MoreMistakes(Mistakes):
         from lora_llama.runtime.distributed import Ranks
         from lora_llama.training.from_recipe import _choose_strategy
 
-        recipe = load_recipe(None, ["train.distributed=fsdp"])
-        return self.error(
-            lambda: _choose_strategy(recipe, Ranks(rank=0, world=2), "cpu", model_source(str(self.mixture())))
-        )
+        source, two = model_source(str(self.mixture())), Ranks(rank=0, world=2)
+        return self.error(lambda: _choose_strategy(load_recipe(None, ["train.distributed=fsdp"]), two, "cpu", source))
 
     def gguf_mixture(self):
-        from test_moe import MOE
-
-        mixtral = build_checkpoint(self.tmp / "mixtral", family="mixtral", **MOE["mixtral"][1])
-        self.cli("export", "--base", mixtral, "--out", self.tmp / "mixtral.gguf", code=0)
+        self.cli("export", "--base", self.mixture("mixtral"), "--out", self.tmp / "mixtral.gguf", code=0)
         return self.cli("generate", "--model", self.tmp / "mixtral.gguf", "--prompt", "hi")
 
     def unrenormalised_export(self):
-        from test_moe import MOE
-
-        folder = build_checkpoint(
-            self.tmp / "plain-topk", family="qwen3_moe", **{**MOE["qwen3_moe"][1], "norm_topk_prob": False}
-        )
-        return self.cli("export", "--base", folder, "--out", self.tmp / "plain-topk.gguf")
+        return self.cli("export", "--base", self.mixture(norm_topk_prob=False), "--out", self.tmp / "plain.gguf")
 
     def dora(self):
         from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
