@@ -147,3 +147,37 @@ def test_merge_lora_in_memory_folds_the_experts_and_disabled_adapters_give_the_b
             assert torch.equal(model(x), base) and (adapted - base).abs().max() > 1e-3
         merge_lora(model)
         assert not expert_modules(model) and (model(x) - adapted).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_an_expert_adapter_as_a_llama_cpp_lora_gguf_is_the_merge_delta(name, tmp_path):
+    """`export --lora-gguf` of an adapter on the experts: each stacked expert weight's lora_a (E, r, in) and lora_b
+    (E, out, r), as llama.cpp's LoRA multiplies them per expert (ggml_mul_mat_id on both), times alpha / r give each
+    expert's change of its gate, up and down weights that `merge` makes, within float32 rounding."""
+    from gguf import GGUFReader
+
+    model_type, overrides = MOE[name]
+    folder = build_checkpoint(tmp_path / "ckpt", family=model_type, **overrides)
+    model = load_model(folder)
+    apply_lora(model, LoraSettings(r=4, alpha=8, targets=["q", "experts"]))
+    save_adapter(randomized(model), tmp_path / "adapter")
+    args = ["--base", str(folder), "--adapter", str(tmp_path / "adapter")]
+    assert main(["export", *args, "--lora-gguf", str(tmp_path / "lora.gguf")]) == 0
+    assert main(["merge", *args, "--out", str(tmp_path / "merged")]) == 0
+    reader = GGUFReader(tmp_path / "lora.gguf")
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    scale = float(reader.fields["adapter.lora.alpha"].contents()) / 4
+    base, merged = (hf_model(f).state_dict() for f in (folder, tmp_path / "merged"))
+    E, layers = model.args.moe.num_experts, model.args.n_layers
+    for i in range(layers):
+        stack = f"model.layers.{i}.mlp.experts"
+        gate_up = merged[f"{stack}.gate_up_proj"] - base[f"{stack}.gate_up_proj"]  # (E, 2I, H)
+        half = gate_up.shape[1] // 2
+        want = {"gate": gate_up[:, :half], "up": gate_up[:, half:]}
+        want["down"] = merged[f"{stack}.down_proj"] - base[f"{stack}.down_proj"]
+        for part, delta in want.items():
+            a, b = tensors[f"blk.{i}.ffn_{part}_exps.weight.lora_a"], tensors[f"blk.{i}.ffn_{part}_exps.weight.lora_b"]
+            assert a.shape == (E, 4, delta.shape[2]) and b.shape == (E, delta.shape[1], 4)
+            got = scale * b @ a
+            assert (got - delta).abs().max() < 1e-5 * max(1.0, float(delta.abs().max())), (i, part)
+    assert {f"blk.{i}.attn_q.weight.lora_a" for i in range(layers)} <= set(tensors)

@@ -25,7 +25,7 @@ from lora_llama.files.json_files import read_config
 from lora_llama.files.shards import open_safetensors
 from lora_llama.loading.models import gguf_file, load_tokenizer, resolve_source
 from lora_llama.model.config import ModelArgs, rope_inv_freq
-from lora_llama.outputs.gguf_experts import F32_TENSORS, StackedExperts, check_every_layer_mixed, write_expert_hparams
+from lora_llama.outputs import gguf_experts
 from lora_llama.outputs.gguf_vocab import build_tokenizer, copy_tokenizer
 from lora_llama.outputs.merge import Merger
 from lora_llama.quant.gguf_tensors import permute_rows
@@ -78,7 +78,7 @@ class TensorNames:
     def __init__(self, args: ModelArgs):
         gguf = _gguf()
         self.args, self.arch = args, architecture(args)
-        check_every_layer_mixed(args, gguf.MODEL_ARCH_NAMES[self.arch])
+        gguf_experts.check_every_layer_mixed(args, gguf.MODEL_ARCH_NAMES[self.arch])
         self.map = gguf.get_tensor_name_map(self.arch, args.n_layers)
         self.permuted = self.arch == gguf.MODEL_ARCH.LLAMA
 
@@ -113,7 +113,7 @@ def ggml_type(out_type: str, shape: tuple, name: str = ""):
     """1-D tensors (norms, biases) and routers stay F32; q8_0 needs rows in blocks of 32, else F16 (as llama.cpp's
     converter)."""
     T = _gguf().GGMLQuantizationType
-    if len(shape) < 2 or name.endswith(F32_TENSORS):
+    if len(shape) < 2 or name.endswith(gguf_experts.F32_TENSORS):
         return T.F32
     if out_type == "q8_0" and shape[-1] % 32 == 0:
         return T.Q8_0
@@ -159,7 +159,7 @@ def write_hparams(writer, args: ModelArgs, name: str, out_type: str) -> None:
         "bf16": gguf.LlamaFileType.MOSTLY_BF16,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     }[out_type]
-    write_expert_hparams(writer, args)
+    gguf_experts.write_expert_hparams(writer, args)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -188,7 +188,7 @@ def _tensor_infos(writer, merger, names, out_type: str, freqs) -> int:
     if freqs is not None:
         f32 = gguf.GGMLQuantizationType.F32
         writer.add_tensor_info("rope_freqs.weight", tuple(freqs.shape), np.float32, freqs.numel() * 4, raw_dtype=f32)
-    count, experts = 0, StackedExperts(names.args)
+    count, experts = 0, gguf_experts.StackedExperts(names.args)
     for f in merger.files:
         with open_safetensors(f) as sf:
             for key, shape in (item for k, _, s in merger.entries(sf) for item in experts.add(k, s)):
@@ -237,7 +237,7 @@ def export_gguf(
     def write_tensors():
         if freqs is not None:
             writer.write_tensor_data(freqs.numpy())
-        experts = StackedExperts(args)
+        experts = gguf_experts.StackedExperts(args)
         with tqdm(total=count, desc="export", unit="tensor", disable=not progress) as bar:
             for f in merger.files:
                 with open_safetensors(f) as sf:
@@ -289,8 +289,9 @@ def export_lora_gguf(
     adapter: str | os.PathLike, out: str | os.PathLike, base: str | None = None, force: bool = False
 ) -> dict:
     """The adapter alone as a llama.cpp LoRA GGUF (`llama-cli -m model.gguf --lora FILE`): lora_a (r, in) and
-    lora_b (out, r) per adapted weight under the model's GGUF names, lora_b's rows permuted like the weight's,
-    and adapter.lora.alpha = scale · r (llama.cpp scales by alpha / r)."""
+    lora_b (out, r) per adapted weight under the model's GGUF names, lora_b's rows permuted like the weight's, a
+    mixture's experts' factors stacked (E, r, in) and (E, out, r) (gguf_experts.expert_lora_tensors), and
+    adapter.lora.alpha = scale · r (llama.cpp scales by alpha / r)."""
     from lora_llama.loading.adapters import adapter_deltas
 
     start = time.perf_counter()
@@ -307,8 +308,6 @@ def export_lora_gguf(
             "an adapter that trains embedding or lm_head rows (modules_to_save, trainable_token_indices) has no "
             "llama.cpp LoRA form; export the merged model instead"
         )
-    if any(".experts." in key for key in deltas):
-        raise UserError("an adapter on a mixture's experts has no llama.cpp LoRA form here; export the merged model")
     if cfg.get("use_dora"):
         raise UserError(
             "a DoRA adapter has no llama.cpp LoRA form (its magnitudes rescale whole rows); "
@@ -328,12 +327,15 @@ def export_lora_gguf(
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[names.arch])
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")
-    rank = next(iter(deltas.values()))[0].shape[0]
-    writer.add_float32("adapter.lora.alpha", scale * rank)
-    tensors = []
+    factors = []  # (checkpoint-side name, A, B) per adapted weight; a mixture's experts stacked (E, ...)
     for key, (A, B, _) in deltas.items():
+        factors += gguf_experts.expert_lora_tensors(key, A, B, args) or [(key, A, names.layout(key, B))]
+    rank = factors[0][1].shape[-2]
+    writer.add_float32("adapter.lora.alpha", scale * rank)  # llama.cpp scales by alpha / r
+    tensors = []
+    for key, A, B in factors:
         name = names.name(key)
-        tensors += [(name + ".lora_a", A.float()), (name + ".lora_b", names.layout(key, B.float()))]
+        tensors += [(name + ".lora_a", A.float().contiguous()), (name + ".lora_b", B.float().contiguous())]
     for name, t in tensors:
         writer.add_tensor_info(name, tuple(t.shape), np.float32, t.numel() * 4, raw_dtype=gguf.GGMLQuantizationType.F32)
     size = _atomic_gguf(writer, out, lambda: [writer.write_tensor_data(t.contiguous().numpy()) for _, t in tensors])

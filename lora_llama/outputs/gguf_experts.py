@@ -9,6 +9,7 @@ import torch
 
 from lora_llama.errors import UserError
 from lora_llama.loading.gguf_mixtures import RENORMALISES
+from lora_llama.lora.experts import EXPERT_WEIGHTS, expert_factors
 from lora_llama.model.config import ModelArgs
 from lora_llama.model.moe import stacked_name
 
@@ -70,3 +71,19 @@ def write_expert_hparams(writer, args: ModelArgs) -> None:
         writer.add_expert_feed_forward_length(moe.expert_dim)
     if moe.shared_expert_dim:
         writer.add_expert_shared_feed_forward_length(moe.shared_expert_dim)
+
+
+def expert_lora_tensors(key: str, A: torch.Tensor, B: torch.Tensor, args: ModelArgs) -> list:
+    """An adapter's stacked expert factors (peft's: A (r·E, in), B (out, r·E)) for `model.layers.N.mlp.experts.
+    gate_up_proj` / `down_proj`, as llama.cpp's LoRA reads a stacked expert tensor's (`ggml_mul_mat_id` on both):
+    [(name, lora_a (E, r, in), lora_b (E, out, r))] under the checkpoint-side names of the stacks export writes;
+    gate_up's B splits into gate's rows and up's, both with the same A. [] for any other weight."""
+    if args.moe is None or not key.endswith(tuple(f"experts.{w}.weight" for w in EXPERT_WEIGHTS)):
+        return []
+    a, b = expert_factors(A, B, args.moe.num_experts)
+    b = b.permute(2, 0, 1)  # (E, out, r)
+    stack = key.removesuffix(".weight").rsplit(".", 1)[0]  # model.layers.N.mlp.experts
+    if key.endswith("down_proj.weight"):
+        return [(f"{stack}.down_proj.weight", a, b)]
+    half = b.shape[1] // 2
+    return [(f"{stack}.gate_proj.weight", a, b[:, :half]), (f"{stack}.up_proj.weight", a, b[:, half:])]
