@@ -289,9 +289,8 @@ def export_lora_gguf(
     adapter: str | os.PathLike, out: str | os.PathLike, base: str | None = None, force: bool = False
 ) -> dict:
     """The adapter alone as a llama.cpp LoRA GGUF (`llama-cli -m model.gguf --lora FILE`): lora_a (r, in) and
-    lora_b (out, r) per adapted weight under the model's GGUF names, lora_b's rows permuted like the weight's, a
-    mixture's experts' factors stacked (E, r, in) and (E, out, r) (gguf_experts.expert_lora_tensors), and
-    adapter.lora.alpha = scale · r (llama.cpp scales by alpha / r)."""
+    lora_b (out, r) per adapted weight under the model's GGUF names (B's rows permuted like the weight's; experts
+    stacked: gguf_experts.expert_lora_tensors), adapter.lora.alpha = scale · r (llama.cpp scales by alpha / r)."""
     from lora_llama.loading.adapters import adapter_deltas
 
     start = time.perf_counter()
@@ -332,10 +331,9 @@ def export_lora_gguf(
         factors += gguf_experts.expert_lora_tensors(key, A, B, args) or [(key, A, names.layout(key, B))]
     rank = factors[0][1].shape[-2]
     writer.add_float32("adapter.lora.alpha", scale * rank)  # llama.cpp scales by alpha / r
-    tensors = []
-    for key, A, B in factors:
-        name = names.name(key)
-        tensors += [(name + ".lora_a", A.float().contiguous()), (name + ".lora_b", B.float().contiguous())]
+    tensors = [
+        (names.name(key) + f".lora_{ab}", t.float().contiguous()) for key, *AB in factors for ab, t in zip("ab", AB)
+    ]
     for name, t in tensors:
         writer.add_tensor_info(name, tuple(t.shape), np.float32, t.numel() * 4, raw_dtype=gguf.GGMLQuantizationType.F32)
     size = _atomic_gguf(writer, out, lambda: [writer.write_tensor_data(t.contiguous().numpy()) for _, t in tensors])
