@@ -26,6 +26,7 @@ from lora_llama.files.shards import open_safetensors
 from lora_llama.loading.models import gguf_file, load_tokenizer, resolve_source
 from lora_llama.model.config import ModelArgs, rope_inv_freq
 from lora_llama.outputs import gguf_experts
+from lora_llama.outputs.gguf_families import family_layout, write_family_hparams
 from lora_llama.outputs.gguf_vocab import build_tokenizer, copy_tokenizer
 from lora_llama.outputs.merge import Merger
 from lora_llama.quant.gguf_tensors import permute_rows
@@ -41,6 +42,7 @@ ARCHITECTURES = {
     "mixtral": "LLAMA",
     "qwen2_moe": "QWEN2MOE",
     "qwen3_moe": "QWEN3MOE",
+    "gemma3_text": "GEMMA3",
 }
 
 
@@ -64,7 +66,7 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def architecture(args: ModelArgs):
-    if args.model_type not in ARCHITECTURES:  # Gemma 3: llama.cpp's own converter writes it
+    if args.model_type not in ARCHITECTURES:
         raise UserError(
             f"export writes {', '.join(ARCHITECTURES)} models; convert a merged {args.model_type} folder "
             "(lora-llama merge) with llama.cpp's convert_hf_to_gguf.py"
@@ -93,7 +95,7 @@ class TensorNames:
             return permute_rows(w, self.args.n_heads)
         if self.permuted and ".k_proj." in hf_name:
             return permute_rows(w, self.args.n_kv_heads)
-        return w
+        return family_layout(self.args, hf_name, w)
 
 
 def rope_factors(args: ModelArgs) -> torch.Tensor | None:
@@ -160,6 +162,7 @@ def write_hparams(writer, args: ModelArgs, name: str, out_type: str) -> None:
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     }[out_type]
     gguf_experts.write_expert_hparams(writer, args)
+    write_family_hparams(writer, args)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -230,7 +233,7 @@ def export_gguf(
     if source_gguf is not None:
         copy_tokenizer(writer, source_gguf)
     else:
-        build_tokenizer(writer, merger.folder, args.vocab_size)
+        build_tokenizer(writer, merger.folder, args.vocab_size, args.gemma)
     freqs = rope_factors(args)
     count = _tensor_infos(writer, merger, names, out_type, freqs)
 

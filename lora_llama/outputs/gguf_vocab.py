@@ -1,6 +1,7 @@
-"""The tokenizer of an exported GGUF: copied from a source GGUF, or built from an HF folder's tokenizer.json when it
-is byte-level BPE with a pre-tokenizer llama.cpp knows, recognised by structure (GPT-2, SmolLM, Llama 3, Qwen2);
-anything else is refused, never guessed.
+"""The tokenizer of an exported GGUF: copied from a source GGUF, or built from an HF folder: its sentencepiece model
+(tokenizer.model) as llama.cpp's converter reads one, or its tokenizer.json when it is byte-level BPE with a
+pre-tokenizer llama.cpp knows, recognised by structure (GPT-2, SmolLM, Llama 3, Qwen2); anything else is refused,
+never guessed.
 """
 
 from __future__ import annotations
@@ -66,10 +67,22 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str | None:
     return None
 
 
-def build_tokenizer(writer, folder: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer from an HF folder, as llama.cpp's converter writes it (`gpt2` model)."""
+def build_tokenizer(writer, folder: Path, vocab_size: int, gemma: bool = False) -> None:
+    """An HF folder's tokenizer as llama.cpp's converter writes it: a sentencepiece model (tokenizer.model) as
+    `llama`, else a byte-level BPE tokenizer.json as `gpt2`."""
     import gguf  # export checked that it is installed
 
+    if (folder / "tokenizer.model").is_file():
+        tokens, scores, types = sentencepiece_vocab(folder, vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        if gemma:  # Gemma's sentencepiece model adds no space before the text
+            writer.add_add_space_prefix(False)
+        special_vocab(folder, len(tokens)).add_to_gguf(writer)
+        return
     if not (folder / "tokenizer.json").is_file():
         raise UserError(f"{folder} has no tokenizer.json: cannot describe its tokenizer to llama.cpp")
     spec = read_json(folder / "tokenizer.json")
@@ -107,12 +120,60 @@ def build_tokenizer(writer, folder: Path, vocab_size: int) -> None:
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens))
+    special_vocab(folder, len(tokens), merges=True).add_to_gguf(writer)
+
+
+def special_vocab(folder: Path, n_vocab: int, merges: bool = False):
+    """gguf's SpecialVocab of the folder (special ids, merges, chat template), with whether a BOS and an EOS are
+    added taken from what the tokenizer does, not what its config may leave unsaid (llama.cpp's default adds a BOS
+    to most vocabularies)."""
+    import gguf
+
+    tok = load_tokenizer(folder)
+    special = gguf.SpecialVocab(folder, load_merges=merges, n_vocab=n_vocab)
     special.chat_template = special.chat_template or tok.chat_template
-    # what the tokenizer does, not what its config may leave unsaid: llama.cpp's default adds a BOS to most vocabularies
     probe = tok("a")["input_ids"]
     special.add_special_token = {
         "bos": tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id],
         "eos": tok.eos_token_id is not None and probe[-1:] == [tok.eos_token_id],
     }
-    special.add_to_gguf(writer)
+    return special
+
+
+def sentencepiece_vocab(folder: Path, vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
+    """(tokens, scores, types) of a sentencepiece model as llama.cpp's converter makes them
+    (`_create_vocab_sentencepiece`): each piece with its score and kind, ids the model lacks `[PADi]` (unused),
+    tokenizer_config's added tokens over them (control when special, else user-defined, score -1000)."""
+    import gguf
+
+    try:
+        from sentencepiece import SentencePieceProcessor
+    except ImportError:
+        raise UserError(
+            "exporting a sentencepiece tokenizer (tokenizer.model) needs: pip install sentencepiece"
+        ) from None
+    sp = SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    T = gguf.TokenType
+    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
+    scores, types = [-10000.0] * vocab_size, [T.UNUSED] * vocab_size
+    for i in range(min(sp.vocab_size(), vocab_size)):
+        kinds = ((sp.IsUnknown, T.UNKNOWN), (sp.IsControl, T.CONTROL), (sp.IsUnused, T.UNUSED), (sp.IsByte, T.BYTE))
+        tokens[i], scores[i] = sp.IdToPiece(i).encode(), sp.GetScore(i)
+        types[i] = next((kind for test, kind in kinds if test(i)), T.NORMAL)
+    config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    for i, added in ((int(k), v) for k, v in (config.get("added_tokens_decoder") or {}).items()):
+        if i < vocab_size:
+            special = added.get("special") or looks_special(added["content"])
+            text = added["content"] if special else added["content"].replace("\u2581", " ")
+            tokens[i], scores[i], types[i] = text.encode(), -1000.0, T.CONTROL if special else T.USER_DEFINED
+    return tokens, scores, types
+
+
+def looks_special(token: str) -> bool:
+    """The converter's `does_token_look_special`: added tokens some models leave unmarked that are control tokens."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
