@@ -58,6 +58,28 @@ TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
 )
+# Qwen3-30B-A3B's shapes with 8 of its 48 layers (5 B parameters, 128 experts top-8), what one GPU holds beside
+# transformers+peft's bf16 copy
+QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+TINY_MOE = dict(QWEN3_MOE, **{k: TINY[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")})
+TINY_MOE.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)
+TINY_MOE.update(moe_intermediate_size=32)
 CONFIGS = {
     "8b": (LLAMA31_8B, 2, 2048, None, 170),
     "8b-nf4": (LLAMA31_8B, 2, 2048, "nf4", 170),
@@ -65,8 +87,10 @@ CONFIGS = {
     "135m": (SMOLLM2_135M, 4, 512, None, 80),
     "tiny": (TINY, 2, 64, None, 300),
     "tiny-nf4": (TINY, 2, 64, "nf4", 300),
+    "moe-int8": (QWEN3_MOE, 4, 2048, "int8", 200),  # int8 experts against peft's target_parameters on bf16 ones
+    "tiny-moe-int8": (TINY_MOE, 2, 64, "int8", 300),
 }
-MODEL_OF = {c: c.removesuffix("-nf4") for c in CONFIGS}  # configurations sharing one random model
+MODEL_OF = {c: c.removesuffix("-nf4").removesuffix("-int8") for c in CONFIGS}  # configurations sharing one model
 PEERS = ("transformers+peft", "transformers+peft+liger")
 
 
@@ -74,18 +98,19 @@ PEERS = ("transformers+peft", "transformers+peft+liger")
 
 
 def random_model(folder: Path, shapes: dict, device: str) -> Path:
-    """A random bf16 LlamaForCausalLM (std 0.02, norms 1) written as an HF folder in 5 GB shards, made on the GPU
-    tensor by tensor (an 8B model in seconds, never whole in host memory twice), with a small byte-level BPE
-    tokenizer whose ids fit the vocabulary."""
+    """A random bf16 model of `shapes` (a LlamaForCausalLM, or the class of their model_type; std 0.02, norms 1)
+    written as an HF folder in 5 GB shards, made on the GPU tensor by tensor (an 8B model in seconds, never whole in
+    host memory twice), with a small byte-level BPE tokenizer whose ids fit the vocabulary."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from tests.helpers import make_tokenizer
 
-    config = LlamaConfig(**shapes)
+    given = dict(shapes)
+    config = AutoConfig.for_model(given.pop("model_type", "llama"), **given)
     with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
+        skeleton = AutoModelForCausalLM.from_config(config)
     folder.mkdir(parents=True, exist_ok=True)
     shard, size, index = {}, 0, {}
     g = torch.Generator(device).manual_seed(0)
@@ -145,7 +170,11 @@ def model_flops(shapes: dict, batch: int, seq: int) -> float:
     dim, layers, heads = shapes["hidden_size"], shapes["num_hidden_layers"], shapes["num_attention_heads"]
     head_dim = shapes.get("head_dim") or dim // heads
     kv = shapes["num_key_value_heads"] * head_dim
-    linears = layers * (dim * heads * head_dim * 2 + 2 * dim * kv + 3 * dim * shapes["intermediate_size"])
+    if "num_experts" in shapes:  # a mixture: each token's top-k experts and the router
+        mlp = shapes["num_experts_per_tok"] * 3 * dim * shapes["moe_intermediate_size"] + dim * shapes["num_experts"]
+    else:
+        mlp = 3 * dim * shapes["intermediate_size"]
+    linears = layers * (dim * heads * head_dim * 2 + 2 * dim * kv + mlp)
     tokens = batch * seq
     attention = 3 * 2 * batch * layers * heads * seq * seq * head_dim  # causal: half of QKᵀ and PV's 4·T²·d
     return 4 * tokens * (linears + dim * shapes["vocab_size"]) + attention

@@ -6,6 +6,8 @@
 #   tests                   the CUDA tests (families too), each listed with its outcome, each stopped after TEST_S s
 #   135m, 8b, 8b-nf4, 1b    bench.gpu's configurations, each against transformers+peft (with and without liger-kernel;
 #                           for nf4, peft on bitsandbytes' 4-bit base)
+#   moe                     bench.gpu's moe-int8: Qwen3-30B-A3B shapes (8 layers), int8 experts, against peft's
+#                           target_parameters on bf16 experts (liger-kernel has no Qwen3-MoE kernels)
 #   grpo                    bench.grpo against trl's GRPOTrainer, bench.decode's figures inside its line
 # A part gets the seconds PART_S gives it, at most what is left of CALL_S; a part that cannot get MIN_S is not
 # started and is listed in $OUT/left.txt, the parts to name in call 2. A part that fails costs its own lines only.
@@ -19,7 +21,7 @@ out=${OUT:-gpu-out}
 device=${DEVICE:-cuda}
 mkdir -p "$out"
 : >"$out/left.txt"
-declare -A PART_S=([tests]=120 [135m]=90 [8b]=240 [8b-nf4]=240 [1b]=150 [grpo]=180)
+declare -A PART_S=([tests]=120 [135m]=90 [8b]=240 [8b-nf4]=240 [1b]=150 [moe]=200 [grpo]=180)
 MIN_S=${MIN_S:-45}
 start=$SECONDS
 log() { echo "gpu_call: $*" | tee -a "$out/call.log"; }
@@ -45,9 +47,9 @@ tests() {
   cat "$out/tests.txt"
 }
 config() {  # one bench.gpu configuration; its own --budget writes the summary before the part's time is up
-  local name=$1 seconds=$2 args=(--configs "$1")
-  [ "$device" = cuda ] \
-    || args=(--device cpu --configs "tiny${name#*[0-9][bm]}" --peers transformers+peft --steps 1 --warmup 1)
+  local name=$1 seconds=$2 args=(--configs "$1") tiny="tiny${1#*[0-9][bm]}"
+  [ "$name" != moe ] || { args=(--configs moe-int8 --peers transformers+peft); tiny=tiny-moe-int8; }
+  [ "$device" = cuda ] || args=(--device cpu --configs "$tiny" --peers transformers+peft --steps 1 --warmup 1)
   $PY -m bench.gpu "${args[@]}" --out "$out" --budget $((seconds - 15)) 2>&1 | tee -a "$out/call.log" | tail -5
 }
 grpo() {
@@ -63,7 +65,7 @@ grpo() {
   fi
 }
 
-[ $# -gt 0 ] || set -- tests 135m 8b 8b-nf4 1b grpo
+[ $# -gt 0 ] || set -- tests 135m 8b 8b-nf4 1b moe grpo
 CALL_S=${CALL_S:-450}
 for part in "$@"; do
   [ -n "${PART_S[$part]:-}" ] || { log "unknown part $part (use ${!PART_S[*]})"; exit 2; }

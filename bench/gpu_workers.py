@@ -12,6 +12,13 @@ from bench.common import ROOT
 from bench.train_step import memory_mb
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # peft's target_parameters
+
+
+def mixture(folder: str) -> bool:
+    """Whether the model has experts (LoRA on attention and experts then, on both sides)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return bool(config.get("num_experts") or config.get("num_local_experts"))
 
 
 def synchronize(device: str) -> None:
@@ -24,10 +31,11 @@ def synchronize(device: str) -> None:
 def peer(
     folder: str, rows_file: str, batch: int, quantize: str | None, liger: bool, steps: int, warmup: int, device: str
 ) -> dict:
-    """transformers+peft (optionally with liger-kernel's Llama kernels; on an nf4 base, bitsandbytes' 4-bit layers)."""
+    """transformers+peft (optionally with liger-kernel's Llama kernels; on an nf4 base, bitsandbytes' 4-bit layers;
+    a mixture's experts through peft's target_parameters, on bf16 experts)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -38,14 +46,17 @@ def peer(
         extra["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
         )
-    model = LlamaForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.bfloat16, attn_implementation="sdpa", device_map=device, **extra
     )
     if quantize == "nf4":
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # as lora-llama: none
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+    targets = dict(target_modules=TARGETS)
+    if mixture(folder):
+        targets = dict(target_modules=TARGETS[:4], target_parameters=EXPERT_PARAMETERS)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, **targets))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     rows = torch.tensor(json.loads(Path(rows_file).read_text()), device=device)
@@ -100,7 +111,7 @@ def ours(
         "lora.r=16",
         "lora.alpha=32",
         "lora.dropout=0.0",
-        "lora.targets=[q,k,v,o,gate,up,down]",
+        f"lora.targets=[q,k,v,o,{'experts' if mixture(folder) else 'gate,up,down'}]",
         f"output.dir={out}",
         "--force",
     ]

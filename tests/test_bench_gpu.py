@@ -76,23 +76,24 @@ def test_a_part_that_would_not_fit_is_left_for_the_next_call(tmp_path):
 def test_the_device_call_rehearses_on_the_cpu(tmp_path):
     """Call 1 as a GPU machine runs it, every part, on tiny shapes: the CUDA tests listed with their outcomes (all
     skipped here), each bench.gpu configuration's run and summary lines (lora-llama train on plain and nf4 bases,
-    transformers+peft), bench.grpo on a model the script makes; bench/results untouched."""
+    transformers+peft; a Qwen3-MoE with int8 experts against peft's target_parameters), bench.grpo on a model the
+    script makes; bench/results untouched."""
     from bench.training_rows import gpu_rows
 
     before = {p.name: p.read_text() for p in (ROOT / "bench" / "results").glob("*.jsonl")}
     r, out = call(tmp_path, CALL_S="900")
     assert r.returncode == 0, r.stderr[-2000:]
     log = (out / "call.log").read_text()
-    for part in ("tests", "135m", "8b", "8b-nf4", "1b", "grpo"):
+    for part in ("tests", "135m", "8b", "8b-nf4", "1b", "moe", "grpo"):
         assert f"gpu_call: {part}: exit 0" in log, log[-3000:]
     assert (out / "left.txt").read_text() == ""
     tests = (out / "tests.txt").read_text()
     assert "SKIPPED" in tests and "skipped" in tests.splitlines()[-1]
     lines = [json.loads(line) for line in (out / "gpu.jsonl").read_text().splitlines()]
-    assert [line["kind"] for line in lines] == ["matmul_peak", "run", "run", "summary"] * 4
+    assert [line["kind"] for line in lines] == ["matmul_peak", "run", "run", "summary"] * 5
     runs = [line for line in lines if line["kind"] == "run"]
     assert all(run["tokens_per_s"] > 0 and run["gpu_peak_mb"] > 0 for run in runs), runs
-    assert [run["quantize"] for run in runs] == [None, None, None, None, "nf4", "nf4", None, None]
+    assert [run["quantize"] for run in runs] == [None, None, None, None, "nf4", "nf4", None, None, "int8", "int8"]
     for summary in (line for line in lines if line["kind"] == "summary"):
         ours, peer = summary["runs"]["lora-llama"], summary["runs"]["transformers+peft"]
         assert summary["tokens_per_s_vs_transformers+peft"] == round(ours["tokens_per_s"] / peer["tokens_per_s"], 3)
