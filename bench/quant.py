@@ -65,9 +65,15 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="model.device (cuda: peak GPU memory too)")
     ap.add_argument("--seq", type=int, default=64, help="data.max_seq_len of the 1.1B runs")
     ap.add_argument("--batch", type=int, default=2, help="train.batch_size of the 1.1B runs")
+    ap.add_argument("--kinds", help=f"comma-separated, of {', '.join(KINDS)} (none always runs; default: all)")
     a = ap.parse_args()
     tmp = scratch_dir("lora-llama-quant-bench-")
     kinds, model_args = KINDS, [f"model.device={a.device}"]
+    if a.kinds:  # fewer settings, more interleaved repeats of each in the same time
+        unknown = [k for k in a.kinds.split(",") if k not in KINDS]
+        if unknown:
+            sys.exit(f"unknown kind {unknown[0]!r} (use {', '.join(KINDS)})")
+        kinds = [k for k in KINDS if k == "none" or k in a.kinds.split(",")]
     if a.model == "llama-1.1b":
         kinds = KINDS[:3]
         model_args += [
