@@ -26,6 +26,25 @@ RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")
 # the CPU flags that decide the fast paths (oneDNN's kernels, native bf16, AMX tiles)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
+# Qwen3-30B-A3B's shapes with 8 of its 48 layers (5 B parameters, 128 experts top-8), what one GPU holds beside
+# transformers+peft's bf16 copy
+QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 # Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B-Instruct)
 LLAMA31_8B = dict(
     vocab_size=128256,

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import LLAMA31_8B, ROOT, SMOLLM2_SHAPES, record, scratch_dir
+from bench.common import LLAMA31_8B, QWEN3_MOE, ROOT, SMOLLM2_SHAPES, record, scratch_dir
 from bench.gpu_workers import ours, peer, synchronize
 
 LLAMA32_1B = dict(
@@ -57,25 +57,6 @@ TINY = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-)
-# Qwen3-30B-A3B's shapes with 8 of its 48 layers (5 B parameters, 128 experts top-8), what one GPU holds beside
-# transformers+peft's bf16 copy
-QWEN3_MOE = dict(
-    model_type="qwen3_moe",
-    vocab_size=151936,
-    hidden_size=2048,
-    num_hidden_layers=8,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-    norm_topk_prob=True,
-    max_position_embeddings=40960,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
 )
 TINY_MOE = dict(QWEN3_MOE, **{k: TINY[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")})
 TINY_MOE.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)

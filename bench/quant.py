@@ -56,7 +56,18 @@ def train(kind: str, out, a, model_args: list[str]) -> dict:
     }
 
 
-def main():
+def chosen_kinds(given: str | None) -> list[str]:
+    """--kinds' settings, with none (the reference) always; all without it: fewer settings, more interleaved repeats
+    of each in the same time."""
+    if not given:
+        return list(KINDS)
+    unknown = [k for k in given.split(",") if k not in KINDS]
+    if unknown:
+        sys.exit(f"unknown kind {unknown[0]!r} (use {', '.join(KINDS)})")
+    return [k for k in KINDS if k == "none" or k in given.split(",")]
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-mixed"])
@@ -66,16 +77,15 @@ def main():
     ap.add_argument("--seq", type=int, default=64, help="data.max_seq_len of the 1.1B runs")
     ap.add_argument("--batch", type=int, default=2, help="train.batch_size of the 1.1B runs")
     ap.add_argument("--kinds", help=f"comma-separated, of {', '.join(KINDS)} (none always runs; default: all)")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main():
+    a = parse_args()
     tmp = scratch_dir("lora-llama-quant-bench-")
-    kinds, model_args = KINDS, [f"model.device={a.device}"]
-    if a.kinds:  # fewer settings, more interleaved repeats of each in the same time
-        unknown = [k for k in a.kinds.split(",") if k not in KINDS]
-        if unknown:
-            sys.exit(f"unknown kind {unknown[0]!r} (use {', '.join(KINDS)})")
-        kinds = [k for k in KINDS if k == "none" or k in a.kinds.split(",")]
+    kinds, model_args = chosen_kinds(a.kinds), [f"model.device={a.device}"]
     if a.model == "llama-1.1b":
-        kinds = KINDS[:3]
+        kinds = [k for k in kinds if k in KINDS[:3]]
         model_args += [
             f"model.source={llama_1b_checkpoint(tmp / 'llama-1.1b')}",
             f"data.max_seq_len={a.seq}",
