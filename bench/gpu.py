@@ -224,7 +224,7 @@ def summary(config: str, runs: dict, peak: dict, common: dict) -> dict:
         "runs": runs,
     }
     if "tokens_per_s" in ours_run and peak.get("matmul_tflops"):
-        s["mfu"] = round(flops / ours_run["step_s"] / (peak["matmul_tflops"] * 1e12), 3)
+        s["mfu"] = float(f"{flops / ours_run['step_s'] / (peak['matmul_tflops'] * 1e12):.3g}")  # a tiny run's too
     for name, r in runs.items():
         if name != "lora-llama" and "tokens_per_s" in r and "tokens_per_s" in ours_run:
             s[f"tokens_per_s_vs_{name}"] = round(ours_run["tokens_per_s"] / r["tokens_per_s"], 3)
