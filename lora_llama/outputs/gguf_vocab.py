@@ -81,7 +81,7 @@ def build_tokenizer(writer, folder: Path, vocab_size: int, gemma: bool = False) 
         writer.add_token_types(types)
         if gemma:  # Gemma's sentencepiece model adds no space before the text
             writer.add_add_space_prefix(False)
-        special_vocab(folder, len(tokens)).add_to_gguf(writer)
+        special_vocab(folder, len(tokens), load_tokenizer(folder)).add_to_gguf(writer)
         return
     if not (folder / "tokenizer.json").is_file():
         raise UserError(f"{folder} has no tokenizer.json: cannot describe its tokenizer to llama.cpp")
@@ -120,16 +120,15 @@ def build_tokenizer(writer, folder: Path, vocab_size: int, gemma: bool = False) 
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special_vocab(folder, len(tokens), merges=True).add_to_gguf(writer)
+    special_vocab(folder, len(tokens), tok, merges=True).add_to_gguf(writer)
 
 
-def special_vocab(folder: Path, n_vocab: int, merges: bool = False):
+def special_vocab(folder: Path, n_vocab: int, tok, merges: bool = False):
     """gguf's SpecialVocab of the folder (special ids, merges, chat template), with whether a BOS and an EOS are
-    added taken from what the tokenizer does, not what its config may leave unsaid (llama.cpp's default adds a BOS
-    to most vocabularies)."""
+    added taken from what its tokenizer `tok` does, not what its config may leave unsaid (llama.cpp's default adds a
+    BOS to most vocabularies)."""
     import gguf
 
-    tok = load_tokenizer(folder)
     special = gguf.SpecialVocab(folder, load_merges=merges, n_vocab=n_vocab)
     special.chat_template = special.chat_template or tok.chat_template
     probe = tok("a")["input_ids"]
