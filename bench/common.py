@@ -172,13 +172,22 @@ def cpu_info() -> dict:
         "cores": os.cpu_count(),
         "cpu_flags": [f for f in CPU_FLAGS if f" {f}" in flags],
         "torch": torch.__version__,
+        **({"isa_cap": caps} if (caps := isa_caps()) else {}),
     }
+
+
+def isa_caps() -> dict:
+    """The instruction-set caps this process runs under (oneDNN's and aten's), when set: a capped run stands for a
+    CPU without the instructions above the cap (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2: AVX2 only)."""
+    names = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+    return {n: os.environ[n] for n in names if os.environ.get(n)}
 
 
 def cpu_line() -> str:
     """The line printed beside every table."""
     c = cpu_info()
-    return f"CPU: {c['cpu']}, {c['cores']} cores; flags {' '.join(c['cpu_flags']) or '?'}; torch {c['torch']}"
+    cap = "".join(f"; {k}={v}" for k, v in c.get("isa_cap", {}).items())
+    return f"CPU: {c['cpu']}, {c['cores']} cores; flags {' '.join(c['cpu_flags']) or '?'}{cap}; torch {c['torch']}"
 
 
 def _commit() -> str:

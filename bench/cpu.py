@@ -3,18 +3,20 @@ own products reach at each model's shapes, in one run.
 
 Random models with the shapes of SmolLM2-135M, SmolLM2-360M, Qwen2.5-0.5B and Llama-3.2-1B (bf16 checkpoints, the
 SmolLM2 tokenizer), each trained for --steps steps on Shakespeare as rows of 512 tokens, 4 rows a step, LoRA r=16 on
-all seven linears, AdamW, 2 threads: lora-llama through `lora-llama train` with `train.precision: auto` (its pick on
-this CPU is named in the line), transformers+peft in a plain loop over rows of the same shape in the same precision
-(bf16 weights under autocast for bf16-mixed, as peft's users run it; float32 otherwise), each in a process of its
-own. Tokens/s is the median of the steps after the first; peak memory is each process's VmHWM.
+all seven linears, AdamW, 2 threads: lora-llama through `lora-llama train` with `train.precision` from --precision
+(auto by default: its pick on this CPU is named in the line), transformers+peft in a plain loop over rows of the same
+shape in the same precision (bf16 weights under autocast for bf16-mixed, as peft's users run it; float32 otherwise),
+each in a process of its own. Tokens/s is the median of the steps after the first; peak memory is each process's VmHWM.
 
 Beside each: the useful GFLOP/s of lora-llama's step over torch's GEMM rate at the model's shapes (bench/cpu_rate.py),
 the rate measured before and after the size's runs (the better of the two: products on a shared machine drift).
 `--default` adds the default recipe itself (recipes/smollm2-chat-cpu.yaml: the shipped SmolLM2-135M-Instruct,
 packed chat rows of 256, r=8 on q, k, v, o) with its ratio to the GEMM rate.
 
-    python -m bench.cpu [--sizes 135m,360m,0.5b,1b] [--steps 5] [--default]
+    python -m bench.cpu [--sizes 135m,360m,0.5b,1b] [--steps 5] [--default] [--precision auto|fp32|bf16-mixed]
 
+`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python -m bench.cpu ...` measures this machine as a CPU with AVX2
+only (neither oneDNN nor aten's kernels use more; `precision: auto` then picks fp32); the line records the caps.
 Run it alone: it measures the machine (about 25 minutes on 2 cores with all four sizes)."""
 
 from __future__ import annotations
@@ -100,9 +102,17 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
     return done
 
 
-def ours(recipe: str, overrides: list[str], out: Path, skip: int) -> dict:
+def ours(recipe: str, overrides: list[str], out: Path, skip: int, precision: str) -> dict:
     """`lora-llama train` on a recipe: tokens/s (median of the logged steps after `skip`), peak MB, precision."""
-    args = ["train", recipe, *overrides, f"output.dir={out}", "train.eval_every=100000", "train.save_every=100000"]
+    args = [
+        "train",
+        recipe,
+        *overrides,
+        f"train.precision={precision}",
+        f"output.dir={out}",
+        "train.eval_every=100000",
+        "train.save_every=100000",
+    ]
     done = run([sys.executable, "-c", CLI_WITH_PEAK, *args, "--force"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     said = (done.stdout + done.stderr).splitlines()
@@ -160,7 +170,7 @@ def best(a: dict, b: dict) -> dict:
     return {k: max(a[k], b[k]) for k in a}
 
 
-def one_size(size: str, tmp: Path, steps: int) -> dict:
+def one_size(size: str, tmp: Path, steps: int, precision: str) -> dict:
     cfg = SIZES[size][1]
     folder = checkpoint(tmp / size, size)
     overrides = [
@@ -173,7 +183,7 @@ def one_size(size: str, tmp: Path, steps: int) -> dict:
         f"lora.alpha={2 * R}",
         f"lora.targets=[{','.join(TARGET_NAMES)}]",
     ]
-    mine = ours("recipes/smollm2-shakespeare-cpu.yaml", overrides, tmp / f"run-{size}", skip=1)
+    mine = ours("recipes/smollm2-shakespeare-cpu.yaml", overrides, tmp / f"run-{size}", skip=1, precision=precision)
     before = rate(cfg, ROWS * SEQ, mine["precision"])
     theirs = peer(folder, mine["precision"], steps)
     gemm = best(before, rate(cfg, ROWS * SEQ, mine["precision"]))
@@ -198,9 +208,11 @@ def figures(size: str, mine: dict, theirs: dict | None, gemm: dict, flops: float
     return out
 
 
-def default_recipe(tmp: Path) -> dict:
+def default_recipe(tmp: Path, precision: str) -> dict:
     """The default recipe as shipped, 12 steps, its tokens/s past the first two (the compiled loops' build)."""
-    mine = ours("recipes/smollm2-chat-cpu.yaml", ["train.max_steps=12"], tmp / "run-default", skip=2)
+    mine = ours(
+        "recipes/smollm2-chat-cpu.yaml", ["train.max_steps=12"], tmp / "run-default", skip=2, precision=precision
+    )
     cfg, rows = SIZES["135m"][1], 4 * 256
     gemm = best(rate(cfg, rows, mine["precision"]), rate(cfg, rows, mine["precision"]))
     return figures("default recipe", mine, None, gemm, useful_flops(cfg, 256, 8, ("q", "k", "v", "o"), packed=True))
@@ -211,17 +223,17 @@ def main():
     ap.add_argument("--sizes", default=",".join(SIZES), help="of " + ", ".join(SIZES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--default", action="store_true", help="also the default recipe's ratio to the GEMM rate")
+    ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16-mixed"), help="train.precision")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--precision", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return peer_worker(a.worker, a.precision, a.steps)
     torch.set_num_threads(2)
     print(cpu_line(), flush=True)
     tmp = scratch_dir("lora-llama-cpu-bench-")
-    rows = [default_recipe(tmp)] if a.default else []
+    rows = [default_recipe(tmp, a.precision)] if a.default else []
     for size in a.sizes.split(","):
-        rows.append(one_size(size, tmp, a.steps))
+        rows.append(one_size(size, tmp, a.steps, a.precision))
         print(json.dumps(rows[-1]), flush=True)
     record("cpu", {"rows": rows})
 

@@ -130,6 +130,26 @@ def test_auto_picks_bf16_only_with_native_instructions(monkeypatch):
     assert precision.base_dtype("fp32", torch.float32) == torch.float32
 
 
+def test_native_bf16_follows_the_cpus_flags_and_onednns_cap(monkeypatch, tmp_path):
+    from lora_llama.kernels import cpu
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    monkeypatch.setattr(cpu, "Path", lambda _: info)
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu.cpu_bf16_instructions() == ["AMX_BF16", "AVX512_BF16"]
+    caps = {"AVX2": [], "avx512_core_vnni": [], "AVX512_CORE_BF16": ["AVX512_BF16"], "ALL": ["AMX_BF16", "AVX512_BF16"]}
+    for cap, found in caps.items():
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert cpu.cpu_bf16_instructions() == found, cap
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX10_1_512_AMX")
+    assert cpu.cpu_bf16_instructions() == ["AMX_BF16", "AVX512_BF16"]
+    info.write_text("flags\t\t: fpu avx2\n")
+    assert cpu.cpu_bf16_instructions() == []
+
+
 def test_quantize_auto_keeps_a_gguf_bases_blocks_only_for_float32_on_the_cpu():
     from lora_llama.runtime.auto import resolve_quantize
 

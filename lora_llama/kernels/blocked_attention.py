@@ -2,7 +2,8 @@
 
 Forward and backward go a block of BLOCK query positions at a time, over tiles of at most KEYS keys, one (key/value
 head, batch row) group at a time with all the query heads that share it as the rows of one product, through oneDNN
-(gemm.linear: 2-3x MKL's batched GEMM on these shapes here). Keys a block cannot see are skipped; forward keeps a
+(gemm.linear: 2-3x MKL's batched GEMM on these shapes here); short float rows in smaller blocks, several groups in
+one batched product (FLOAT_BLOCK). Keys a block cannot see are skipped; forward keeps a
 running max and sum per row (the online softmax) and returns the log-sum-exp, from which backward recomputes the
 probabilities, so nothing of size T x T is ever built. Scores are in base 2 (exp2 runs ~4x faster than exp on the CPU),
 and backward works on keys-first tiles so that the subtractions of lse and delta ride on the products as their bias
@@ -29,6 +30,11 @@ BLOCK = (
     128  # query positions per block, KEYS keys per tile: the fastest here at 4x512 and 1x4096 (of 64-256 x 512-2048)
 )
 KEYS = 2048
+# float rows of at most SHORT_FLOAT positions (packed: twice as many) go in blocks of FLOAT_BLOCK queries, a tile's
+# products batched over groups: per layer, 9:3 heads of 64, 2 threads, float32, 4x256 packed chat rows 7.8 vs 12.8-13.7
+# ms, 4x512 32.6 vs 38.1 ms (AVX2) and 33.2 vs 32.1 (AVX-512); longer rows keep BLOCK, one group at a time (1x1024:
+# 23-30 vs 34-36 ms)
+FLOAT_BLOCK, SHORT_FLOAT = 32, 512
 GROUP_TILE = 4 << 20  # bf16: elements of one tile's scores over the groups it batches (8 MB in bf16, 16 in float32)
 _FINITE = 1e30  # the floor of a running max: exp2(-inf - m) stays 0 where a tile hides a whole row
 LOG2E = 1.4426950408889634  # scores in base 2: exp2(x·log2(e)) = exp(x)
@@ -48,11 +54,13 @@ class _Layout:
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
         self.starts = None if segments is None else _example_starts(segments)
         self._hidden_keys = {}  # (s, k0, keys_first): the tile's mask of earlier examples' keys, made once per call
+        self.short_float = q.dtype != torch.bfloat16 and self.T <= SHORT_FLOAT * (1 if segments is None else 2)
+        self.block = block = min(BLOCK, FLOAT_BLOCK) if self.short_float else BLOCK
         # per block: the first key any of its queries sees, and the latest example start among them
-        self.first_key = [0] * len(range(0, self.T, BLOCK))
+        self.first_key = [0] * len(range(0, self.T, block))
         if self.starts is not None:
-            self.first_key = self.starts[:, ::BLOCK].amin(0).tolist()
-            ends = [min(s + BLOCK, self.T) for s in range(0, self.T, BLOCK)]
+            self.first_key = self.starts[:, ::block].amin(0).tolist()
+            ends = [min(s + block, self.T) for s in range(0, self.T, block)]
             self.last_start = [int(self.starts[:, s - 1].amax()) for s in ends]
 
     def rows(self, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -95,13 +103,13 @@ class _Layout:
 
     def groups(self) -> int:
         """How many groups a batched tile takes: its scores stay ~GROUP_TILE elements, whatever the batch size."""
-        return max(1, GROUP_TILE // (min(KEYS, self.T) * BLOCK * self.rep))
+        return max(1, GROUP_TILE // (min(KEYS, self.T) * self.block * self.rep))
 
     def tiles(self):
         """(rows, s, e, k0, k1) per block of queries s..e-1 and tile of keys k0..k1-1 it can see, tiles in order
         (the first tile of a block begins at its first_key)."""
-        for b, s in enumerate(range(0, self.T, BLOCK)):
-            e = min(s + BLOCK, self.T)
+        for b, s in enumerate(range(0, self.T, self.block)):
+            e = min(s + self.block, self.T)
             for k0 in range(self.first_key[b], e, KEYS):
                 yield slice(s * self.rep, e * self.rep), s, e, k0, min(k0 + KEYS, e)
 
@@ -115,7 +123,7 @@ class _Layout:
         if k1 > c0:
             part = scores[..., c0 - k0 :, :] if keys_first else scores[..., c0 - k0 :]
             part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
-        if self.starts is not None and self.last_start[s // BLOCK] > k0:
+        if self.starts is not None and self.last_start[s // self.block] > k0:
             key = (s, k0, keys_first)  # the float path visits each tile once per group: the mask is made once
             if key not in self._hidden_keys:  # (B, rows, keys), or (B, keys, rows)
                 self._hidden_keys[key] = _before_example(self.starts[:, s:e], k0, k1, self.rep, keys_first)
@@ -166,45 +174,56 @@ def _low(t: torch.Tensor) -> torch.dtype | None:
     return torch.bfloat16 if t.dtype == torch.bfloat16 else None
 
 
-# a tile's products, per group (2-D), through oneDNN where gemm.linear covers the dtype, F.linear elsewhere
-def _nt(a, b, bias=None):  # a·bᵀ (+ bias per column, fused into the product)
-    return linear(a, b, bias)
+# a tile's products over G groups (G, m, k): one group through oneDNN's 2-D products (gemm.linear, F.linear where it
+# does not cover the dtype), several as one batched product
+def _bnt(a, b, bias=None):  # a·bᵀ (+ bias (G, n) per column, fused into the product)
+    if a.shape[0] == 1:
+        return linear(a[0], b[0], None if bias is None else bias[0])[None]
+    bt = b.transpose(1, 2)
+    return torch.bmm(a, bt) if bias is None else torch.baddbmm(bias[:, None], a, bt)
 
 
-def _nn(a, b):  # a·b
-    return linear(a, b.t())
+def _bnn(a, b):  # a·b
+    return linear(a[0], b[0].t())[None] if a.shape[0] == 1 else torch.bmm(a, b)
 
 
-def _tn(a, b):  # aᵀ·b, as (bᵀ·a)ᵀ: oneDNN reads the small bᵀ contiguous and a as a transposed weight
-    return linear(b.t().contiguous(), a.t()).t()
+def _btn(a, b):  # aᵀ·b; one group as (bᵀ·a)ᵀ: oneDNN reads the small bᵀ contiguous and a as a transposed weight
+    if a.shape[0] == 1:
+        return linear(b[0].t().contiguous(), a[0].t()).t()[None]
+    return torch.bmm(a.transpose(1, 2), b)
+
+
+def _groups(L: _Layout, bf16: bool) -> int:
+    """Groups a tile's products take at once: bf16's batched products (oneDNN's bf16 bmm) always; float's for short
+    rows (`_Layout.short_float`), whose products are too short to outweigh the calls around them (float32's bmm is
+    MKL's, slower than oneDNN's 2-D products on long tiles)."""
+    return L.groups() if bf16 or L.short_float else 1
 
 
 def forward(q, k, v, segments=None):
     """out (B, H, T, d) in q's dtype and the base-2 log-sum-exp (B, H, T) of plain causal attention.
 
     Per block of queries, over tiles of keys: scores in base 2 (exp2 runs ~4x faster than exp on the CPU), the online
-    softmax rescaling the running sum and output when a row spans tiles. Float: one group at a time, the
+    softmax rescaling the running sum and output when a row spans tiles, over `_groups` groups at a time. Float: the
     scale·log2(e) folded into q. bf16: q·kᵀ in float32 from bf16 values, so it runs exactly as a bf16 product
-    with float32 sums and output (`_bf16_sums`), batched over groups like the backward; the scale is applied
-    in the exponent, q staying a bf16 value."""
+    with float32 sums and output (`_bf16_sums`); the scale is applied in the exponent, q staying a bf16 value."""
     L = _Layout(q, k, segments)
     c = LOG2E / math.sqrt(L.d)
-    batched = q.dtype == torch.bfloat16 and _BF16_SUMS
-    qs = L.rows(q, None if batched else c)
+    bf16 = q.dtype == torch.bfloat16 and _BF16_SUMS
+    qs = L.rows(q, None if bf16 else c)
     kk, vv = L.keys(k), L.keys(v, _low(v))  # q·kᵀ in float32 (not rounded before the exponential); p·v in bf16 for bf16
     # per row, kept in place: the running output (out), its sum of exponentials (sums) and the running max (lse,
     # until the end); the division and the log-sum-exp are then one operation each over all rows
     out, lse, sums = torch.empty_like(qs), qs.new_empty(qs.shape[:2]), qs.new_empty(qs.shape[:2])
-    groups, scale = (L.groups(), c) if batched else (1, 1.0)
-    with _bf16_sums(batched):
+    groups, scale = _groups(L, bf16), c if bf16 else 1.0
+    with _bf16_sums(bf16):
         for g0 in range(0, L.n, groups):
             grp = slice(g0, g0 + groups)
             for rows, s, e, k0, k1 in L.tiles():
                 qg, kg, vg = qs[grp, rows], kk[grp, k0:k1], vv[grp, k0:k1]
-                p = torch.bmm(qg, kg.transpose(1, 2)) if batched else _nt(qg[0], kg[0])[None]  # (G, b·rep, K)
-                p = L.hide(p, grp if batched else slice(g0, g0 + 1), s, e, k0, k1)
+                p = L.hide(_bnt(qg, kg), grp, s, e, k0, k1)  # (G, b·rep, K)
                 acc, total, m = out[grp, rows], sums[grp, rows], lse[grp, rows]
-                first = k0 == L.first_key[s // BLOCK]
+                first = k0 == L.first_key[s // L.block]
                 if first:  # every query sees its block's first key unless packed rows hide it (see below)
                     torch.amax(p, -1, out=m)
                     if L.starts is not None:  # a row that sees no key of this tile: a finite max, its exp2 is 0
@@ -216,10 +235,10 @@ def forward(q, k, v, segments=None):
                 # (p - m)·scale in one pass: p·scale + (-m·scale)
                 p = (
                     torch.add(m.mul(-scale)[..., None], p, alpha=scale, out=p).exp2_()
-                    if batched
+                    if bf16
                     else p.sub_(m[..., None]).exp2_()
                 )
-                pv = torch.bmm(p.to(vv.dtype), vg) if batched else _nn(p[0].to(vv.dtype), vg[0])[None]
+                pv = _bnn(p.to(vv.dtype), vg)
                 if first:
                     acc.copy_(pv)
                     torch.sum(p, -1, out=total)
@@ -265,14 +284,16 @@ def backward(q, k, v, out, lse, grad_out, segments=None):
     neg_lse = L.rows(lse).neg_()  # (n, T·rep)
     neg_delta = L.rows(torch.linalg.vecdot(grad_out, out)).neg_()  # -rowsum(dO ∘ O)
     dq, dk, dv = (torch.zeros_like(t) for t in (qs, kk, vv))
-    for i in range(L.n):
+    groups = _groups(L, False)
+    for g0 in range(0, L.n, groups):
+        grp = slice(g0, g0 + groups)
         for rows, s, e, k0, k1 in L.tiles():
-            q_blk, g_blk, k_t, v_t = qs[i, rows], g[i, rows], kk[i, k0:k1], vv[i, k0:k1]  # (b·rep, d), (K, d)
-            pt = L.hide(_nt(k_t, q_blk, neg_lse[i, rows]), slice(i, i + 1), s, e, k0, k1, True).exp2_()  # Pᵀ (K, b·rep)
-            dv[i, k0:k1] += _nn(pt, g_blk)
-            dst = _nt(v_t, g_blk, neg_delta[i, rows]).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
-            dk[i, k0:k1] += _nn(dst, q_blk)
-            dq[i, rows] += _tn(dst, k_t)
+            q_blk, g_blk, k_t, v_t = qs[grp, rows], g[grp, rows], kk[grp, k0:k1], vv[grp, k0:k1]  # (G, b·rep | K, d)
+            pt = L.hide(_bnt(k_t, q_blk, neg_lse[grp, rows]), grp, s, e, k0, k1, True).exp2_()  # Pᵀ (G, K, b·rep)
+            dv[grp, k0:k1] += _bnn(pt, g_blk)
+            dst = _bnt(v_t, g_blk, neg_delta[grp, rows]).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+            dk[grp, k0:k1] += _bnn(dst, q_blk)
+            dq[grp, rows] += _btn(dst, k_t)
     # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs/log2(e)
     return (
         L.heads(dq.mul_(scale), q.dtype),
@@ -312,7 +333,7 @@ def _backward_bf16(q, k, v, out, lse, grad_out, segments):
             dst = torch.bmm(va[grp, k0:k1], g_blk.transpose(1, 2)).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
             dk[grp, k0:k1] += torch.bmm(dst, q_blk[..., :d])
             part = torch.bmm(kt[grp, :, k0:k1], dst)  # (G, d, b·rep)
-            if k0 == L.first_key[s // BLOCK]:
+            if k0 == L.first_key[s // L.block]:
                 dqt[grp, :, rows] = part
             else:
                 dqt[grp, :, rows] += part
