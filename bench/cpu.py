@@ -232,7 +232,7 @@ def main():
     print(cpu_line(), flush=True)
     tmp = scratch_dir("lora-llama-cpu-bench-")
     rows = [default_recipe(tmp, a.precision)] if a.default else []
-    for size in a.sizes.split(","):
+    for size in filter(None, a.sizes.split(",")):  # --sizes '' with --default: the default recipe alone
         rows.append(one_size(size, tmp, a.steps, a.precision))
         print(json.dumps(rows[-1]), flush=True)
     record("cpu", {"rows": rows})
