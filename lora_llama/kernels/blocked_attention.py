@@ -2,8 +2,8 @@
 
 Forward and backward go a block of BLOCK query positions at a time, over tiles of at most KEYS keys, one (key/value
 head, batch row) group at a time with all the query heads that share it as the rows of one product, through oneDNN
-(gemm.linear: 2-3x MKL's batched GEMM on these shapes here); short float rows in smaller blocks, several groups in
-one batched product (FLOAT_BLOCK). Keys a block cannot see are skipped; forward keeps a
+(gemm.linear: 2-3x MKL's batched GEMM on these shapes here); short rows in smaller blocks (FLOAT_BLOCK, BF16_BLOCK),
+float ones several groups in one batched product. Keys a block cannot see are skipped; forward keeps a
 running max and sum per row (the online softmax) and returns the log-sum-exp, from which backward recomputes the
 probabilities, so nothing of size T x T is ever built. Scores are in base 2 (exp2 runs ~4x faster than exp on the CPU),
 and backward works on keys-first tiles so that the subtractions of lse and delta ride on the products as their bias
@@ -30,11 +30,12 @@ BLOCK = (
     128  # query positions per block, KEYS keys per tile: the fastest here at 4x512 and 1x4096 (of 64-256 x 512-2048)
 )
 KEYS = 2048
-# float rows of at most SHORT_FLOAT positions (packed: twice as many) go in blocks of FLOAT_BLOCK queries, a tile's
-# products batched over groups: per layer, 9:3 heads of 64, 2 threads, float32, 4x256 packed chat rows 7.8 vs 12.8-13.7
-# ms, 4x512 32.6 vs 38.1 ms (AVX2) and 33.2 vs 32.1 (AVX-512); longer rows keep BLOCK, one group at a time (1x1024:
-# 23-30 vs 34-36 ms)
-FLOAT_BLOCK, SHORT_FLOAT = 32, 512
+# rows of at most SHORT positions (packed: twice as many) go in smaller blocks. Float: FLOAT_BLOCK queries, a tile's
+# products batched over groups (per layer, 9:3 heads of 64, 2 threads, float32: 4x256 packed chat rows 7.8 vs 12.8-13.7
+# ms, 4x512 32.6 vs 38.1 ms (AVX2) and 33.2 vs 32.1 (AVX-512)); longer rows keep BLOCK, one group at a time (1x1024:
+# 23-30 vs 34-36 ms). bf16: BF16_BLOCK (AVX512_BF16, forward+backward: 4x256 packed 6.4-6.6 vs 7.1-7.7 ms, 4x512
+# 16.1-16.4 vs 23.5-23.9; 2x1024 and 1x2048 no faster)
+FLOAT_BLOCK, BF16_BLOCK, SHORT = 32, 64, 512
 GROUP_TILE = 4 << 20  # bf16: elements of one tile's scores over the groups it batches (8 MB in bf16, 16 in float32)
 _FINITE = 1e30  # the floor of a running max: exp2(-inf - m) stays 0 where a tile hides a whole row
 LOG2E = 1.4426950408889634  # scores in base 2: exp2(x·log2(e)) = exp(x)
@@ -54,8 +55,9 @@ class _Layout:
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
         self.starts = None if segments is None else _example_starts(segments)
         self._hidden_keys = {}  # (s, k0, keys_first): the tile's mask of earlier examples' keys, made once per call
-        self.short_float = q.dtype != torch.bfloat16 and self.T <= SHORT_FLOAT * (1 if segments is None else 2)
-        self.block = block = min(BLOCK, FLOAT_BLOCK) if self.short_float else BLOCK
+        short, bf16 = self.T <= SHORT * (1 if segments is None else 2), q.dtype == torch.bfloat16
+        self.short_float = short and not bf16
+        self.block = block = min(BLOCK, BF16_BLOCK if bf16 else FLOAT_BLOCK) if short else BLOCK
         # per block: the first key any of its queries sees, and the latest example start among them
         self.first_key = [0] * len(range(0, self.T, block))
         if self.starts is not None:
