@@ -1,5 +1,6 @@
 """Reusable buffers for weights that live for one product: a quantized base's weight dequantized just in time on
-the CPU, written a few rows at a time into one buffer per thread, dtype and device.
+the CPU, written a few rows at a time into one buffer per thread, dtype and device (other purposes, such as the
+loss's logits, keep buffers of their own).
 
 Dequantizing a whole weight at once allocates weight-sized temporaries (float32 first, then the compute dtype)
 for every product and frees them right after. glibc then either keeps them, pieces of several sizes fragmenting
@@ -30,11 +31,11 @@ WHOLE_WEIGHTS = 1 << 20
 _local = threading.local()
 
 
-def buffer(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """This thread's buffer for (dtype, device) as a `shape` view, grown first if smaller: valid until the next call
-    with the same dtype and device on this thread."""
+def buffer(shape: tuple, dtype: torch.dtype, device: torch.device, purpose: str = "weight") -> torch.Tensor:
+    """This thread's buffer for (purpose, dtype, device) as a `shape` view, grown first if smaller: valid until the
+    next call with the same purpose, dtype and device on this thread."""
     buffers = _local.__dict__.setdefault("buffers", {})
-    numel, key = math.prod(shape), (dtype, torch.device(device))
+    numel, key = math.prod(shape), (purpose, dtype, torch.device(device))
     if key not in buffers or buffers[key].numel() < numel:
         buffers.pop(key, None)  # the smaller one is freed before the bigger one is allocated
         buffers[key] = torch.empty(numel, dtype=dtype, device=device)
