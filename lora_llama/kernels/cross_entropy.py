@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lora_llama.kernels.blocked_attention import LOG2E
 from lora_llama.kernels import workspace
+from lora_llama.kernels.blocked_attention import LOG2E
 from lora_llama.kernels.gemm import linear
 
 # logits per chunk, whatever the vocabulary size: 24 MB in float32, under glibc's 32 MB mmap limit, so a chunk's
