@@ -44,8 +44,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         rows = -(-h.shape[0] // -(-h.shape[0] // rows))  # chunks of equal size, none of a few rows
         # the float32 softmax work, CHUNK_ELEMENTS at a time (a bf16 chunk in two passes), in one buffer reused by
-        # every pass: under glibc's 32 MB mmap threshold it stays on the heap, where a fresh or larger one is
-        # page-faulted in again each step
+        # every pass and kept across steps (workspace): a fresh one is page-faulted in again each step, even one
+        # under glibc's 32 MB mmap threshold
         work = min(rows, max(1, CHUNK_ELEMENTS // weight.shape[0]), h.shape[0])
         logp_buf = workspace.buffer((work, weight.shape[0]), torch.float32, h.device, "loss")
         # float32 chunks in one pass keep their gradient in the buffer; others write it over the logits' rows
