@@ -84,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """h·Wᵀ of one chunk. bf16 on the CPU: into a buffer kept across chunks and steps (a fresh vocabulary-sized block
-    was page-faulted in on every chunk: 30-37 ms against 12-13 for 157-180 rows of SmolLM2's head, AVX512_BF16
+    is page-faulted in on every chunk: 30-37 ms against 12-13 for 157-180 rows of SmolLM2's head, AVX512_BF16
     EPYC); torch.mm's bf16 product (oneDNN's) runs as fast as gemm.linear, where its float32 one (MKL's) does not."""
     if h.device.type == "cpu" and h.dtype == weight.dtype == torch.bfloat16 and h.is_contiguous():
         out = workspace.buffer((h.shape[0], weight.shape[0]), torch.bfloat16, h.device, "logits")
