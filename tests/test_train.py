@@ -116,6 +116,28 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_ckpt, tmp_path):
         assert (big[k] - small[k]).abs().max() < 1e-5, k
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_step_counts_the_tokens_of_its_examples_not_padding(tiny_ckpt, tmp_path, packing):
+    from lora_llama import load_tokenizer
+    from lora_llama.data.sft import build_examples
+
+    pairs = [("hi", "hello"), ("what is the capital of france", "paris is"), ("the", "fox")]
+    data = chat_file(tmp_path / "d.jsonl", pairs)
+    packed = ["data.packing=true", "data.max_seq_len=48"] if packing else []  # rows of one or two examples
+    r = recipe(tiny_ckpt, data, tmp_path / "run", "train.batch_size=3", *packed)
+    r.data.val_size = 0
+    tok = load_tokenizer(tiny_ckpt)
+    train, val = build_examples(r.data, tok, 0)
+    (tmp_path / "run").mkdir()
+    trainer = Trainer(r, load_model(tiny_ckpt), tok, train, val, tmp_path / "run")
+    batch = trainer.micro_batches[0]
+    assert len(train) <= 3  # every example (or packed row) is in the one batch
+    own = sum(len(e["input_ids"]) for e in train)
+    assert batch["input_ids"].numel() > own  # rows of unequal length: the batch holds padding
+    _, tokens, _ = trainer.train_step()
+    assert tokens == own
+
+
 def test_interrupt_and_resume_continue_exactly(tiny_ckpt, tmp_path, monkeypatch):
     data = chat_file(tmp_path / "d.jsonl")
     common = [

@@ -230,7 +230,7 @@ def packed_sequences(sequences: list[dict], pad_id: int, pack_to: int, row_lengt
 
 def collate(examples: list[dict], pad_id: int, row_length=None):
     """Right-pad a list of examples into tensors; padding is never a target. row_length: the length rows of up to
-    n tokens are padded to (None: n, the longest example's)."""
+    n tokens are padded to (None: n, the longest example's). `tokens`: how many are not padding (0-d)."""
     import torch
 
     T = max(len(e["input_ids"]) for e in examples)
@@ -240,6 +240,7 @@ def collate(examples: list[dict], pad_id: int, row_length=None):
         return torch.tensor([e[key] + [value] * (T - len(e[key])) for e in examples])
 
     batch = {"input_ids": pad("input_ids", pad_id), "labels": pad("labels", IGNORE_INDEX)}
+    batch["tokens"] = torch.tensor(sum(len(e["input_ids"]) for e in examples))
     if "segment_ids" in examples[0]:
         batch["position_ids"] = pad("position_ids", 0)
         batch["segment_ids"] = pad("segment_ids", -1)

@@ -39,7 +39,8 @@ class SFT(Objective):
         return [batch["targets"].numel()]
 
     def terms(self, model, batch: dict) -> tuple[list[torch.Tensor], dict]:
-        return [target_loss(model, **batch)[0]], {}
+        places = batch.get("position_ids"), batch.get("segment_ids"), batch["targets"], batch["predicting"]
+        return [target_loss(model, batch["input_ids"], batch["labels"], *places)[0]], {}
 
 
 def evaluate_documents(model, tokenizer, docs: list[str], batch_size: int = 8) -> dict:

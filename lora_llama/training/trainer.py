@@ -68,12 +68,13 @@ class Trainer:
 
     def train_step(self) -> tuple[float, int, dict]:
         """Forward/backward over grad_accum micro-batches, each loss term divided by its count (targets, pairs) on all
-        ranks, gradients summed over ranks: one update on the global batch. (loss, tokens seen, objective's stats)"""
+        ranks, gradients summed over ranks: one update on the global batch. (loss, tokens seen (padding not
+        counted), objective's stats)"""
         ga, obj = self.recipe.train.grad_accum, self.objective
         data_step = self.step // obj.repeats  # GRPO trains num_iterations steps on each generation
         batches = [b for b in (self.micro_batches[data_step * ga + k] for k in range(ga)) if b is not None]
         batches = obj.prepare(self.model, batches, self.step, self.ranks)
-        local_tokens = sum(int(b["input_ids"].numel()) for b in batches)
+        local_tokens = sum(int(b.get("tokens", b["input_ids"].numel())) for b in batches)  # padding is not counted
         counts = [obj.counts(b) for b in batches]  # before the batches move: counting on a GPU would wait for it
         *totals, tokens = self.ranks.sum([sum(c[i] for c in counts) for i in range(obj.n_counts)] + [local_tokens])
         losses, stats = [], dict.fromkeys(obj.stat_names, 0.0)
