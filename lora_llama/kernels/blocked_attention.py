@@ -3,17 +3,16 @@
 Forward and backward go a block of BLOCK query positions at a time, over tiles of at most KEYS keys, one (key/value
 head, batch row) group at a time with all the query heads that share it as the rows of one product, through oneDNN
 (gemm.linear: 2-3x MKL's batched GEMM on these shapes here); short rows in smaller blocks (FLOAT_BLOCK, BF16_BLOCK),
-float ones several groups in one batched product. Keys a block cannot see are skipped; forward keeps a
-running max and sum per row (the online softmax) and returns the log-sum-exp, from which backward recomputes the
-probabilities, so nothing of size T x T is ever built. Scores are in base 2 (exp2 runs ~4x faster than exp on the CPU),
-and backward works on keys-first tiles so that the subtractions of lse and delta ride on the products as their bias
-(in bf16 as two extra operand columns). Forward+backward per layer (SmolLM2 shapes, float32, 2 threads, AMD EPYC;
-SDPA's / ours): 4x512 53 / 34 ms, 1x2048 151 / 69 ms, 1x4096 563 / 267 ms, 1x8192 2102 / 915 ms. In
-bfloat16 the scores and softmax are float32 (forward's q·kᵀ is never rounded before the exponential; from torch 2.9
-on it runs as oneDNN bf16 products with float32 output, exact for bf16 values) and the other products take bf16 with
-float32 sums (backward's with lse and delta subtracted before their output is rounded); bf16 forward and backward
-batch their products over groups (backward 4x512 15.5 vs 22.2 ms per group; forward 6.0 vs 9.5 ms, with the
-additive masks).
+float ones several groups in one batched product. Keys a block cannot see are skipped; forward keeps a running max and
+sum per row (the online softmax) and returns the log-sum-exp, from which backward recomputes the probabilities, so
+nothing of size T x T is ever built. Scores are in base 2 (exp2 runs ~4x faster than exp on the CPU), and backward works
+on keys-first tiles so that the subtractions of lse and delta ride on the products as their bias (in bf16 as two extra
+operand columns). Forward+backward per layer (SmolLM2 shapes, float32, 2 threads, AMD EPYC; SDPA's / ours): 4x512 53 /
+34 ms, 1x2048 151 / 69 ms, 1x4096 563 / 267 ms, 1x8192 2102 / 915 ms. In bfloat16 the scores and softmax are float32
+(forward's q·kᵀ is never rounded before the exponential; from torch 2.9 on it runs as oneDNN bf16 products with float32
+output, exact for bf16 values) and the other products take bf16 with float32 sums (backward's with lse and delta
+subtracted before their output is rounded); bf16 forward and backward batch their products over groups (backward 4x512
+15.5 vs 22.2 ms per group; forward 6.0 vs 9.5 ms, with the additive masks).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class _Layout:
         self.Hkv = k.shape[1]
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
         self.starts = None if segments is None else _example_starts(segments)
-        self._hidden_keys = {}  # (s, k0, keys_first): the tile's mask of earlier examples' keys, made once per call
+        self._hidden_keys = {}  # (s, k0, keys_first, dtype): a packed tile's bias, made once per call
         short, bf16 = self.T <= SHORT * (1 if segments is None else 2), q.dtype == torch.bfloat16
         self.short_float = short and not bf16
         self.block = block = min(BLOCK, BF16_BLOCK if bf16 else FLOAT_BLOCK) if short else BLOCK
@@ -115,35 +114,39 @@ class _Layout:
             for k0 in range(self.first_key[b], e, KEYS):
                 yield slice(s * self.rep, e * self.rep), s, e, k0, min(k0 + KEYS, e)
 
-    def hide(
-        self, scores: torch.Tensor, grp: slice, s: int, e: int, k0: int, k1: int, keys_first: bool = False
-    ) -> torch.Tensor:
+    def hide(self, scores: torch.Tensor, grp, s: int, e: int, k0: int, k1: int, keys_first=False) -> torch.Tensor:
         """-inf where a key lies after its query or (packed rows) before its example, in the scores of groups grp,
         queries s..e and keys k0..k1: (G, (e-s)·rep, k1-k0), or keys by rows (keys_first). Only keys s..k1 (the
-        diagonal's) can lie after a query."""
+        diagonal's) can lie after a query. Packed rows: one add of the tile's bias (`_packed_bias`), per batch row."""
         c0 = max(s, k0)
-        if k1 > c0:
-            part = scores[..., c0 - k0 :, :] if keys_first else scores[..., c0 - k0 :]
-            part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
-        if self.starts is not None and self.last_start[s // self.block] > k0:
-            key = (s, k0, keys_first)  # the float path visits each tile once per group: the mask is made once
-            if key not in self._hidden_keys:  # (B, rows, keys), or (B, keys, rows)
-                self._hidden_keys[key] = _before_example(self.starts[:, s:e], k0, k1, self.rep, keys_first)
-            hidden = self._hidden_keys[key]
-            g0, g1 = grp.start, min(grp.stop, self.n)
-            per_group = scores.view(g1 - g0, *hidden.shape[1:])
-            for b in range(g0 // self.Hkv, (g1 - 1) // self.Hkv + 1):  # the groups of batch row b share its mask
-                lo, hi = max(g0, b * self.Hkv), min(g1, (b + 1) * self.Hkv)
-                per_group[lo - g0 : hi - g0].masked_fill_(hidden[b], -math.inf)
+        if self.starts is None:
+            if k1 > c0:
+                part = scores[..., c0 - k0 :, :] if keys_first else scores[..., c0 - k0 :]
+                part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
+            return scores
+        if k1 <= c0 and self.last_start[s // self.block] <= k0:
+            return scores  # every query sees every key of the tile
+        key = (s, k0, keys_first, scores.dtype)  # the float path visits each tile once per group: made once
+        if key not in self._hidden_keys:  # (B, rows, keys), or (B, keys, rows)
+            self._hidden_keys[key] = _packed_bias(self.starts[:, s:e], s, k0, k1, self.rep, keys_first, scores.dtype)
+        bias, (g0, g1), H = self._hidden_keys[key], (grp.start, min(grp.stop, self.n)), self.Hkv
+        if g0 % H == 0 and g1 % H == 0:  # whole batch rows: one add, broadcast over each row's groups
+            scores.view(g1 // H - g0 // H, H, *bias.shape[1:]).add_(bias[g0 // H : g1 // H, None])
+        else:
+            for b in range(g0 // H, (g1 - 1) // H + 1):  # the groups of batch row b share its bias
+                scores[max(g0, b * H) - g0 : min(g1, (b + 1) * H) - g0].add_(bias[b])
         return scores
 
 
-def _before_example(starts: torch.Tensor, k0: int, k1: int, rep: int, keys_first: bool) -> torch.Tensor:
-    """(B, queries·rep, keys), or (B, keys, queries·rep): True where key k0 + j lies before the example of the
-    query (each query row repeated for its rep heads), contiguous as the scores it masks."""
-    before = starts[:, :, None] > torch.arange(k0, k1, device=starts.device)  # (B, queries, keys)
-    before = before[:, :, None].expand(-1, -1, rep, -1).flatten(1, 2)
-    return before.transpose(1, 2).contiguous() if keys_first else before.contiguous()
+def _packed_bias(starts, s: int, k0: int, k1: int, rep: int, keys_first: bool, dtype) -> torch.Tensor:
+    """(B, queries·rep, keys), or (B, keys, queries·rep): -inf where key k0 + j lies after query s + i or before
+    its example (starts (B, queries)), else 0; each query row repeated for its rep heads, contiguous as the scores."""
+    keys = torch.arange(k0, k1, device=starts.device)
+    queries = torch.arange(s, s + starts.shape[1], device=starts.device)
+    hidden = (starts[:, :, None] > keys) | (keys > queries[:, None])  # (B, queries, keys)
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=starts.device).masked_fill_(hidden, float("-inf"))
+    bias = bias[:, :, None].expand(-1, -1, rep, -1).flatten(1, 2)
+    return bias.transpose(1, 2).contiguous() if keys_first else bias
 
 
 def _example_starts(segments: torch.Tensor) -> torch.Tensor:
