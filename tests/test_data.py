@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import make_tokenizer
 from lora_llama import UserError, load_model
 from lora_llama.data.loading import load_records, split
-from lora_llama.data.sft import IGNORE_INDEX, Tokenize, collate, pack, tokenize_records
+from lora_llama.data.sft import IGNORE_INDEX, Tokenize, best_fit_rows, collate, pack, pack_best_fit, tokenize_records
 from lora_llama.recipe.schema import DataSection
 
 M = IGNORE_INDEX
@@ -103,6 +103,36 @@ def load_records_from(rows):
     import datasets
 
     return datasets.Dataset.from_list(rows)
+
+
+def test_best_fit_decreasing_by_hand():
+    # lengths 6, 5, 4, 5 in rows of 10, longest first into the open row with the least room that fits:
+    # 6 -> new row 0 (room 4), 5 -> new row 1 (room 5), the second 5 -> row 1 (full), 4 -> row 0 (full)
+    assert best_fit_rows([6, 5, 4, 5], 10) == [[0, 2], [1, 3]]
+    # in order, a row closes when the next example does not fit: [6] [5, 4] [5]
+    assert len(pack([{"input_ids": [0] * n, "labels": [0] * n} for n in [6, 5, 4, 5]], 10)) == 3
+    # of equal lengths the earlier goes first; one longer than a row sits alone in its own
+    assert best_fit_rows([3, 12, 3, 3], 10) == [[1], [0, 2, 3]]
+
+
+def test_best_fit_packing_keeps_every_example_once_within_rows():
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 120) for _ in range(500)]
+    rows = best_fit_rows(lengths, 256)
+    assert sorted(i for row in rows for i in row) == list(range(500))
+    assert all(sum(lengths[i] for i in row) <= 256 for row in rows)
+    in_order = pack([{"input_ids": [7] * n, "labels": [7] * n} for n in lengths], 256)
+    assert len(rows) < len(in_order)  # fuller rows: fewer of them
+    examples = [{"input_ids": list(range(n)), "labels": [-100] + list(range(1, n))} for n in lengths]
+    packed = pack_best_fit(examples, 256)
+    assert len(packed) == len(rows)
+    for row, members in zip(packed, rows):
+        assert row["input_ids"] == [t for i in members for t in examples[i]["input_ids"]]
+        assert row["labels"] == [t for i in members for t in examples[i]["labels"]]
+        assert row["position_ids"] == [p for i in members for p in range(lengths[i])]
+        assert row["segment_ids"] == [s for s, i in enumerate(members) for _ in range(lengths[i])]
 
 
 def test_packed_row_losses_equal_separate_examples(tiny_ckpt, tok):

@@ -121,21 +121,16 @@ def test_a_step_counts_the_tokens_of_its_examples_not_padding(tiny_ckpt, tmp_pat
     from lora_llama import load_tokenizer
     from lora_llama.data.sft import build_examples
 
-    pairs = [("hi", "hello"), ("what is the capital of france", "paris is"), ("the", "fox")]
-    data = chat_file(tmp_path / "d.jsonl", pairs)
-    packed = ["data.packing=true", "data.max_seq_len=48"] if packing else []  # rows of one or two examples
-    r = recipe(tiny_ckpt, data, tmp_path / "run", "train.batch_size=3", *packed)
-    r.data.val_size = 0
+    data = chat_file(tmp_path / "d.jsonl", [("hi", "hello"), ("what is the capital of france", "paris is")])
+    packed = ["data.packing=true", "data.max_seq_len=40"] if packing else []  # two rows of unequal length
+    r = recipe(tiny_ckpt, data, tmp_path / "run", "train.batch_size=2", *packed)
     tok = load_tokenizer(tiny_ckpt)
     train, val = build_examples(r.data, tok, 0)
     (tmp_path / "run").mkdir()
     trainer = Trainer(r, load_model(tiny_ckpt), tok, train, val, tmp_path / "run")
-    batch = trainer.micro_batches[0]
-    assert len(train) <= 3  # every example (or packed row) is in the one batch
     own = sum(len(e["input_ids"]) for e in train)
-    assert batch["input_ids"].numel() > own  # rows of unequal length: the batch holds padding
-    _, tokens, _ = trainer.train_step()
-    assert tokens == own
+    assert len(train) == 2 and trainer.micro_batches[0]["input_ids"].numel() > own  # one batch, with padding
+    assert trainer.train_step()[1] == own
 
 
 def test_interrupt_and_resume_continue_exactly(tiny_ckpt, tmp_path, monkeypatch):

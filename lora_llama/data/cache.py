@@ -15,7 +15,7 @@ from lora_llama.data.loading import glob_files, is_glob
 from lora_llama.files.atomic import atomic_dir
 from lora_llama.registry import cache_dir
 
-FORMAT = 1  # the examples' layout; raised when it changes, so old entries are never read
+FORMAT = 2  # how examples are made (packing included) and laid out: raised when that changes, so old entries go unread
 
 
 def tokenizer_stamp(tokenizer) -> str:

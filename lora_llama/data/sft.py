@@ -8,6 +8,7 @@ example), which the model turns into a block-diagonal causal mask.
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Iterator
 
@@ -167,58 +168,79 @@ def record_examples(tokenize: Tokenize, record: dict, index: int, fields: dict, 
 
 
 def pack(examples: list[dict], max_seq_len: int) -> list[dict]:
-    """Concatenate examples into rows of at most max_seq_len tokens, greedily in order."""
+    """Concatenate examples into rows of at most max_seq_len tokens, greedily in order (a row's examples are
+    consecutive: GRPO's completions are found again by their order)."""
     return list(packed(iter(examples), max_seq_len))
 
 
 def packed(examples: Iterator[dict], max_seq_len: int) -> Iterator[dict]:
-    """`pack` as the examples come: each row is given once the next example would not fit in it."""
-    cur = None
+    """`pack` as the examples come (a stream): each row is given once the next example would not fit in it."""
+    members, used = [], 0
     for ex in examples:
         n = len(ex["input_ids"])
-        if cur is not None and len(cur["input_ids"]) + n > max_seq_len:
-            yield cur
-            cur = None
-        if cur is None:
-            cur = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": []}
-        seg = cur["segment_ids"][-1] + 1 if cur["segment_ids"] else 0
-        cur["input_ids"] += ex["input_ids"]
-        cur["labels"] += ex["labels"]
-        cur["position_ids"] += list(range(n))
-        cur["segment_ids"] += [seg] * n
-    if cur is not None:
-        yield cur
+        if members and used + n > max_seq_len:
+            yield glued(members)
+            members, used = [], 0
+        members.append(ex)
+        used += n
+    if members:
+        yield glued(members)
+
+
+def pack_best_fit(examples: list[dict], max_seq_len: int) -> list[dict]:
+    """Examples glued into rows of at most max_seq_len tokens by best fit decreasing (`best_fit_rows`): fuller rows,
+    so fewer of them and less padding in a batch than packing in order (the default recipe's chat pairs: 198 rows
+    of 256 tokens filled to 0.95, where in order 219 are filled to 0.86)."""
+    return [
+        glued([examples[i] for i in row]) for row in best_fit_rows([len(e["input_ids"]) for e in examples], max_seq_len)
+    ]
+
+
+def best_fit_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """The indices of `lengths` grouped into rows holding at most `capacity` (a longer one alone) by best fit
+    decreasing, as trl's `bfd` packing: longest first (ties in their order), each into the open row it leaves
+    the least room in, else a new row. Rows in the order they are opened, each row's members longest first."""
+    rows: list[list[int]] = []
+    open_rows: list[tuple[int, int]] = []  # (room left, row), sorted: the best fit is the first with room >= n
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        k = bisect.bisect_left(open_rows, (n, -1))
+        if k < len(open_rows):
+            room, row = open_rows.pop(k)
+        else:
+            room, row = capacity, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        if room - n > 0:
+            bisect.insort(open_rows, (room - n, row))
+    return rows
+
+
+def glued(examples: list[dict]) -> dict:
+    """One packed row: the examples' ids and labels end to end, each its own segment with positions from 0."""
+    row = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": []}
+    for segment, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        row["input_ids"] += ex["input_ids"]
+        row["labels"] += ex["labels"]
+        row["position_ids"] += list(range(n))
+        row["segment_ids"] += [segment] * n
+    return row
 
 
 def packed_sequences(sequences: list[dict], pad_id: int, pack_to: int, row_length=None) -> dict:
     """Sequences that are summed apart (a preference batch's answers, KTO's completions) packed into as few rows of
-    at most pack_to tokens as first fit (longest first) makes, each attending to itself only (positions restart, a
-    segment each). With `sequence` (rows, T), the index in `sequences` of each token's sequence (-1: padding),
-    `answer`, whether each label lies past its sequence's `prompt_len`, and `sequences`, their number."""
+    at most pack_to tokens as best fit decreasing makes (`best_fit_rows`), each attending to itself only (positions
+    restart, a segment each). With `sequence` (rows, T), the index in `sequences` of each token's sequence (-1:
+    padding), `answer`, whether each label lies past its sequence's `prompt_len`, and `sequences`, their number."""
     import torch
 
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i]["input_ids"])):
-        n = len(sequences[i]["input_ids"])
-        row = next((r for r, left in enumerate(room) if n <= left), None)
-        if row is None:
-            rows.append([])
-            room.append(pack_to)
-            row = len(rows) - 1
-        rows[row].append(i)
-        room[row] -= n
     examples = []
-    for members in rows:
-        row = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": [], "sequence": [], "answer": []}
-        for segment, i in enumerate(members):
-            s, n = sequences[i], len(sequences[i]["input_ids"])
-            row["input_ids"] += s["input_ids"]
-            row["labels"] += s["labels"]
-            row["position_ids"] += list(range(n))
-            row["segment_ids"] += [segment] * n
-            row["sequence"] += [i] * n
-            row["answer"] += [j >= s.get("prompt_len", 0) for j in range(n)]
+    for members in best_fit_rows([len(s["input_ids"]) for s in sequences], pack_to):
+        row = glued([sequences[i] for i in members])
+        spans = [(i, len(sequences[i]["input_ids"]), sequences[i].get("prompt_len", 0)) for i in members]
+        row["sequence"] = [i for i, n, _ in spans for _ in range(n)]
+        row["answer"] = [j >= prompt for _, n, prompt in spans for j in range(n)]
         examples.append(row)
     batch = collate(examples, pad_id, row_length)
     width = batch["input_ids"].shape[1]
@@ -272,6 +294,6 @@ def build_examples(data, tokenizer, seed: int, log=print) -> tuple[list[dict], l
     if not train:
         raise UserError(f"data source {data.source!r} gives no training example with a target token")
     if data.packing:
-        random.Random(seed).shuffle(train)  # mix sources before they are glued together
-        train = pack(train, data.max_seq_len)
+        random.Random(seed).shuffle(train)  # examples of one length (taken in order) mix sources in their rows
+        train = pack_best_fit(train, data.max_seq_len)
     return train, val

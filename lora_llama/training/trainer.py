@@ -68,8 +68,7 @@ class Trainer:
 
     def train_step(self) -> tuple[float, int, dict]:
         """Forward/backward over grad_accum micro-batches, each loss term divided by its count (targets, pairs) on all
-        ranks, gradients summed over ranks: one update on the global batch. (loss, tokens seen (padding not
-        counted), objective's stats)"""
+        ranks, gradients summed over ranks: one update on the global batch. (loss, tokens but padding, stats)"""
         ga, obj = self.recipe.train.grad_accum, self.objective
         data_step = self.step // obj.repeats  # GRPO trains num_iterations steps on each generation
         batches = [b for b in (self.micro_batches[data_step * ga + k] for k in range(ga)) if b is not None]
