@@ -178,3 +178,25 @@ def test_kernels_are_well_formed_custom_ops(packed):
     out, lse = attention.causal_attention(q, k, v, seg)
     torch.library.opcheck(attention.causal_attention, (q, k, v, seg))
     torch.library.opcheck(attention.causal_attention_backward, (q, k, v, out, lse, torch.randn_like(out), seg))
+
+
+def test_packed_rows_are_made_once_per_batch_and_mask_by_hand():
+    from lora_llama.kernels.packed_rows import KEPT, _kept, packed_rows
+
+    segments = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]])
+    rows = packed_rows(segments, 2)
+    assert packed_rows(segments.clone(), 2) is rows  # every layer of a step: its own tensor of the same ids
+    assert packed_rows(segments.flip(0), 2) is not rows  # another batch's rows: made for them
+    assert rows.starts.tolist() == [[0, 0, 0, 3, 3], [0, 0, 2, 2, 2]]
+    assert rows.first_key == [0, 0, 2] and rows.last_start == [0, 3, 3]  # blocks 0-1, 2-3, 4
+    # queries 2-3 (two heads each) and keys 1-4: key j hidden after query i or before i's example
+    inf = float("-inf")
+    by_hand = [
+        [[0, 0, inf, inf], [0, 0, inf, inf], [inf, inf, 0, inf], [inf, inf, 0, inf]],  # row 0: starts 0, 3
+        [[inf, 0, inf, inf], [inf, 0, inf, inf], [inf, 0, 0, inf], [inf, 0, 0, inf]],  # row 1: starts 2, 2
+    ]
+    assert rows.additive_mask(2, 4, 1, 5, 2, False, torch.float32).tolist() == by_hand
+    assert rows.additive_mask(2, 4, 1, 5, 2, True, torch.bfloat16).float().transpose(1, 2).tolist() == by_hand
+    for shift in range(1, 4):
+        packed_rows(segments + shift, 2)
+    assert len(_kept) == KEPT and packed_rows(segments, 2) is not rows  # the last KEPT batches only

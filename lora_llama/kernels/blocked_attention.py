@@ -24,6 +24,7 @@ import math
 import torch
 
 from lora_llama.kernels.gemm import linear
+from lora_llama.kernels.packed_rows import packed_rows
 
 BLOCK = (
     128  # query positions per block, KEYS keys per tile: the fastest here at 4x512 and 1x4096 (of 64-256 x 512-2048)
@@ -52,17 +53,12 @@ class _Layout:
         self.B, self.H, self.T, self.d = q.shape
         self.Hkv = k.shape[1]
         self.rep, self.n = self.H // self.Hkv, self.B * self.Hkv
-        self.starts = None if segments is None else _example_starts(segments)
-        self._hidden_keys = {}  # (s, k0, keys_first, dtype): a packed tile's bias, made once per call
         short, bf16 = self.T <= SHORT * (1 if segments is None else 2), q.dtype == torch.bfloat16
         self.short_float = short and not bf16
         self.block = block = min(BLOCK, BF16_BLOCK if bf16 else FLOAT_BLOCK) if short else BLOCK
-        # per block: the first key any of its queries sees, and the latest example start among them
-        self.first_key = [0] * len(range(0, self.T, block))
-        if self.starts is not None:
-            self.first_key = self.starts[:, ::block].amin(0).tolist()
-            ends = [min(s + block, self.T) for s in range(0, self.T, block)]
-            self.last_start = [int(self.starts[:, s - 1].amax()) for s in ends]
+        # packed rows: their starts, per block its first key and latest example start, tile biases (packed_rows.py)
+        self.packed = None if segments is None else packed_rows(segments, block)
+        self.first_key = [0] * len(range(0, self.T, block)) if segments is None else self.packed.first_key
 
     def rows(self, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in the work dtype (callers may change it in place);
@@ -117,44 +113,23 @@ class _Layout:
     def hide(self, scores: torch.Tensor, grp, s: int, e: int, k0: int, k1: int, keys_first=False) -> torch.Tensor:
         """-inf where a key lies after its query or (packed rows) before its example, in the scores of groups grp,
         queries s..e and keys k0..k1: (G, (e-s)·rep, k1-k0), or keys by rows (keys_first). Only keys s..k1 (the
-        diagonal's) can lie after a query. Packed rows: one add of the tile's bias (`_packed_bias`), per batch row."""
+        diagonal's) can lie after a query. Packed rows: one add of the tile's mask (packed_rows.py), per batch row."""
         c0 = max(s, k0)
-        if self.starts is None:
+        if self.packed is None:
             if k1 > c0:
                 part = scores[..., c0 - k0 :, :] if keys_first else scores[..., c0 - k0 :]
                 part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
             return scores
-        if k1 <= c0 and self.last_start[s // self.block] <= k0:
+        if k1 <= c0 and self.packed.last_start[s // self.block] <= k0:
             return scores  # every query sees every key of the tile
-        key = (s, k0, keys_first, scores.dtype)  # the float path visits each tile once per group: made once
-        if key not in self._hidden_keys:  # (B, rows, keys), or (B, keys, rows)
-            self._hidden_keys[key] = _packed_bias(self.starts[:, s:e], s, k0, k1, self.rep, keys_first, scores.dtype)
-        bias, (g0, g1), H = self._hidden_keys[key], (grp.start, min(grp.stop, self.n)), self.Hkv
+        bias = self.packed.additive_mask(s, e, k0, k1, self.rep, keys_first, scores.dtype)  # (B, rows or keys, ...)
+        (g0, g1), H = (grp.start, min(grp.stop, self.n)), self.Hkv
         if g0 % H == 0 and g1 % H == 0:  # whole batch rows: one add, broadcast over each row's groups
             scores.view(g1 // H - g0 // H, H, *bias.shape[1:]).add_(bias[g0 // H : g1 // H, None])
         else:
             for b in range(g0 // H, (g1 - 1) // H + 1):  # the groups of batch row b share its bias
                 scores[max(g0, b * H) - g0 : min(g1, (b + 1) * H) - g0].add_(bias[b])
         return scores
-
-
-def _packed_bias(starts, s: int, k0: int, k1: int, rep: int, keys_first: bool, dtype) -> torch.Tensor:
-    """(B, queries·rep, keys), or (B, keys, queries·rep): -inf where key k0 + j lies after query s + i or before
-    its example (starts (B, queries)), else 0; each query row repeated for its rep heads, contiguous as the scores."""
-    keys = torch.arange(k0, k1, device=starts.device)
-    queries = torch.arange(s, s + starts.shape[1], device=starts.device)
-    hidden = (starts[:, :, None] > keys) | (keys > queries[:, None])  # (B, queries, keys)
-    bias = torch.zeros(hidden.shape, dtype=dtype, device=starts.device).masked_fill_(hidden, float("-inf"))
-    bias = bias[:, :, None].expand(-1, -1, rep, -1).flatten(1, 2)
-    return bias.transpose(1, 2).contiguous() if keys_first else bias
-
-
-def _example_starts(segments: torch.Tensor) -> torch.Tensor:
-    """(B, T): the position where each position's example (a run of equal segment ids) begins."""
-    pos = torch.arange(segments.shape[1], device=segments.device).expand(segments.shape)
-    new = torch.ones_like(segments, dtype=torch.bool)
-    new[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    return torch.where(new, pos, 0).cummax(1).values
 
 
 @functools.lru_cache(maxsize=64)
@@ -231,7 +206,7 @@ def forward(q, k, v, segments=None):
                 first = k0 == L.first_key[s // L.block]
                 if first:  # every query sees its block's first key unless packed rows hide it (see below)
                     torch.amax(p, -1, out=m)
-                    if L.starts is not None:  # a row that sees no key of this tile: a finite max, its exp2 is 0
+                    if L.packed is not None:  # a row that sees no key of this tile: a finite max, its exp2 is 0
                         m.clamp_(min=-_FINITE)
                 else:  # a row that sees no key of this tile has -inf here
                     m_new = torch.maximum(m, p.amax(-1))
