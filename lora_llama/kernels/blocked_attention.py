@@ -298,8 +298,7 @@ def _backward_bf16(q, k, v, out, lse, grad_out, segments):
     qa = L.augmented(q, L.rows(lse).mul_(-1 / c))  # (n, T·rep, d + 2): q, -lse/c
     ga = L.augmented(grad_out, L.rows(torch.linalg.vecdot(grad_out.float(), out.float())).neg_())  # dO, -delta
     ka, va = L.augmented(k), L.augmented(v)  # (n, T, d + 2): k, 1, 1
-    kt = ka[..., :d].transpose(1, 2).contiguous()  # kᵀ (n, d, T): dqᵀ = kᵀ·dSᵀ, a plain product
-    dqt = q.new_empty((L.n, d, L.T * L.rep), dtype=torch.float32)  # every column is written by its block's first tile
+    dq = q.new_empty((L.n, L.T * L.rep, d), dtype=torch.float32)  # every row is written by its block's first tile
     dk, dv = (q.new_zeros((L.n, L.T, d), dtype=torch.float32) for _ in range(2))
     groups = L.groups()
     for g0 in range(0, L.n, groups):
@@ -312,14 +311,14 @@ def _backward_bf16(q, k, v, out, lse, grad_out, segments):
             dv[grp, k0:k1] += torch.bmm(pt, g_blk[..., :d])
             dst = torch.bmm(va[grp, k0:k1], g_blk.transpose(1, 2)).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
             dk[grp, k0:k1] += torch.bmm(dst, q_blk[..., :d])
-            part = torch.bmm(kt[grp, :, k0:k1], dst)  # (G, d, b·rep)
+            part = torch.bmm(dst.transpose(1, 2), ka[grp, k0:k1, :d])  # dS·k (G, b·rep, d), read through views
             if k0 == L.first_key[s // L.block]:
-                dqt[grp, :, rows] = part
+                dq[grp, rows] = part
             else:
-                dqt[grp, :, rows] += part
+                dq[grp, rows] += part
     # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q
     return (
-        L.heads(dqt.mul_(scale).transpose(1, 2), q.dtype),
+        L.heads(dq.mul_(scale), q.dtype),
         dk.mul_(scale).view(k.shape).to(k.dtype),
         dv.view(v.shape).to(v.dtype),
     )
