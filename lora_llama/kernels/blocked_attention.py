@@ -45,7 +45,7 @@ class _Layout:
     """The rows of every query head sharing a key/value head, position-major: (B·H_kv, T·rep, ...), so that a
     block of positions s..e is rows s·rep..e·rep, one matrix per (batch row, key/value head) group.
 
-    segments (B, T), packed rows: a query sees the keys from its example's first position (`starts`) to its own;
+    segments (B, T), packed rows: a query sees the keys from its example's first position (packed_rows.py) to its own;
     a block's key tiles begin at the earliest example start among its queries (over all batch rows), so packed
     rows cost about their examples' own causal work, in the same batched products as unpacked ones."""
 
