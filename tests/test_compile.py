@@ -168,8 +168,13 @@ def test_every_quantized_layer_kind_compiles_whole_with_the_eager_product():
 def test_nf4_through_bitsandbytes_kernel_equals_ours():
     """On CUDA nf4 weights dequantize in bitsandbytes' own op (here its CPU implementation of the same op)."""
     pytest.importorskip("bitsandbytes")
-    from lora_llama.quant.formats import dequantize_absmax, dequantize_nf4, quantize_absmax, quantize_nf4
-    from lora_llama.quant.linear import nf4_by_bitsandbytes
+    from lora_llama.quant.formats import (
+        dequantize_absmax,
+        dequantize_nf4,
+        nf4_by_bitsandbytes,
+        quantize_absmax,
+        quantize_nf4,
+    )
 
     for shape in [(96, 128), (5, 50)]:  # rows of blocks, and a flat layout with a last partial block
         w = torch.randn(shape, generator=torch.Generator().manual_seed(0))

@@ -8,6 +8,7 @@ from helpers import ALL, ROOT, hf_model, peak_growth, random_lora_b, rel, sharde
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.lora.adapted import lora_modules
 from lora_llama.objectives.token_losses import target_loss
+from lora_llama.quant import formats
 from lora_llama.quant.formats import (
     NF4_CODE,
     dequantize_int8,
@@ -32,9 +33,12 @@ def test_int8_by_hand():
     assert torch.equal(dequantize_int8(q, scale), q.float() * scale[:, None])
 
 
+@pytest.mark.parametrize("bnb_kernel", [True, False])  # on the CPU by bitsandbytes' kernel, or by the formulas here
 @pytest.mark.parametrize("shape", [(96, 128), (7, 40), (3, 5), (1, 50)])  # (1, 50): an odd count of bytes
-def test_nf4_equals_bitsandbytes(shape):
+def test_nf4_equals_bitsandbytes(shape, bnb_kernel, monkeypatch):
     bnb = pytest.importorskip("bitsandbytes.functional")
+    if not bnb_kernel:
+        monkeypatch.setattr(formats, "_bitsandbytes_on_cpu", lambda: False)
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 0.05
     w[0, 0] = 0.9  # an outlier: its block's absmax
     packed, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4")
@@ -49,6 +53,32 @@ def test_nf4_equals_bitsandbytes(shape):
     assert torch.equal(
         dequantize_nf4(codes, absmax, w.shape, torch.bfloat16), bnb.dequantize_4bit(packed, state).bfloat16()
     )
+
+
+def test_nf4_by_bitsandbytes_on_cpu_only_where_equal(monkeypatch):
+    """The CPU takes bitsandbytes' kernel once it has reproduced the formulas on every byte value, in both dtypes;
+    a kernel that differs is never used."""
+    pytest.importorskip("bitsandbytes")
+    formats._bitsandbytes_on_cpu.cache_clear()
+    try:
+        assert formats._bitsandbytes_on_cpu()
+        calls = []
+        real = formats.nf4_by_bitsandbytes
+        monkeypatch.setattr(formats, "nf4_by_bitsandbytes", lambda *a: calls.append(a[2]) or real(*a))
+        codes, absmax = quantize_nf4(torch.randn(64, 128, generator=torch.Generator().manual_seed(1)))
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(
+                dequantize_nf4(codes, absmax, (64, 128), dtype),
+                formats._nf4_eager(codes, absmax, 8192, dtype).view(64, 128),
+            )
+        assert calls == [(64, 128), (64, 128)]
+        formats._bitsandbytes_on_cpu.cache_clear()
+        monkeypatch.setattr(
+            formats, "nf4_by_bitsandbytes", lambda codes, absmax, shape, dtype: real(codes, absmax * 2, shape, dtype)
+        )
+        assert not formats._bitsandbytes_on_cpu()
+    finally:
+        formats._bitsandbytes_on_cpu.cache_clear()
 
 
 def test_nf4_codebook_and_layout_by_hand():

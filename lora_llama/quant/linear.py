@@ -15,8 +15,6 @@ model is quantized while it loads, one shard at a time, so the full-precision mo
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 
@@ -24,7 +22,7 @@ from lora_llama.kernels import fused, workspace
 from lora_llama.kernels.gemm import copies_transposed, linear
 from lora_llama.model.config import BLOCK_LINEARS, LINEAR_NAMES
 from lora_llama.quant import int8_products
-from lora_llama.quant.formats import NF4_BLOCK, nf4_absmax
+from lora_llama.quant.formats import bitsandbytes_dequantize_4bit, nf4_absmax, nf4_by_bitsandbytes
 from lora_llama.quant.handlers import QuantFormat, dequantize_codes, layer_format, quant_format
 
 DECODER_LINEARS = tuple(LINEAR_NAMES[t] for t in BLOCK_LINEARS)  # q_proj ... down_proj
@@ -147,28 +145,10 @@ def dequantize_weight(args: tuple) -> torch.Tensor:
     """The weight `dequantize_args` describes, computed afresh: on CUDA nf4 in bitsandbytes' one kernel (its own
     format) where it is installed, the formats of COMPILED_ON_CUDA in one compiled kernel, the rest eager."""
     kind, codes, scales, shape, dtype, absmax2, offset = args
-    if codes.is_cuda and kind == "nf4" and _bitsandbytes() is not None:
+    if codes.is_cuda and kind == "nf4" and bitsandbytes_dequantize_4bit() is not None:
         return nf4_by_bitsandbytes(codes, nf4_absmax(scales, absmax2, offset), shape, dtype)
     compiled = kind in COMPILED_ON_CUDA and codes.is_cuda and fused.compiling()
     return (_dequantize_compiled if compiled else dequantize_codes)(*args)
-
-
-@functools.lru_cache(maxsize=None)
-def _bitsandbytes():
-    """bitsandbytes' dequantize_4bit op, or None where it is not installed or too old to register its ops with
-    torch (< 0.46); imported once, on a GPU's first nf4 weight."""
-    try:
-        import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
-
-        return torch.ops.bitsandbytes.dequantize_4bit.default
-    except Exception:  # not installed, no library for this CUDA, or no such op: the eager formulas serve
-        return None
-
-
-def nf4_by_bitsandbytes(codes: torch.Tensor, absmax: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
-    """dequantize_nf4 by bitsandbytes' own kernel, which reads the same bytes and absmax values (QLoRA's format)
-    and writes the weight in `dtype` in one pass, without float32 temporaries."""
-    return _bitsandbytes()(codes.reshape(-1, 1), absmax.reshape(-1).float(), NF4_BLOCK, "nf4", list(shape), dtype)
 
 
 def transient_weight(args: tuple, transposed: bool = False) -> torch.Tensor:
