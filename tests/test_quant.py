@@ -8,13 +8,8 @@ from helpers import ALL, ROOT, hf_model, peak_growth, random_lora_b, rel, sharde
 from lora_llama import LoraSettings, apply_lora, load_adapter, load_model, merge_lora, save_adapter
 from lora_llama.lora.adapted import lora_modules
 from lora_llama.objectives.token_losses import target_loss
-from lora_llama.quant import formats
 from lora_llama.quant.formats import (
-    NF4_CODE,
-    dequantize_int8,
-    dequantize_nf4,
     quantize_absmax,
-    quantize_int8,
     quantize_nf4,
 )
 from lora_llama.quant.handlers import NF4, quant_format
@@ -23,71 +18,6 @@ from lora_llama.quant.linear import QuantizedLinear, base_weight_bytes
 
 def ids(seed=0):
     return token_ids(2, 24, seed)
-
-
-def test_int8_by_hand():
-    w = torch.tensor([[0.5, -1.27, 0.013, 0.0], [0.0, 0.0, 0.0, 0.0], [2.0, 1.1, -0.999, 0.004]])
-    q, scale = quantize_int8(w)
-    assert torch.allclose(scale, torch.tensor([0.01, 0.0, 2.0 / 127]))  # absmax(row) / 127
-    assert q.tolist() == [[50, -127, 1, 0], [0, 0, 0, 0], [127, 70, -63, 0]]  # round(w / scale): 69.85, -63.44, 0.25
-    assert torch.equal(dequantize_int8(q, scale), q.float() * scale[:, None])
-
-
-@pytest.mark.parametrize("bnb_kernel", [True, False])  # on the CPU by bitsandbytes' kernel, or by the formulas here
-@pytest.mark.parametrize("shape", [(96, 128), (7, 40), (3, 5), (1, 50)])  # (1, 50): an odd count of bytes
-def test_nf4_equals_bitsandbytes(shape, bnb_kernel, monkeypatch):
-    bnb = pytest.importorskip("bitsandbytes.functional")
-    if not bnb_kernel:
-        monkeypatch.setattr(formats, "_bitsandbytes_on_cpu", lambda: False)
-    w = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 0.05
-    w[0, 0] = 0.9  # an outlier: its block's absmax
-    packed, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4")
-    codes, absmax = quantize_nf4(w)
-    assert torch.equal(codes.reshape(-1), packed.reshape(-1)) and torch.equal(absmax.reshape(-1), state.absmax)
-    assert torch.equal(dequantize_nf4(codes, absmax, w.shape), bnb.dequantize_4bit(packed, state))
-    assert torch.equal(quant_format("nf4").roundtrip(w), bnb.dequantize_4bit(packed, state))
-    shifted = torch.empty(codes.numel() + 1, dtype=torch.uint8)[1:]  # the same bytes at an odd offset
-    shifted.copy_(codes.reshape(-1))
-    assert torch.equal(dequantize_nf4(shifted, absmax, w.shape), bnb.dequantize_4bit(packed, state))
-    # bf16: bitsandbytes' float32 weight rounded once (on the CPU whole blocks go through one compiled loop)
-    assert torch.equal(
-        dequantize_nf4(codes, absmax, w.shape, torch.bfloat16), bnb.dequantize_4bit(packed, state).bfloat16()
-    )
-
-
-def test_nf4_by_bitsandbytes_on_cpu_only_where_equal(monkeypatch):
-    """The CPU takes bitsandbytes' kernel once it has reproduced the formulas on every byte value, in both dtypes;
-    a kernel that differs is never used."""
-    pytest.importorskip("bitsandbytes")
-    formats._bitsandbytes_on_cpu.cache_clear()
-    try:
-        assert formats._bitsandbytes_on_cpu()
-        calls = []
-        real = formats.nf4_by_bitsandbytes
-        monkeypatch.setattr(formats, "nf4_by_bitsandbytes", lambda *a: calls.append(a[2]) or real(*a))
-        codes, absmax = quantize_nf4(torch.randn(64, 128, generator=torch.Generator().manual_seed(1)))
-        for dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(
-                dequantize_nf4(codes, absmax, (64, 128), dtype),
-                formats._nf4_eager(codes, absmax, 8192, dtype).view(64, 128),
-            )
-        assert calls == [(64, 128), (64, 128)]
-        formats._bitsandbytes_on_cpu.cache_clear()
-        monkeypatch.setattr(
-            formats, "nf4_by_bitsandbytes", lambda codes, absmax, shape, dtype: real(codes, absmax * 2, shape, dtype)
-        )
-        assert not formats._bitsandbytes_on_cpu()
-    finally:
-        formats._bitsandbytes_on_cpu.cache_clear()
-
-
-def test_nf4_codebook_and_layout_by_hand():
-    w = torch.tensor([[1.0, -1.0, 0.0, 0.5] * 16])  # one block of 64, absmax 1
-    codes, absmax = quantize_nf4(w)
-    assert absmax.tolist() == [[1.0]] and codes.shape == (1, 32)
-    # 1.0 -> code 15, -1.0 -> 0, 0.0 -> 7, 0.5 -> the nearest value, 0.4407 (12); the first of a pair in the high nibble
-    assert codes[0, :2].tolist() == [15 << 4 | 0, 7 << 4 | 12]
-    assert dequantize_nf4(codes, absmax, w.shape)[0, :4].tolist() == [1.0, -1.0, 0.0, NF4_CODE[12]]
 
 
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
