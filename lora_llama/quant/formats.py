@@ -204,7 +204,7 @@ def nf4_by_bitsandbytes(codes: torch.Tensor, absmax: torch.Tensor, shape, dtype:
 @functools.lru_cache(maxsize=None)
 def _bitsandbytes_on_cpu() -> bool:
     """Whether bitsandbytes' CPU kernel serves nf4: installed, and equal bit for bit to the formulas here on every
-    byte value, in float32 and bf16 (checked once, as versions differ in what their CPU backend runs)."""
+    byte value (checked once, in both dtypes, as versions differ in what their CPU backend runs)."""
     if bitsandbytes_dequantize_4bit() is None:
         return False
     g = torch.Generator().manual_seed(0)
@@ -222,14 +222,16 @@ def _bitsandbytes_on_cpu() -> bool:
 
 
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
-    """The weight, on the CPU by bitsandbytes' kernel where it is installed (same values, 3-5x faster than the
-    formulas here: SmolLM2's 1536 x 576, 2 threads of an AVX512_BF16 EPYC, bf16 0.06 against 0.19-0.28 ms)."""
+    """The weight. bf16 on the CPU: by bitsandbytes' kernel where it is installed (same values, 3-4x faster than the
+    compiled formula: SmolLM2's 1536 x 576, 2 threads of an AVX512_BF16 EPYC, 0.06 against 0.19-0.28 ms). Its import
+    brings triton and what torch.compile imports: ~30 MB more at a bf16 step's peak, where the compiled formulas have
+    loaded most of it already, ~200 MB in a float32 process, which keeps the formulas here."""
     n = torch.Size(shape).numel()
     whole_blocks = n == 2 * packed.numel() and n % NF4_BLOCK == 0
-    cpu = packed.device.type == "cpu"
-    if cpu and whole_blocks and dtype in (torch.float32, torch.bfloat16) and _bitsandbytes_on_cpu():
+    bf16_cpu = dtype == torch.bfloat16 and packed.device.type == "cpu" and whole_blocks
+    if bf16_cpu and _bitsandbytes_on_cpu():
         return nf4_by_bitsandbytes(packed, absmax, shape, dtype)
-    if dtype == torch.bfloat16 and cpu and whole_blocks and fused.compiling():
+    if bf16_cpu and fused.compiling():
         table = _code_table(packed.device)
         return _nf4_compiled(packed.reshape(-1), absmax.reshape(-1).float(), table).view(shape)
     return _nf4_eager(packed, absmax, n, dtype).view(shape)
