@@ -40,8 +40,8 @@ def test_nf4_equals_bitsandbytes(shape, bnb_kernel, monkeypatch):
 
 
 def test_nf4_by_bitsandbytes_on_cpu_only_where_equal(monkeypatch):
-    """bf16 on the CPU takes bitsandbytes' kernel once it has reproduced the formulas on every byte value, in both
-    dtypes (float32 keeps the formulas: the import's memory); a kernel that differs is never used."""
+    """bf16 on the CPU takes bitsandbytes' kernel once it has reproduced the formulas on every byte value (float32
+    keeps the formulas: the import's memory); a kernel that differs is never used."""
     pytest.importorskip("bitsandbytes")
     formats._bitsandbytes_on_cpu.cache_clear()
     try:
