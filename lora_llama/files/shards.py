@@ -31,6 +31,20 @@ SAFETENSORS_DTYPES = {
 }
 
 
+# oneDNN's products run at about half their rate on a weight that does not start on a 64-byte boundary (measured on
+# an AVX2 EPYC: a vocabulary projection's input gradient at 42 GFLOP/s against 95-120); safetensors aligns tensor
+# data to 8 bytes only, so a tensor memory-mapped from a file rarely starts on one
+ALIGNMENT = 64
+
+
+def aligned(t):
+    """`t` where it starts on a 64-byte boundary or lives off the CPU; otherwise a copy that does (torch's CPU
+    allocator aligns every block to 64 bytes)."""
+    if t.device.type != "cpu" or t.numel() == 0 or t.data_ptr() % ALIGNMENT == 0:
+        return t
+    return t.clone()
+
+
 def shard_files(folder: Path) -> list[Path]:
     """The safetensors files of a model folder, in index order."""
     index = folder / INDEX_FILE

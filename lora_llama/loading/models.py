@@ -15,7 +15,7 @@ from typing import NamedTuple
 from lora_llama.errors import UserError
 from lora_llama.files.atomic import atomic_dir, write_text_atomic
 from lora_llama.files.json_files import read_config, write_json
-from lora_llama.files.shards import iter_shards
+from lora_llama.files.shards import aligned, iter_shards
 from lora_llama.files.tokenizer_files import make_tokenizer_config_portable
 from lora_llama.loading.gguf_mixtures import (
     check_readable,
@@ -271,7 +271,7 @@ class _ShardReader:
                 )
             # a linear to be quantized is quantized from the checkpoint's own precision, not from dtype's rounding
             keep = self.from_float and name.endswith("_proj.weight") and name.startswith("model.layers.")
-            out[name] = t.to(device=self.device, dtype=None if keep else self.dtype)
+            out[name] = aligned(t.to(device=self.device, dtype=None if keep else self.dtype))
             self.seen.add(name)
         return out
 

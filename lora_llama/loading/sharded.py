@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from lora_llama.errors import UserError
 from lora_llama.files.checkpoint_rows import CheckpointRows
+from lora_llama.files.shards import aligned
 from lora_llama.loading.adapters import load_adapter_weights
 from lora_llama.loading.models import gguf_linear_blocks, meta_model, resolve_source
 from lora_llama.lora.adapted import apply_lora
@@ -89,7 +90,7 @@ def fill_shards(model, rows: CheckpointRows, dtype, blocks: dict, device, ranks)
                 else:
                     key = f"{path.removesuffix('.base_layer')}.{name}"
                     _check_shape(rows, key, p.shape)
-                    local = rows.rows(key, lo, hi).to(dtype)
+                    local = aligned(rows.rows(key, lo, hi).to(dtype))
                 done[id(p)] = _as_shard(local.to(device), p)
             module._parameters[name] = done[id(p)]
         for name, b in list(module._buffers.items()):
