@@ -2,8 +2,8 @@
 
 Each saves less for backward and allocates fewer buffers than autograd's version of the
 same formula; the formulas are in the docstrings, and tests check each against autograd
-(gradcheck in float64). model/llama.py calls these and reads as architecture and maths. Training in bf16 or
-float32 on the CPU, RMSNorm and SwiGLU take kernels/fused.py's compiled versions of the same formulas.
+(gradcheck in float64). model/llama.py calls these and reads as architecture and maths. Training in bf16 on
+the CPU, RMSNorm and SwiGLU take kernels/fused.py's compiled versions of the same formulas.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        if any(ctx.needs_input_grad) and fused.active(x):  # training on the CPU: one compiled loop
+        if any(ctx.needs_input_grad) and fused.active(x):  # training in bf16 on the CPU: one compiled loop
             y, rstd = fused.rms_norm_forward(x, weight, eps)
             ctx.save_for_backward(x, weight, rstd)
             return y
@@ -136,7 +136,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g)·u of a training step (forward, and its recomputation in backward): compiled on the CPU (bf16, float32),
+    """silu(g)·u of a training step (forward, and its recomputation in backward): compiled for bf16 on the CPU,
     else in place on a fresh silu(g) (one (B, T, intermediate) buffer, not two)."""
     return fused.swiglu_forward(g, u) if fused.active(g, u) else F.silu(g).mul_(u)
 

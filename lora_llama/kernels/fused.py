@@ -1,13 +1,10 @@
-"""The elementwise math of a CPU training step (RMSNorm, SwiGLU) as compiled loops (torch.compile's inductor), eager
-as fallback.
+"""bfloat16 elementwise math of a CPU training step as compiled loops (torch.compile's inductor), eager as fallback.
 
-PyTorch's eager kernels take a formula one operation at a time, each a pass over memory; in bf16 each also converts to
-float32 and back, no faster per element than float32, so they cap what bf16 gains over a float32 step. Inductor
+PyTorch's eager kernels take a bf16 formula one operation at a time, each a pass over memory that converts to float32
+and back: no faster per element than float32 on the CPU, so they cap what bf16 gains over a float32 step. Inductor
 writes one C++ loop per formula with the conversions in registers. On an AMD EPYC with AVX512_BF16 (2 threads; forward
 plus backward): RMSNorm (4, 512, 576) 1.53 -> 0.28 ms, SwiGLU (2048, 1536) 3.4 -> 2.3 ms; the bf16 training step 6.8%
-faster (paired). In float32 on an AVX2-only EPYC, where aten's exponentials are slow, SwiGLU (4, 256, 1536) runs
-forward 2.1 -> 1.7 ms and backward ~4 -> 2.2 ms, the default recipe's step 2-5% faster (paired); on the AVX512_BF16
-EPYC the float32 step is unchanged. Other devices keep the eager kernels and compile nothing here.
+faster (paired), the float32 one unchanged, so float32 and other devices keep the eager kernels and compile nothing.
 
 The formulas are the eager kernels' (elementwise.py), float32 inside. Each compiles on first use (seconds; inductor
 keeps them on disk for later runs), with dynamic shapes (a new row count is no new compile). Where compiling fails (no
@@ -35,8 +32,8 @@ def compiling() -> bool:
 
 
 def active(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled formulas take these tensors: bf16 or float32 on the CPU, while compiling works."""
-    return compiling() and all(t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float32) for t in tensors)
+    """Whether the compiled bf16 formulas take these tensors: bf16 on the CPU, while compiling works."""
+    return compiling() and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
 
 
 def made_once(make):
@@ -135,7 +132,7 @@ def compiled(fn, slower: str, graphs: int | None = None, **compile_args):
 # full-size steps, from inductor's disk cache); with this the loop always has a parallel region and OpenMP splits
 # it at run time
 _compiled = functools.partial(
-    compiled, slower="training on the CPU runs slower", dynamic=True, options={"cpp.dynamic_threads": True}
+    compiled, slower="bf16 training on the CPU runs slower", dynamic=True, options={"cpp.dynamic_threads": True}
 )
 
 
