@@ -271,7 +271,8 @@ class _ShardReader:
                 )
             # a linear to be quantized is quantized from the checkpoint's own precision, not from dtype's rounding
             keep = self.from_float and name.endswith("_proj.weight") and name.startswith("model.layers.")
-            out[name] = aligned(t.to(device=self.device, dtype=None if keep else self.dtype))
+            t = t.to(device=self.device, dtype=None if keep else self.dtype)
+            out[name] = t if keep else aligned(t)  # quantized right away: no aligned copy of a weight about to go
             self.seen.add(name)
         return out
 
