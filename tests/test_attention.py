@@ -58,11 +58,17 @@ def packed_segments(B, T, mean_len, seed=1):
     return seg
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, True, "runs"], ids=["rows", "packed", "packed-runs"])
 @pytest.mark.parametrize("blocks", [(32, 1024), (16, 24)], ids=["one-tile", "many-tiles"])
 def test_packed_and_long_rows_match_sdpa_with_a_dense_mask(monkeypatch, packed, blocks):
+    """packed-runs: every batch row's blocks in products of their own, from their own first keys."""
+    from lora_llama.kernels import packed_rows
+
     monkeypatch.setattr(blocked_attention, "BLOCK", blocks[0])
     monkeypatch.setattr(blocked_attention, "KEYS", blocks[1])
+    monkeypatch.setattr(packed_rows, "_kept", {})  # made afresh: runs depend on TILE_COST
+    if packed == "runs":
+        monkeypatch.setattr(packed_rows, "TILE_COST", 0)
     q, k, v = qkv(2, 6, 2, 150, 16)
     seg = packed_segments(2, 150, 20) if packed else None
     out = attend(q, k, v, causal=True, segments=seg)
@@ -188,7 +194,8 @@ def test_packed_rows_are_made_once_per_batch_and_mask_by_hand():
     assert packed_rows(segments.clone(), 2) is rows  # every layer of a step: its own tensor of the same ids
     assert packed_rows(segments.flip(0), 2) is not rows  # another batch's rows: made for them
     assert rows.starts.tolist() == [[0, 0, 0, 3, 3], [0, 0, 2, 2, 2]]
-    assert rows.first_key == [0, 0, 2] and rows.last_start == [0, 3, 3]  # blocks 0-1, 2-3, 4
+    # per batch row, blocks 0-1, 2-3, 4
+    assert rows.first_key == [[0, 0, 3], [0, 2, 2]] and rows.last_start == [[0, 3, 3], [0, 2, 2]]
     # queries 2-3 (two heads each) and keys 1-4: key j hidden after query i or before i's example
     inf = float("-inf")
     by_hand = [
@@ -200,3 +207,20 @@ def test_packed_rows_are_made_once_per_batch_and_mask_by_hand():
     for shift in range(1, 4):
         packed_rows(segments + shift, 2)
     assert len(_kept) == KEPT and packed_rows(segments, 2) is not rows  # the last KEPT batches only
+
+
+def test_a_batch_row_of_short_examples_gets_its_own_key_range_beside_a_long_one(monkeypatch):
+    """Runs of batch rows: merged while one product over the earliest first key costs less than one more tile;
+    split, a row of short examples starts its keys at its own example."""
+    from lora_llama.kernels import packed_rows as module
+
+    monkeypatch.setattr(module, "_kept", {})
+    segments = torch.tensor([[0] * 8, [0, 0, 1, 1, 2, 2, 3, 3]])  # one example of 8; four of 2
+    rows = module.packed_rows(segments, 2)
+    # block 3 (queries 6-7), two key/value heads a row: groups 0-1 are row 0's, 2-3 row 1's
+    assert rows.runs(3, 8, 0, 4, 2) == [(0, 4, 0, 6)]  # 4 x 8 keys against 2 x 8 + 2 x 2 and a tile: merged
+    monkeypatch.setattr(module, "TILE_COST", 0)
+    monkeypatch.setattr(module, "_kept", {})
+    rows = module.packed_rows(segments, 2)
+    assert rows.runs(3, 8, 0, 4, 2) == [(0, 2, 0, 0), (2, 4, 6, 6)]
+    assert rows.runs(3, 8, 1, 3, 2) == [(1, 2, 0, 0), (2, 3, 6, 6)]  # a chunk of groups across the rows

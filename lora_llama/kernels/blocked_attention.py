@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -46,8 +47,9 @@ class _Layout:
     block of positions s..e is rows s·rep..e·rep, one matrix per (batch row, key/value head) group.
 
     segments (B, T), packed rows: a query sees the keys from its example's first position (packed_rows.py) to its own;
-    a block's key tiles begin at the earliest example start among its queries (over all batch rows), so packed
-    rows cost about their examples' own causal work, in the same batched products as unpacked ones."""
+    a block's key tiles begin at the earliest example start among its queries, per run of batch rows (a batch row
+    of short examples beside one of a long one gets products of its own), so packed rows cost about their examples'
+    own causal work, in batched products as unpacked ones."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None = None):
         self.B, self.H, self.T, self.d = q.shape
@@ -56,9 +58,9 @@ class _Layout:
         short, bf16 = self.T <= SHORT * (1 if segments is None else 2), q.dtype == torch.bfloat16
         self.short_float = short and not bf16
         self.block = block = min(BLOCK, BF16_BLOCK if bf16 else FLOAT_BLOCK) if short else BLOCK
-        # packed rows: their starts, per block its first key and latest example start, tile biases (packed_rows.py)
+        # packed rows: their starts, per batch row and block its first key and latest example start, the runs of
+        # batch rows sharing products, tile biases (packed_rows.py)
         self.packed = None if segments is None else packed_rows(segments, block)
-        self.first_key = [0] * len(range(0, self.T, block)) if segments is None else self.packed.first_key
 
     def rows(self, t: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """(B, H, T, ...) -> (B·H_kv, T·rep, ...), a new tensor in the work dtype (callers may change it in place);
@@ -102,34 +104,54 @@ class _Layout:
         """How many groups a batched tile takes: its scores stay ~GROUP_TILE elements, whatever the batch size."""
         return max(1, GROUP_TILE // (min(KEYS, self.T) * self.block * self.rep))
 
-    def tiles(self):
-        """(rows, s, e, k0, k1) per block of queries s..e-1 and tile of keys k0..k1-1 it can see, tiles in order
-        (the first tile of a block begins at its first_key)."""
+    def tiles(self, g0: int, g1: int):
+        """The tiles of groups g0..g1-1: per block of queries s..e-1 and run of groups (packed rows: runs of batch
+        rows, `PackedRows.runs`), the tiles of keys k0..k1-1 they can see, in order."""
         for b, s in enumerate(range(0, self.T, self.block)):
-            e = min(s + self.block, self.T)
-            for k0 in range(self.first_key[b], e, KEYS):
-                yield slice(s * self.rep, e * self.rep), s, e, k0, min(k0 + KEYS, e)
+            e, rows = min(s + self.block, self.T), slice(s * self.rep, min(s + self.block, self.T) * self.rep)
+            runs = [(g0, g1, 0, 0)] if self.packed is None else self.packed.runs(b, e, g0, g1, self.Hkv)
+            for r0, r1, first_key, last_start in runs:
+                for k0 in range(first_key, e, KEYS):
+                    k1 = min(k0 + KEYS, e)
+                    # whether every query of the run sees every key of the tile (none after a query, none before
+                    # its example)
+                    whole = k1 <= max(s, k0) and (self.packed is None or last_start <= k0)
+                    yield _Tile(slice(r0, r1), rows, s, e, k0, k1, k0 == first_key, whole)
 
-    def hide(self, scores: torch.Tensor, grp, s: int, e: int, k0: int, k1: int, keys_first=False) -> torch.Tensor:
-        """-inf where a key lies after its query or (packed rows) before its example, in the scores of groups grp,
-        queries s..e and keys k0..k1: (G, (e-s)·rep, k1-k0), or keys by rows (keys_first). Only keys s..k1 (the
-        diagonal's) can lie after a query. Packed rows: one add of the tile's mask (packed_rows.py), per batch row."""
-        c0 = max(s, k0)
-        if self.packed is None:
-            if k1 > c0:
-                part = scores[..., c0 - k0 :, :] if keys_first else scores[..., c0 - k0 :]
-                part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
+    def hide(self, scores: torch.Tensor, tile: "_Tile", keys_first=False) -> torch.Tensor:
+        """-inf where a key lies after its query or (packed rows) before its example, in a tile's scores:
+        (G, (e-s)·rep, k1-k0), or keys by rows (keys_first). Only keys s..k1 (the diagonal's) can lie after a
+        query. Packed rows: one add of the tile's mask (packed_rows.py), per batch row."""
+        s, e, k0, k1 = tile.s, tile.e, tile.k0, tile.k1
+        if tile.whole:
             return scores
-        if k1 <= c0 and self.packed.last_start[s // self.block] <= k0:
-            return scores  # every query sees every key of the tile
+        if self.packed is None:
+            c0 = max(s, k0)
+            part = scores[..., c0 - k0 :, :] if keys_first else scores[..., c0 - k0 :]
+            part.add_(_hidden(s - c0, e - s, k1 - c0, self.rep, keys_first, scores.dtype))
+            return scores
         bias = self.packed.additive_mask(s, e, k0, k1, self.rep, keys_first, scores.dtype)  # (B, rows or keys, ...)
-        (g0, g1), H = (grp.start, min(grp.stop, self.n)), self.Hkv
+        (g0, g1), H = (tile.grp.start, tile.grp.stop), self.Hkv
         if g0 % H == 0 and g1 % H == 0:  # whole batch rows: one add, broadcast over each row's groups
             scores.view(g1 // H - g0 // H, H, *bias.shape[1:]).add_(bias[g0 // H : g1 // H, None])
         else:
             for b in range(g0 // H, (g1 - 1) // H + 1):  # the groups of batch row b share its bias
                 scores[max(g0, b * H) - g0 : min(g1, (b + 1) * H) - g0].add_(bias[b])
         return scores
+
+
+class _Tile(NamedTuple):
+    """Queries s..e-1 (`rows` of the layout) of groups `grp` against keys k0..k1-1: `first`, the first tile of
+    their block and run; `whole`, every query sees every key (nothing to hide)."""
+
+    grp: slice
+    rows: slice
+    s: int
+    e: int
+    k0: int
+    k1: int
+    first: bool
+    whole: bool
 
 
 @functools.lru_cache(maxsize=64)
@@ -198,13 +220,12 @@ def forward(q, k, v, segments=None):
     groups, scale = _groups(L, bf16), c if bf16 else 1.0
     with _bf16_sums(bf16):
         for g0 in range(0, L.n, groups):
-            grp = slice(g0, g0 + groups)
-            for rows, s, e, k0, k1 in L.tiles():
-                qg, kg, vg = qs[grp, rows], kk[grp, k0:k1], vv[grp, k0:k1]
-                p = L.hide(_bnt(qg, kg), grp, s, e, k0, k1)  # (G, b·rep, K)
+            for t in L.tiles(g0, min(g0 + groups, L.n)):
+                grp, rows = t.grp, t.rows
+                qg, kg, vg = qs[grp, rows], kk[grp, t.k0 : t.k1], vv[grp, t.k0 : t.k1]
+                p = L.hide(_bnt(qg, kg), t)  # (G, b·rep, K)
                 acc, total, m = out[grp, rows], sums[grp, rows], lse[grp, rows]
-                first = k0 == L.first_key[s // L.block]
-                if first:  # every query sees its block's first key unless packed rows hide it (see below)
+                if t.first:  # every query sees its block's first key unless packed rows hide it (see below)
                     torch.amax(p, -1, out=m)
                     if L.packed is not None:  # a row that sees no key of this tile: a finite max, its exp2 is 0
                         m.clamp_(min=-_FINITE)
@@ -219,7 +240,7 @@ def forward(q, k, v, segments=None):
                     else p.sub_(m[..., None]).exp2_()
                 )
                 pv = _bnn(p.to(vv.dtype), vg)
-                if first:
+                if t.first:
                     acc.copy_(pv)
                     torch.sum(p, -1, out=total)
                 else:
@@ -266,13 +287,13 @@ def backward(q, k, v, out, lse, grad_out, segments=None):
     dq, dk, dv = (torch.zeros_like(t) for t in (qs, kk, vv))
     groups = _groups(L, False)
     for g0 in range(0, L.n, groups):
-        grp = slice(g0, g0 + groups)
-        for rows, s, e, k0, k1 in L.tiles():
-            q_blk, g_blk, k_t, v_t = qs[grp, rows], g[grp, rows], kk[grp, k0:k1], vv[grp, k0:k1]  # (G, b·rep | K, d)
-            pt = L.hide(_bnt(k_t, q_blk, neg_lse[grp, rows]), grp, s, e, k0, k1, True).exp2_()  # Pᵀ (G, K, b·rep)
-            dv[grp, k0:k1] += _bnn(pt, g_blk)
+        for t in L.tiles(g0, min(g0 + groups, L.n)):
+            grp, rows, keys = t.grp, t.rows, slice(t.k0, t.k1)
+            q_blk, g_blk, k_t, v_t = qs[grp, rows], g[grp, rows], kk[grp, keys], vv[grp, keys]  # (G, b·rep | K, d)
+            pt = L.hide(_bnt(k_t, q_blk, neg_lse[grp, rows]), t, True).exp2_()  # Pᵀ (G, K, b·rep)
+            dv[grp, keys] += _bnn(pt, g_blk)
             dst = _bnt(v_t, g_blk, neg_delta[grp, rows]).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
-            dk[grp, k0:k1] += _bnn(dst, q_blk)
+            dk[grp, keys] += _bnn(dst, q_blk)
             dq[grp, rows] += _btn(dst, k_t)
     # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs/log2(e)
     return (
@@ -302,17 +323,17 @@ def _backward_bf16(q, k, v, out, lse, grad_out, segments):
     dk, dv = (q.new_zeros((L.n, L.T, d), dtype=torch.float32) for _ in range(2))
     groups = L.groups()
     for g0 in range(0, L.n, groups):
-        grp = slice(g0, g0 + groups)
-        for rows, s, e, k0, k1 in L.tiles():
+        for t in L.tiles(g0, min(g0 + groups, L.n)):
+            grp, rows, keys = t.grp, t.rows, slice(t.k0, t.k1)
             q_blk, g_blk = qa[grp, rows].contiguous(), ga[grp, rows].contiguous()  # (G, b·rep, d + 2)
-            pt = L.hide(torch.bmm(ka[grp, k0:k1], q_blk.transpose(1, 2)), grp, s, e, k0, k1, keys_first=True)
+            pt = L.hide(torch.bmm(ka[grp, keys], q_blk.transpose(1, 2)), t, keys_first=True)
             pt = pt.mul_(c).exp2_()  # Pᵀ (G, K, b·rep)
             # dO and q without their two extra columns (views): a product 66 columns wide runs ~25% slower than 64
-            dv[grp, k0:k1] += torch.bmm(pt, g_blk[..., :d])
-            dst = torch.bmm(va[grp, k0:k1], g_blk.transpose(1, 2)).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
-            dk[grp, k0:k1] += torch.bmm(dst, q_blk[..., :d])
-            part = torch.bmm(dst.transpose(1, 2), ka[grp, k0:k1, :d])  # dS·k (G, b·rep, d), read through views
-            if k0 == L.first_key[s // L.block]:
+            dv[grp, keys] += torch.bmm(pt, g_blk[..., :d])
+            dst = torch.bmm(va[grp, keys], g_blk.transpose(1, 2)).mul_(pt)  # dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+            dk[grp, keys] += torch.bmm(dst, q_blk[..., :d])
+            part = torch.bmm(dst.transpose(1, 2), ka[grp, keys, :d])  # dS·k (G, b·rep, d), read through views
+            if t.first:
                 dq[grp, rows] = part
             else:
                 dq[grp, rows] += part
