@@ -102,6 +102,30 @@ def test_loaded_weights_start_on_64_byte_boundaries(tmp_path):
     assert aligned(whole) is whole
 
 
+def test_checkpoint_rows_equal_the_file_start_aligned_and_name_a_cut(tmp_path):
+    """fsdp's row reader: any rows of a tensor equal safetensors' own reading, in memory on a 64-byte boundary
+    (held as read: no second copy to align them); a file cut inside a tensor's data names the file and tensor."""
+    from safetensors.torch import load_file
+
+    from lora_llama.errors import UserError
+    from lora_llama.files.checkpoint_rows import CheckpointRows
+
+    folder = _misaligned_checkpoint(build_checkpoint(tmp_path / "ckpt", tie_word_embeddings=True))
+    whole = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    rows = CheckpointRows(folder)
+    for key, t in whole.items():
+        n = t.shape[0]
+        for lo, hi in ((0, n), (1, n), (n // 2, n // 2)):
+            got = rows.rows(key, lo, hi)
+            assert got.dtype == t.dtype and torch.equal(got, t[lo:hi]) and got.data_ptr() % 64 == 0, key
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    last = max(rows.where.values(), key=lambda w: w[3])  # the tensor whose data ends the file
+    key = next(k for k, w in rows.where.items() if w == last)
+    with pytest.raises(UserError, match=f"model.safetensors: truncated at tensor {key}"):
+        rows.rows(key, 0, whole[key].shape[0])
+
+
 def test_packed_segments_match_separate_runs(tiny_ckpt):
     model = load_model(tiny_ckpt)
     a, b = ids(1, 7, seed=4), ids(1, 11, seed=5)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from lora_llama.errors import UserError
@@ -12,7 +11,7 @@ from lora_llama.files.shards import SAFETENSORS_DTYPES, shard_files, unreadable
 
 
 class CheckpointRows:
-    """Rows of a checkpoint's tensors read with pread from their byte range, without reading the rest: no
+    """Rows of a checkpoint's tensors read from their byte range, without reading the rest: no
     memory map, so a process holds the rows it asked for and nothing of its neighbours' (fsdp's loading)."""
 
     def __init__(self, folder: Path):
@@ -39,17 +38,18 @@ class CheckpointRows:
         return self.where[key][2]
 
     def rows(self, key: str, lo: int, hi: int):
+        """Rows lo..hi-1 of tensor `key`, read straight into a new tensor (torch's CPU allocator aligns it to 64
+        bytes, as oneDNN's products want: files/shards.py's `aligned` leaves it as it is)."""
         import torch
 
         f, dtype, shape, start = self.where[key]
         dtype = getattr(torch, dtype)
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
-        with open(f, "rb") as fh:
-            data = bytearray(os.pread(fh.fileno(), (hi - lo) * row_bytes, start + lo * row_bytes))
-        if len(data) != (hi - lo) * row_bytes:
-            raise UserError(f"{f}: truncated at tensor {key}")
-        return (
-            torch.frombuffer(data, dtype=dtype).view(hi - lo, *shape[1:])
-            if data
-            else torch.empty(0, *shape[1:], dtype=dtype)
-        )
+        out = torch.empty(hi - lo, *shape[1:], dtype=dtype)
+        if out.numel():
+            with open(f, "rb") as fh:
+                fh.seek(start + lo * row_bytes)
+                read = fh.readinto(out.view(-1).view(torch.uint8).numpy())
+            if read != (hi - lo) * row_bytes:
+                raise UserError(f"{f}: truncated at tensor {key}")
+        return out
