@@ -108,7 +108,8 @@ class _Layout:
         """The tiles of groups g0..g1-1: per block of queries s..e-1 and run of groups (packed rows: runs of batch
         rows, `PackedRows.runs`), the tiles of keys k0..k1-1 they can see, in order."""
         for b, s in enumerate(range(0, self.T, self.block)):
-            e, rows = min(s + self.block, self.T), slice(s * self.rep, min(s + self.block, self.T) * self.rep)
+            e = min(s + self.block, self.T)
+            rows = slice(s * self.rep, e * self.rep)
             runs = [(g0, g1, 0, 0)] if self.packed is None else self.packed.runs(b, e, g0, g1, self.Hkv)
             for r0, r1, first_key, last_start in runs:
                 for k0 in range(first_key, e, KEYS):
