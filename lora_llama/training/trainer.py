@@ -91,10 +91,13 @@ class Trainer:
                 f"non-finite loss ({local_loss if bad else 'on another rank'}) at step {self.step + 1}; "
                 f"stopped before the update. The last good checkpoint is kept in {self.out / CHECKPOINTS}"
             )
-        update(self.params, self.optimizer, self.scheduler, self.ranks, self.sharded, self.recipe.train.max_grad_norm)
+        norm = update(
+            self.params, self.optimizer, self.scheduler, self.ranks, self.sharded, self.recipe.train.max_grad_norm
+        )
         self.step += 1
         loss, *stat_sums = self.ranks.sum([local_loss, *stats.values()])
-        return loss, int(tokens), obj.summarize(dict(zip(stats, stat_sums)), totals, self.ranks)
+        summary = obj.summarize(dict(zip(stats, stat_sums)), totals, self.ranks)
+        return loss, int(tokens), summary if norm is None else {**summary, "grad_norm": norm}
 
     def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self.step, self.total, self.model, self.optimizer, self.scheduler, self.objective)
@@ -168,7 +171,8 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-        if self.step % t.log_every == 0 or self.step == self.total:
+        if self.step % t.log_every == 0 or self.step == self.total:  # grad_norm read here: no wait on other steps
+            stats = {k: float(v) for k, v in stats.items()}
             self.metrics.write({"step": self.step, "loss": loss, **stats, "lr": lr, "tokens_per_s": tps})
 
     def _after_step(self, bar, t) -> dict | None:
@@ -180,18 +184,21 @@ class Trainer:
         return record
 
 
-def update(params, optimizer, scheduler, ranks: Ranks, sharded: bool, max_grad_norm: float | None) -> None:
-    """The optimiser step on gradients summed over ranks (fsdp reduces its blocks' own), clipped when asked."""
+def update(params, optimizer, scheduler, ranks: Ranks, sharded: bool, max_grad_norm: float | None):
+    """The optimiser step on gradients summed over ranks (fsdp reduces its blocks' own), clipped when asked: the
+    gradients' global norm before clipping (a float, or a 0-d tensor left on the device), None without clipping."""
     ranks.sum_gradients(replicated(params) if sharded else params)
     if sharded:
         sum_shard_gradients(params, ranks)
+    norm = None
     if max_grad_norm and sharded:
-        clip_grad_norm(params, max_grad_norm, ranks)
+        norm = clip_grad_norm(params, max_grad_norm, ranks)
     elif max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    return norm
 
 
 def make_optimizer(model, train) -> torch.optim.AdamW:
