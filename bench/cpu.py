@@ -11,7 +11,9 @@ each in a process of its own. Tokens/s is the median of the steps after the firs
 Beside each: the useful GFLOP/s of lora-llama's step over torch's GEMM rate at the model's shapes (bench/cpu_rate.py),
 the rate measured before and after the size's runs (the better of the two: products on a shared machine drift).
 `--default` adds the default recipe itself (recipes/smollm2-chat-cpu.yaml: the shipped SmolLM2-135M-Instruct,
-packed chat rows of 256, r=8 on q, k, v, o) with its ratio to the GEMM rate.
+packed chat rows of 256, r=8 on q, k, v, o) with its ratio to the GEMM rate. The loss, and with it the vocabulary
+projection, runs at the tokens that predict a target only: each line records that share of the data's tokens
+(`target_share`; a chat recipe's prompts take no loss), and the useful work and the head's rate count it.
 
     python -m bench.cpu [--sizes 135m,360m,0.5b,1b] [--steps 5] [--default] [--precision auto|fp32|bf16-mixed]
 
@@ -162,8 +164,25 @@ def peer_worker(folder: str, precision: str, steps: int) -> None:
     print(json.dumps({"tokens_per_s": round(ROWS * SEQ / statistics.median(times[1:]), 1), "peak_mb": hwm // 1024}))
 
 
-def rate(cfg: dict, rows: int, precision: str) -> dict:
-    return gemm_rate(cfg, rows, torch.bfloat16 if precision == "bf16-mixed" else torch.float32)
+def rate(cfg: dict, rows: int, precision: str, share: float) -> dict:
+    return gemm_rate(cfg, rows, torch.bfloat16 if precision == "bf16-mixed" else torch.float32, target_share=share)
+
+
+def target_share(recipe: str, overrides: list[str]) -> float:
+    """The share of a recipe's training tokens (padding not counted) that predict a target, from its examples as
+    `lora-llama train` builds them."""
+    from lora_llama.data.sft import build_examples
+    from lora_llama.data.templates import use_chat_template
+    from lora_llama.labels import target_mask
+    from lora_llama.loading.models import load_tokenizer, model_source
+    from lora_llama.recipe.schema import load_recipe
+
+    r = load_recipe(ROOT / recipe, overrides)
+    tok = use_chat_template(load_tokenizer(model_source(r.model.source)), r.data.chat_template)
+    train, _ = build_examples(r.data, tok, r.train.seed, log=lambda *_: None)
+    segments = (torch.tensor([e["segment_ids"]]) if "segment_ids" in e else None for e in train)
+    targets = sum(int(target_mask(torch.tensor([e["labels"]]), s).sum()) for e, s in zip(train, segments))
+    return targets / sum(len(e["input_ids"]) for e in train)
 
 
 def best(a: dict, b: dict) -> dict:
@@ -183,19 +202,22 @@ def one_size(size: str, tmp: Path, steps: int, precision: str) -> dict:
         f"lora.alpha={2 * R}",
         f"lora.targets=[{','.join(TARGET_NAMES)}]",
     ]
-    mine = ours("recipes/smollm2-shakespeare-cpu.yaml", overrides, tmp / f"run-{size}", skip=1, precision=precision)
-    before = rate(cfg, ROWS * SEQ, mine["precision"])
+    recipe = "recipes/smollm2-shakespeare-cpu.yaml"
+    mine = ours(recipe, overrides, tmp / f"run-{size}", skip=1, precision=precision)
+    share = target_share(recipe, overrides)
+    before = rate(cfg, ROWS * SEQ, mine["precision"], share)
     theirs = peer(folder, mine["precision"], steps)
-    gemm = best(before, rate(cfg, ROWS * SEQ, mine["precision"]))
-    return figures(size, mine, theirs, gemm, useful_flops(cfg, SEQ, R, TARGET_NAMES))
+    gemm = best(before, rate(cfg, ROWS * SEQ, mine["precision"], share))
+    return figures(size, mine, theirs, gemm, share, useful_flops(cfg, SEQ, R, TARGET_NAMES, target_share=share))
 
 
-def figures(size: str, mine: dict, theirs: dict | None, gemm: dict, flops: float) -> dict:
+def figures(size: str, mine: dict, theirs: dict | None, gemm: dict, share: float, flops: float) -> dict:
     useful = mine["tokens_per_s"] * flops / 1e9
     out = {
         "size": size,
         "precision": mine["precision"],
         "lora_llama": {k: mine[k] for k in ("tokens_per_s", "peak_mb")},
+        "target_share": round(share, 3),
         "useful_gflops": round(useful),
         "gemm_gflops": gemm,
         "gemm_ratio": round(useful / gemm["model"], 2),
@@ -210,12 +232,12 @@ def figures(size: str, mine: dict, theirs: dict | None, gemm: dict, flops: float
 
 def default_recipe(tmp: Path, precision: str) -> dict:
     """The default recipe as shipped, 12 steps, its tokens/s past the first two (the compiled loops' build)."""
-    mine = ours(
-        "recipes/smollm2-chat-cpu.yaml", ["train.max_steps=12"], tmp / "run-default", skip=2, precision=precision
-    )
-    cfg, rows = SIZES["135m"][1], 4 * 256
-    gemm = best(rate(cfg, rows, mine["precision"]), rate(cfg, rows, mine["precision"]))
-    return figures("default recipe", mine, None, gemm, useful_flops(cfg, 256, 8, ("q", "k", "v", "o"), packed=True))
+    recipe = "recipes/smollm2-chat-cpu.yaml"
+    mine = ours(recipe, ["train.max_steps=12"], tmp / "run-default", skip=2, precision=precision)
+    cfg, rows, share = SIZES["135m"][1], 4 * 256, target_share(recipe, [])
+    gemm = best(rate(cfg, rows, mine["precision"], share), rate(cfg, rows, mine["precision"], share))
+    flops = useful_flops(cfg, 256, 8, ("q", "k", "v", "o"), packed=True, target_share=share)
+    return figures("default recipe", mine, None, gemm, share, flops)
 
 
 def main():

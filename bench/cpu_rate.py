@@ -4,7 +4,9 @@ torch's products reach at those shapes on this machine (bench.cpu's ratio to the
 Useful FLOPs a token: the forward and the input gradient of every frozen linear and of the vocabulary projection
 (2 + 2 FLOPs per weight), the adapters' forward, input and weight gradients (6·r·(in + out) per target), and causal
 attention (q·kᵀ and p·v, forward and backward: 3 x 4·d FLOPs per key seen, heads x positions / 2 keys on average
-for full rows; packed rows' attention is left out, a lower bound). Recomputation and elementwise work are not useful.
+for full rows; packed rows' attention is left out, a lower bound). The step runs the vocabulary projection and the
+last block's output projection and MLP only at the positions that predict a target, so those count at the data's
+share of target tokens (a chat recipe's prompts take no loss). Recomputation and elementwise work are not useful.
 
 The GEMM rate: for each shape, x·Wᵀ (forward) and gy·W (input gradient) at the step's rows, the faster of
 F.linear and oneDNN's linear (lora_llama.kernels.gemm), in the run's dtype; the layers' and the head's rates
@@ -38,14 +40,22 @@ def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     }
 
 
-def useful_flops(cfg: dict, seq: int, r: int, targets, packed: bool = False) -> float:
-    """Useful FLOPs of one trained token (module docstring)."""
+AFTER_ATTENTION = ("o", "gate", "up", "down")  # the last block's linears that run at target positions only
+
+
+def useful_flops(cfg: dict, seq: int, r: int, targets, packed: bool = False, target_share: float = 1.0) -> float:
+    """Useful FLOPs of one trained token (module docstring); target_share: the share of tokens that predict a
+    target."""
     shapes, layers = linear_shapes(cfg), cfg["num_hidden_layers"]
-    frozen = 4 * (layers * sum(i * o for i, o in shapes.values()) + cfg["hidden_size"] * cfg["vocab_size"])
-    adapters = layers * sum(6 * r * sum(shapes[t]) for t in targets)
+
+    def linears(names) -> float:  # frozen forward and input gradient, and the adapters' three products
+        return sum(4 * shapes[n][0] * shapes[n][1] + (6 * r * sum(shapes[n]) if n in targets else 0) for n in names)
+
+    blocks = layers * linears(shapes) - (1 - target_share) * linears(AFTER_ATTENTION)
+    head = 4 * cfg["hidden_size"] * cfg["vocab_size"] * target_share
     q_width = shapes["q"][1]
     attention = 0 if packed else layers * 3 * 4 * q_width * (seq + 1) / 2
-    return frozen + adapters + attention
+    return blocks + head + attention
 
 
 def _seconds(fn, repeats: int) -> float:
@@ -67,18 +77,19 @@ def _product_seconds(rows: int, n_in: int, n_out: int, dtype: torch.dtype, repea
     return forward + backward
 
 
-def gemm_rate(cfg: dict, rows: int, dtype: torch.dtype, repeats: int = 3) -> dict:
-    """GFLOP/s of the products at the model's shapes: the layers', the head's (a chunk of 512 rows, as the loss
-    goes through it) and both weighed by their FLOPs."""
+def gemm_rate(cfg: dict, rows: int, dtype: torch.dtype, repeats: int = 3, target_share: float = 1.0) -> dict:
+    """GFLOP/s of the products at the model's shapes: the layers', the head's (at the rows that predict a target, a
+    chunk of at most 512 at a time, as the loss goes through them) and both weighed by their FLOPs."""
     shapes, layers = linear_shapes(cfg), cfg["num_hidden_layers"]
     layer_flops = layer_s = 0.0
     for n_in, n_out in dict.fromkeys(shapes.values()):  # k and v, gate and up share a shape
         count = sum(1 for s in shapes.values() if s == (n_in, n_out))
         layer_flops += count * 4 * rows * n_in * n_out
         layer_s += count * _product_seconds(rows, n_in, n_out, dtype, repeats)
-    chunk = min(rows, 512)
-    head_s = _product_seconds(chunk, cfg["hidden_size"], cfg["vocab_size"], dtype, repeats) * rows / chunk
-    head_flops = 4 * rows * cfg["hidden_size"] * cfg["vocab_size"]
+    head_rows = max(1, round(rows * target_share))
+    chunk = min(head_rows, 512)
+    head_s = _product_seconds(chunk, cfg["hidden_size"], cfg["vocab_size"], dtype, repeats) * head_rows / chunk
+    head_flops = 4 * head_rows * cfg["hidden_size"] * cfg["vocab_size"]
     total = layers * layer_flops + head_flops
     return {
         "layers": round(layer_flops / layer_s / 1e9),

@@ -202,9 +202,12 @@ def cpu_rows(r: dict) -> list[tuple]:
     for row in r["rows"]:
         ours, gemm = row["lora_llama"], f"{row['gemm_ratio']:.2f} of torch's GEMM rate"
         if "peer" not in row:
+            share = row.get("target_share")  # the loss's share of the tokens; counted as 1 in lines without it
+            counted = f"{share:.0%} of its tokens targets" if share else "the head counted at every token"
             rows.append(
                 (
-                    f"default recipe ({row['precision']}): useful GFLOP/s (peer: torch's products at its shapes)",
+                    f"default recipe ({row['precision']}): useful GFLOP/s, {counted} "
+                    "(peer: torch's products at its shapes)",
                     f"{ours['tokens_per_s']:.0f} tok/s, {row['useful_gflops']} GFLOP/s",
                     f"{row['gemm_gflops']['model']} GFLOP/s",
                     gemm,
