@@ -44,16 +44,21 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.view(torch.float16).float()
 
 
-def _bits(b: torch.Tensor, width: int, shifts: tuple) -> torch.Tensor:
-    """(..., n) bytes -> (..., len(shifts), n): each byte shifted right by each shift, `width` bits kept. One shift
-    by a number at a time: a uint8 shift by a broadcast tensor of shifts runs ~5x slower on the CPU."""
+def _bits(b: torch.Tensor, width: int, shifts: tuple, part=None) -> torch.Tensor:
+    """(..., n) bytes -> (..., len(shifts), n): each byte shifted right by each shift, `width` bits kept; with `part`,
+    the shifts and masks run over all of b and `part` takes the bytes wanted from each result (stacked the same way).
+    One shift by a number at a time: a uint8 shift by a broadcast tensor of shifts runs ~5x slower on the CPU."""
     mask = (1 << width) - 1
-    return torch.stack([(b >> s if s else b) & mask for s in shifts], dim=-2)
+    part = part or (lambda x: x)
+    return torch.stack([part((b >> s).bitwise_and_(mask) if s else b & mask) for s in shifts], dim=-2)
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """(..., 16) bytes of a 32-weight block -> (..., 32): the low nibbles, then the high ones."""
-    return _bits(qs, 4, (0, 4)).flatten(-2)
+def _nibbles(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """(..., bytes) 32-weight blocks whose 16 bytes of nibbles begin at `start` -> (..., 32): the low nibbles, then
+    the high ones. The shifts and masks run over the whole blocks, contiguous, where over the 16 nibble bytes of
+    each (a strided slice) they ran ~1.6x slower (a 1536 x 576 q4_1 weight, AVX2 EPYC: 0.7 ms against 1.15); the K
+    formats' nibbles, 128 bytes of a block in one run, are as fast sliced first."""
+    return _bits(blocks, 4, (0, 4), lambda b: b[..., start : start + 16]).flatten(-2)
 
 
 def _fifth_bit(qh: torch.Tensor) -> torch.Tensor:
@@ -77,9 +82,9 @@ def _q32(kind: str, blocks: torch.Tensor) -> torch.Tensor:
         return blocks[..., 2:].view(torch.int8).float().mul_(d)
     offset = 4 if kind in ("q4_1", "q5_1") else 2  # after d (and m)
     if kind in ("q5_0", "q5_1"):
-        q = (_nibbles(blocks[..., offset + 4 :]) | _fifth_bit(blocks[..., offset : offset + 4])).float()
+        q = (_nibbles(blocks, offset + 4) | _fifth_bit(blocks[..., offset : offset + 4])).float()
     else:
-        q = _nibbles(blocks[..., offset:]).float()
+        q = _nibbles(blocks, offset).float()
     if kind in ("q4_0", "q5_0"):
         return q.sub_(8 if kind == "q4_0" else 16).mul_(d)
     return q.mul_(d).add_(_f16(blocks[..., 2:4]))
