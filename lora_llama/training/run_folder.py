@@ -281,8 +281,10 @@ class MetricsLog:
         self.trackers = Trackers(names, Path(out), Path(out) / TENSORBOARD, config, resumed_step) if main else None
 
     def write(self, record: dict) -> None:
+        """A 0-d tensor in the record (a step's gradient norm, left on its device) is read here, as a float."""
         if not self.main:
             return
+        record = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.trackers.log(record)

@@ -69,8 +69,8 @@ class Trainer:
     def train_step(self) -> tuple[float, int, dict]:
         """Forward/backward over grad_accum micro-batches, each loss term divided by its count (targets, pairs) on all
         ranks, gradients summed over ranks: one update on the global batch. (loss, tokens but padding, stats)"""
-        ga, obj = self.recipe.train.grad_accum, self.objective
-        data_step = self.step // obj.repeats  # GRPO trains num_iterations steps on each generation
+        t, obj = self.recipe.train, self.objective
+        data_step, ga = self.step // obj.repeats, t.grad_accum  # GRPO trains num_iterations steps on each generation
         batches = [b for b in (self.micro_batches[data_step * ga + k] for k in range(ga)) if b is not None]
         batches = obj.prepare(self.model, batches, self.step, self.ranks)
         local_tokens = sum(int(b.get("tokens", b["input_ids"].numel())) for b in batches)  # padding is not counted
@@ -80,7 +80,7 @@ class Trainer:
         for batch in batches:
             terms, batch_stats = obj.terms(self.model, _to(batch, self.device))
             balance = router_loss(self.model, len(batches) * self.ranks.world)  # a mixture's load balancing, or 0
-            loss = sum((t / max(n, 1) for t, n in zip(terms, totals)), balance)
+            loss = sum((term / max(n, 1) for term, n in zip(terms, totals)), balance)
             loss.backward()
             losses.append(loss.detach())
             stats = {k: stats[k] + batch_stats[k] for k in stats}
@@ -91,13 +91,10 @@ class Trainer:
                 f"non-finite loss ({local_loss if bad else 'on another rank'}) at step {self.step + 1}; "
                 f"stopped before the update. The last good checkpoint is kept in {self.out / CHECKPOINTS}"
             )
-        norm = update(
-            self.params, self.optimizer, self.scheduler, self.ranks, self.sharded, self.recipe.train.max_grad_norm
-        )
+        clipped = update(self.params, self.optimizer, self.scheduler, self.ranks, self.sharded, t.max_grad_norm)
         self.step += 1
         loss, *stat_sums = self.ranks.sum([local_loss, *stats.values()])
-        summary = obj.summarize(dict(zip(stats, stat_sums)), totals, self.ranks)
-        return loss, int(tokens), summary if norm is None else {**summary, "grad_norm": norm}
+        return loss, int(tokens), {**obj.summarize(dict(zip(stats, stat_sums)), totals, self.ranks), **clipped}
 
     def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self.step, self.total, self.model, self.optimizer, self.scheduler, self.objective)
@@ -171,8 +168,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-        if self.step % t.log_every == 0 or self.step == self.total:  # grad_norm read here: no wait on other steps
-            stats = {k: float(v) for k, v in stats.items()}
+        if self.step % t.log_every == 0 or self.step == self.total:
             self.metrics.write({"step": self.step, "loss": loss, **stats, "lr": lr, "tokens_per_s": tps})
 
     def _after_step(self, bar, t) -> dict | None:
@@ -184,9 +180,10 @@ class Trainer:
         return record
 
 
-def update(params, optimizer, scheduler, ranks: Ranks, sharded: bool, max_grad_norm: float | None):
-    """The optimiser step on gradients summed over ranks (fsdp reduces its blocks' own), clipped when asked: the
-    gradients' global norm before clipping (a float, or a 0-d tensor left on the device), None without clipping."""
+def update(params, optimizer, scheduler, ranks: Ranks, sharded: bool, max_grad_norm: float | None) -> dict:
+    """The optimiser step on gradients summed over ranks (fsdp reduces its blocks' own), clipped when asked:
+    {"grad_norm": their global norm before clipping} (a float, or a 0-d tensor left on the device until a metrics
+    line reads it), {} without clipping."""
     ranks.sum_gradients(replicated(params) if sharded else params)
     if sharded:
         sum_shard_gradients(params, ranks)
@@ -198,7 +195,7 @@ def update(params, optimizer, scheduler, ranks: Ranks, sharded: bool, max_grad_n
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm
+    return {} if norm is None else {"grad_norm": norm}
 
 
 def make_optimizer(model, train) -> torch.optim.AdamW:
