@@ -7,6 +7,7 @@ all seven linears, AdamW, 2 threads: lora-llama through `lora-llama train` with 
 (auto by default: its pick on this CPU is named in the line), transformers+peft in a plain loop over rows of the same
 shape in the same precision (bf16 weights under autocast for bf16-mixed, as peft's users run it; float32 otherwise),
 each in a process of its own. Tokens/s is the median of the steps after the first; peak memory is each process's VmHWM.
+A peer whose process does not finish (killed for memory, most often) is recorded so, beside lora-llama's figures.
 
 Beside each: the useful GFLOP/s of lora-llama's step over torch's GEMM rate at the model's shapes (bench/cpu_rate.py),
 the rate measured before and after the size's runs (the better of the two: products on a shared machine drift).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -96,10 +98,11 @@ def checkpoint(folder: Path, size: str) -> Path:
     return folder
 
 
-def run(cmd: list[str]) -> subprocess.CompletedProcess:
+def run(cmd: list[str], must: bool = True) -> subprocess.CompletedProcess:
+    """cmd on 2 threads, offline; a failure ends the benchmark unless not `must` (the caller reads returncode)."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
+    if done.returncode and must:
         sys.exit(f"failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
     return done
 
@@ -129,10 +132,18 @@ def ours(recipe: str, overrides: list[str], out: Path, skip: int, precision: str
 
 
 def peer(folder: Path, precision: str, steps: int) -> dict:
+    """transformers+peft's tokens/s and peak MB, or {"failed": why} where its process did not finish: a peer that
+    runs out of memory where lora-llama trains is a result, and the row keeps lora-llama's figures."""
     done = run(
-        [sys.executable, "-m", "bench.cpu", "--worker", str(folder), "--precision", precision, "--steps", str(steps)]
+        [sys.executable, "-m", "bench.cpu", "--worker", str(folder), "--precision", precision, "--steps", str(steps)],
+        must=False,
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    if done.returncode == -signal.SIGKILL:  # what the kernel's out-of-memory killer sends
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        return {"failed": f"killed (SIGKILL: out of memory, {total:.0f} GB machine)"}
+    return {"failed": (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1][:200]}
 
 
 def peer_worker(folder: str, precision: str, steps: int) -> None:
@@ -186,7 +197,8 @@ def target_share(recipe: str, overrides: list[str]) -> float:
 
 
 def best(a: dict, b: dict) -> dict:
-    return {k: max(a[k], b[k]) for k in a}
+    """The better of two measurements of the rate, whole (its layers' and head's figures with it)."""
+    return a if a["model"] >= b["model"] else b
 
 
 def one_size(size: str, tmp: Path, steps: int, precision: str) -> dict:
@@ -225,6 +237,7 @@ def figures(size: str, mine: dict, theirs: dict | None, gemm: dict, share: float
     }
     if theirs:
         out["peer"] = theirs
+    if theirs and "failed" not in theirs:
         out["tokens_per_s_ratio"] = round(mine["tokens_per_s"] / theirs["tokens_per_s"], 2)
         out["memory_ratio"] = round(mine["peak_mb"] / theirs["peak_mb"], 2)
     return out

@@ -201,7 +201,7 @@ def cpu_rows(r: dict) -> list[tuple]:
     rows = []
     for row in r["rows"]:
         ours, gemm = row["lora_llama"], f"{row['gemm_ratio']:.2f} of torch's GEMM rate"
-        if "peer" not in row:
+        if row["size"] == "default recipe":
             share = row.get("target_share")  # the loss's share of the tokens; counted as 1 in lines without it
             counted = f"{share:.0%} of its tokens targets" if share else "the head counted at every token"
             rows.append(
@@ -215,13 +215,17 @@ def cpu_rows(r: dict) -> list[tuple]:
             )
             continue
         peer = row["peer"]
+        failed = "failed" in peer  # the peer's process did not finish (out of memory, most often)
+        theirs = (
+            f"did not finish: {peer['failed']}" if failed else f"{peer['tokens_per_s']:.0f} tok/s, {peer['peak_mb']} MB"
+        )
         rows.append(
             (
                 f"{CPU_SHAPES[row['size']]} shapes, 4 x 512, r=16 on all linears ({row['precision']}); "
                 f"10M tokens: {row['hours_per_10m_tokens']} h",
                 f"{ours['tokens_per_s']:.0f} tok/s, {ours['peak_mb']} MB ({gemm})",
-                f"{peer['tokens_per_s']:.0f} tok/s, {peer['peak_mb']} MB",
-                f"{row['tokens_per_s_ratio']:.2f}x tokens/s, {row['memory_ratio']:.2f} memory",
+                theirs,
+                "" if failed else f"{row['tokens_per_s_ratio']:.2f}x tokens/s, {row['memory_ratio']:.2f} memory",
             )
         )
     return rows
