@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import ROOT, cpu_line, record, scratch_dir
+from bench.common import ROOT, cpu_line, no_arguments, record, scratch_dir
 
 
 def lora_llama(*args) -> float:
@@ -40,6 +40,7 @@ def recipe_credit(path: str) -> str:
 
 
 def main():
+    no_arguments(__doc__)
     tmp = scratch_dir("lora-llama-agent-")
     grpo, sft = "recipes/smollm2-tools-grpo-cpu.yaml", "recipes/smollm2-tools-sft-cpu.yaml"
     lora_llama("train", grpo, "model.source=smollm2-135m-instruct", "train.max_steps=1", f"output.dir={tmp / 'base'}")

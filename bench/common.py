@@ -6,6 +6,7 @@ Run a benchmark from the repository root: `python -m bench.NAME` (`make bench` r
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import datetime
 import json
@@ -202,6 +203,12 @@ def _gpu() -> dict:
     """The GPU's name where a run used one: this process worked on it, or sent its work there (`--device cuda`)."""
     used = torch.cuda.is_available() and (torch.cuda.is_initialized() or "cuda" in sys.argv)
     return {"gpu": torch.cuda.get_device_name()} if used else {}
+
+
+def no_arguments(doc: str | None) -> None:
+    """A benchmark that takes no arguments: --help prints its docstring, anything else is refused (exit 2) before it
+    measures anything, so that no line records arguments the benchmark never read."""
+    argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 
 def record(name: str, figures: dict) -> dict:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import ROOT, cpu_line, record, scratch_dir
+from bench.common import ROOT, cpu_line, no_arguments, record, scratch_dir
 
 
 def seconds_to_first_step(out, cache, recipe: str) -> float:
@@ -33,6 +33,7 @@ def seconds_to_first_step(out, cache, recipe: str) -> float:
 
 
 def main():
+    no_arguments(__doc__)
     tmp = scratch_dir("lora-llama-data-cache-")
     recipe = str(ROOT / "recipes" / "smollm2-shakespeare-cpu.yaml")
     first = seconds_to_first_step(tmp / "first", tmp / "cache", recipe)

