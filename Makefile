@@ -24,8 +24,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # the main job: fit the default recipe, then show, for a few questions, the base model's answer and the adapter's
-# one under the other. Measured (bench/demo.py): 7.1 minutes after setup on 2 AMD EPYC cores with AVX2 only (fp32;
-# 6.7 training, evals included, 0.4 answering), 1.1 minutes on 2 cores of an EPYC with AVX512_BF16 (bf16-mixed)
+# one under the other. Measured (bench/demo.py): 6.2 minutes after setup on 2 AMD EPYC cores with AVX2 only (fp32;
+# 5.6 training, evals included, 0.5 answering), 1.1 minutes on 2 cores of an EPYC with AVX512_BF16 (bf16-mixed)
 demo: setup
 	$(VENV)/bin/lora-llama train recipes/smollm2-chat-cpu.yaml --force
 	$(VENV)/bin/lora-llama generate --chat --compare --adapter runs/smollm2-chat/adapter --max-new-tokens 40 $(DEMO_PROMPTS)
