@@ -89,6 +89,7 @@ def sources_args(tiny_ckpt, sources, out, *extra):
     ]
 
 
+@pytest.mark.slow  # ~35 s: a run killed and resumed in subprocesses
 def test_three_sources_train_in_their_proportions_and_a_killed_run_resumes_exactly(tiny_ckpt, tmp_path):
     sources = three_sources(tmp_path)
     out, err, code = run_cli(sources_args(tiny_ckpt, sources, tmp_path / "whole"))

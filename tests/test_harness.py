@@ -51,6 +51,7 @@ def evaluate(lm, tasks_dir, names=("tiny_mc", "tiny_gen")):
     )
 
 
+@pytest.mark.slow  # ~31 s: lm-eval's hf backend loads the model and adapter through peft
 def test_native_backend_equals_lm_evals_hf_backend_with_peft(setup):
     from lm_eval.models.huggingface import HFLM
 

@@ -92,6 +92,7 @@ def test_streamed_sources_are_drawn_by_their_weights(tiny_ckpt, tmp_path):
     assert abs(from_a / 2000 - 0.7) < 0.03, from_a
 
 
+@pytest.mark.slow  # ~33 s: a run killed and resumed in subprocesses
 def test_a_killed_streamed_run_resumes_exactly(tiny_ckpt, tmp_path):
     """kill -9 right after the checkpoint of step 2, then the same command: the adapter an uninterrupted run
     gives, over three sources read as streams, shuffled and packed."""

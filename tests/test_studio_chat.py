@@ -36,6 +36,7 @@ def ask(page, prompt: str, seed: int, max_new_tokens: int) -> None:
         page.wait_for_selector("#chat-adapter[data-done=true]", timeout=60_000)
 
 
+@pytest.mark.slow  # ~100 s: eight chats in the browser, each checked against `lora-llama generate`
 @needs_chromium
 def test_chat_asks_the_model_alone_and_with_an_adapter_as_generate_does(tiny_ckpt, studio, page, tmp_path):
     runs, url = studio
