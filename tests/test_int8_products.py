@@ -101,3 +101,18 @@ def test_int8_products_need_an_int8_base():
     with pytest.raises(UserError, match="int8_products needs model.quantize int8"):
         load_recipe(None, ["model.quantize=nf4", "model.int8_products=true"])
     assert load_recipe(None, ["model.quantize=int8", "model.int8_products=true"]).model.int8_products
+
+
+def test_training_and_eval_share_one_compiled_quantization(layer, monkeypatch):
+    """x requires grad in training and not in eval: one compiled loop serves both, where dynamo would compile a
+    graph for each (each compile costs seconds and resident memory)."""
+    import torch._dynamo
+
+    x, codes, scales, _ = layer
+    torch._dynamo.reset()  # graphs compiled by earlier tests would hide a recompile
+    monkeypatch.setattr(fused, "_broken", None)  # a recompile would set it (and fall back to eager)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        with torch.no_grad():
+            evaluated = int8_products.int8_linear(x, codes, scales, None)
+        trained = int8_products.int8_linear(x.clone().requires_grad_(), codes, scales, None)
+    assert fused._broken is None and torch.equal(trained, evaluated)

@@ -44,7 +44,8 @@ def applies(x: torch.Tensor) -> bool:
 
 def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (N, in) bf16 times the (out, in) weight codes·scales, transposed: (N, out) bf16."""
-    qx, sx = _quantize(x, torch.ones((), dtype=torch.float32))
+    # detached: x requires grad in training and not in eval, and dynamo would compile a graph for each
+    qx, sx = _quantize(x.detach(), torch.ones((), dtype=torch.float32))
     return _scale_back(torch._int_mm(qx, codes.t()), sx, scales.float()[None, :])
 
 
