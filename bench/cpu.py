@@ -4,7 +4,8 @@ own products reach at each model's shapes, in one run.
 Random models with the shapes of SmolLM2-135M, SmolLM2-360M, Qwen2.5-0.5B and Llama-3.2-1B (bf16 checkpoints, the
 SmolLM2 tokenizer), each trained for --steps steps on Shakespeare as rows of 512 tokens, 4 rows a step, LoRA r=16 on
 all seven linears, AdamW, 2 threads: lora-llama through `lora-llama train` with `train.precision` from --precision
-(auto by default: its pick on this CPU is named in the line), transformers+peft in a plain loop over rows of the same
+(auto by default: its pick on this CPU is named in the line) and `train.compile` from --compile (auto: eager blocks on
+the CPU; true: each decoder block one compiled graph, its tokens/s past the steps that compile), transformers+peft in a plain loop over rows of the same
 shape in the same precision (bf16 weights under autocast for bf16-mixed, as peft's users run it; float32 otherwise),
 each in a process of its own. Tokens/s is the median of the steps after the first; peak memory is each process's VmHWM.
 A peer whose process does not finish (killed for memory, most often) is recorded so, beside lora-llama's figures.
@@ -17,6 +18,7 @@ projection, runs at the tokens that predict a target only: each line records tha
 (`target_share`; a chat recipe's prompts take no loss), and the useful work and the head's rate count it.
 
     python -m bench.cpu [--sizes 135m,360m,0.5b,1b] [--steps 5] [--default] [--precision auto|fp32|bf16-mixed]
+                        [--compile auto|true|false]
 
 `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python -m bench.cpu ...` measures this machine as a CPU with AVX2
 only (neither oneDNN nor aten's kernels use more; `precision: auto` then picks fp32); the line records the caps.
@@ -108,13 +110,14 @@ def run(cmd: list[str], must: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
-def ours(recipe: str, overrides: list[str], out: Path, skip: int, precision: str) -> dict:
+def ours(recipe: str, overrides: list[str], out: Path, skip: int, precision: str, compile_: str) -> dict:
     """`lora-llama train` on a recipe: tokens/s (median of the logged steps after `skip`), peak MB, precision."""
     args = [
         "train",
         recipe,
         *overrides,
         f"train.precision={precision}",
+        f"train.compile={compile_}",
         f"output.dir={out}",
         "train.eval_every=100000",
         "train.save_every=100000",
@@ -202,7 +205,7 @@ def best(a: dict, b: dict) -> dict:
     return a if a["model"] >= b["model"] else b
 
 
-def one_size(size: str, tmp: Path, steps: int, precision: str) -> dict:
+def one_size(size: str, tmp: Path, steps: int, precision: str, compile_: str) -> dict:
     cfg = SIZES[size][1]
     folder = checkpoint(tmp / size, size)
     overrides = [
@@ -216,7 +219,7 @@ def one_size(size: str, tmp: Path, steps: int, precision: str) -> dict:
         f"lora.targets=[{','.join(TARGET_NAMES)}]",
     ]
     recipe = "recipes/smollm2-shakespeare-cpu.yaml"
-    mine = ours(recipe, overrides, tmp / f"run-{size}", skip=1, precision=precision)
+    mine = ours(recipe, overrides, tmp / f"run-{size}", skip=1, precision=precision, compile_=compile_)
     share = target_share(recipe, overrides)
     before = rate(cfg, ROWS * SEQ, mine["precision"], share)
     theirs = peer(folder, mine["precision"], steps)
@@ -244,10 +247,10 @@ def figures(size: str, mine: dict, theirs: dict | None, gemm: dict, share: float
     return out
 
 
-def default_recipe(tmp: Path, precision: str) -> dict:
+def default_recipe(tmp: Path, precision: str, compile_: str) -> dict:
     """The default recipe as shipped, 12 steps, its tokens/s past the first two (the compiled loops' build)."""
     recipe = "recipes/smollm2-chat-cpu.yaml"
-    mine = ours(recipe, ["train.max_steps=12"], tmp / "run-default", skip=2, precision=precision)
+    mine = ours(recipe, ["train.max_steps=12"], tmp / "run-default", skip=2, precision=precision, compile_=compile_)
     cfg, rows, share = SIZES["135m"][1], 4 * 256, target_share(recipe, [])
     gemm = best(rate(cfg, rows, mine["precision"], share), rate(cfg, rows, mine["precision"], share))
     flops = useful_flops(cfg, 256, 8, ("q", "k", "v", "o"), packed=True, target_share=share)
@@ -260,6 +263,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--default", action="store_true", help="also the default recipe's ratio to the GEMM rate")
     ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16-mixed"), help="train.precision")
+    ap.add_argument("--compile", default="auto", choices=("auto", "true", "false"), help="train.compile")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -267,9 +271,9 @@ def main():
     torch.set_num_threads(2)
     print(cpu_line(), flush=True)
     tmp = scratch_dir("lora-llama-cpu-bench-")
-    rows = [default_recipe(tmp, a.precision)] if a.default else []
+    rows = [default_recipe(tmp, a.precision, a.compile)] if a.default else []
     for size in filter(None, a.sizes.split(",")):  # --sizes '' with --default: the default recipe alone
-        rows.append(one_size(size, tmp, a.steps, a.precision))
+        rows.append(one_size(size, tmp, a.steps, a.precision, a.compile))
         print(json.dumps(rows[-1]), flush=True)
     record("cpu", {"rows": rows})
 
