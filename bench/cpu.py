@@ -5,8 +5,8 @@ Random models with the shapes of SmolLM2-135M, SmolLM2-360M, Qwen2.5-0.5B and Ll
 SmolLM2 tokenizer), each trained for --steps steps on Shakespeare as rows of 512 tokens, 4 rows a step, LoRA r=16 on
 all seven linears, AdamW, 2 threads: lora-llama through `lora-llama train` with `train.precision` from --precision
 (auto by default: its pick on this CPU is named in the line) and `train.compile` from --compile (auto: eager blocks on
-the CPU; true: each decoder block one compiled graph, its tokens/s past the steps that compile), transformers+peft in a plain loop over rows of the same
-shape in the same precision (bf16 weights under autocast for bf16-mixed, as peft's users run it; float32 otherwise),
+the CPU; true: each decoder block one compiled graph), transformers+peft in a plain loop over rows of the same shape
+in the same precision (bf16 weights under autocast for bf16-mixed, as peft's users run it; float32 otherwise),
 each in a process of its own. Tokens/s is the median of the steps after the first; peak memory is each process's VmHWM.
 A peer whose process does not finish (killed for memory, most often) is recorded so, beside lora-llama's figures.
 
