@@ -1,0 +1,169 @@
+// Causal attention over packed rows of short examples on the CPU, bf16 in and out, float32 inside: one task is one
+// example of one batch row and one key/value head with the REP query heads that share it. Scores are in base 2 (the
+// caller folds log2(e) into c), the keys and values of a task are held as float32 (transposed for the scores), and
+// every product runs on 16-float vectors with the REP rows that share a load in registers. Built and loaded by
+// packed_attention.py; `lse` is the base-2 log-sum-exp the backward recomputes the probabilities from.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+typedef float v16 __attribute__((vector_size(64)));
+#ifndef D
+#define D 64  /* the head dimension, a multiple of 16 */
+#endif
+#ifndef REP
+#define REP 3  /* query heads per key/value head */
+#endif
+#define NV (D / 16)
+
+static inline float bf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t tobf(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1); return (uint16_t)(u >> 16);
+}
+static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
+static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
+
+int packed_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, float* lse,
+                    const int64_t* tasks, int64_t t0, int64_t t1, float c,
+                    const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* ls) {
+    for (int64_t task = t0; task < t1; task++) {
+        int64_t b = tasks[4 * task], g = tasks[4 * task + 1], s = tasks[4 * task + 2], L = tasks[4 * task + 3];
+        int64_t Lp = (L + 15) / 16 * 16;
+        float* kt = aligned_alloc(64, sizeof(float) * (D * Lp + Lp * D + REP * Lp));
+        if (!kt) return 1;
+        float *vr = kt + D * Lp, *p = vr + Lp * D;
+        memset(kt, 0, sizeof(float) * D * Lp);
+        for (int64_t j = 0; j < L; j++) {
+            const uint16_t *ks_ = k + b * ks[0] + g * ks[1] + (s + j) * ks[2], *vs_ = v + b * vs[0] + g * vs[1] + (s + j) * vs[2];
+            for (int64_t x = 0; x < D; x++) { kt[x * Lp + j] = bf(ks_[x]); vr[j * D + x] = bf(vs_[x]); }
+        }
+        for (int64_t i = 0; i < L; i++) {
+            float qf[REP][D];
+            for (int64_t r = 0; r < REP; r++) {
+                const uint16_t* src = q + b * qs[0] + (g * REP + r) * qs[1] + (s + i) * qs[2];
+                for (int64_t x = 0; x < D; x++) qf[r][x] = bf(src[x]) * c;
+            }
+            int64_t n = i + 1, nb = (n + 15) / 16;
+            for (int64_t jb = 0; jb < nb; jb++) {
+                v16 acc[REP] = {0};
+                const float* col = kt + jb * 16;
+                for (int64_t x = 0; x < D; x++) {
+                    v16 kv = ld(col + x * Lp);
+                    for (int64_t r = 0; r < REP; r++) acc[r] += qf[r][x] * kv;
+                }
+                for (int64_t r = 0; r < REP; r++) st(p + r * Lp + jb * 16, acc[r]);
+            }
+            v16 o[REP][NV];
+            float m[REP], sum[REP];
+            for (int64_t r = 0; r < REP; r++) {
+                float* pr = p + r * Lp; float mm = pr[0];
+                for (int64_t j = 1; j < n; j++) mm = pr[j] > mm ? pr[j] : mm;
+                float ss = 0.0f;
+                for (int64_t j = 0; j < n; j++) { pr[j] = exp2f(pr[j] - mm); ss += pr[j]; }
+                m[r] = mm; sum[r] = ss;
+                for (int64_t cc = 0; cc < NV; cc++) o[r][cc] = (v16){0};
+            }
+            for (int64_t j = 0; j < n; j++) {
+                v16 vj[NV];
+                for (int64_t cc = 0; cc < NV; cc++) vj[cc] = ld(vr + j * D + cc * 16);
+                for (int64_t r = 0; r < REP; r++) {
+                    float w = p[r * Lp + j];
+                    for (int64_t cc = 0; cc < NV; cc++) o[r][cc] += w * vj[cc];
+                }
+            }
+            for (int64_t r = 0; r < REP; r++) {
+                int64_t h = g * REP + r;
+                uint16_t* dst = out + b * os[0] + h * os[1] + (s + i) * os[2];
+                float of[D]; float inv = 1.0f / sum[r];
+                for (int64_t cc = 0; cc < NV; cc++) st(of + cc * 16, o[r][cc] * inv);
+                for (int64_t x = 0; x < D; x++) dst[x] = tobf(of[x]);
+                lse[b * ls[0] + h * ls[1] + (s + i) * ls[2]] = m[r] + log2f(sum[r]);
+            }
+        }
+        free(kt);
+    }
+    return 0;
+}
+
+int packed_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* out,
+                     const uint16_t* dout, const float* lse, uint16_t* dq, uint16_t* dk, uint16_t* dv,
+                     const int64_t* tasks, int64_t t0, int64_t t1, float c, float scale,
+                     const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* gs,
+                     const int64_t* ls, const int64_t* dqs, const int64_t* dks) {
+    for (int64_t task = t0; task < t1; task++) {
+        int64_t b = tasks[4 * task], g = tasks[4 * task + 1], s = tasks[4 * task + 2], L = tasks[4 * task + 3];
+        int64_t Lp = (L + 15) / 16 * 16;
+        float* kt = aligned_alloc(64, sizeof(float) * (2 * D * Lp + 3 * Lp * D + 2 * REP * Lp));
+        if (!kt) return 1;
+        float *vt = kt + D * Lp, *kr = vt + D * Lp, *gk = kr + Lp * D, *gv = gk + Lp * D, *p = gv + Lp * D;
+        float* ds = p + REP * Lp;
+        memset(kt, 0, sizeof(float) * 2 * D * Lp);
+        memset(gk, 0, sizeof(float) * 2 * Lp * D);
+        for (int64_t j = 0; j < L; j++) {
+            const uint16_t *ks_ = k + b * ks[0] + g * ks[1] + (s + j) * ks[2], *vs_ = v + b * vs[0] + g * vs[1] + (s + j) * vs[2];
+            for (int64_t x = 0; x < D; x++) {
+                float kx = bf(ks_[x]);
+                kt[x * Lp + j] = kx; kr[j * D + x] = kx; vt[x * Lp + j] = bf(vs_[x]);
+            }
+        }
+        for (int64_t i = 0; i < L; i++) {
+            const int64_t t = s + i, n = i + 1, nb = (n + 15) / 16;
+            float qf[REP][D], gf[REP][D], delta[REP], l[REP];
+            for (int64_t r = 0; r < REP; r++) {
+                int64_t h = g * REP + r;
+                const uint16_t *qsrc = q + b * qs[0] + h * qs[1] + t * qs[2], *gsrc = dout + b * gs[0] + h * gs[1] + t * gs[2];
+                const uint16_t* osrc = out + b * os[0] + h * os[1] + t * os[2];
+                float dl = 0.0f;
+                for (int64_t x = 0; x < D; x++) { qf[r][x] = bf(qsrc[x]); gf[r][x] = bf(gsrc[x]); dl += gf[r][x] * bf(osrc[x]); }
+                delta[r] = dl; l[r] = lse[b * ls[0] + h * ls[1] + t * ls[2]];
+            }
+            for (int64_t jb = 0; jb < nb; jb++) {
+                v16 as[REP] = {0}, ap[REP] = {0};
+                for (int64_t x = 0; x < D; x++) {
+                    v16 kv = ld(kt + x * Lp + jb * 16), vv = ld(vt + x * Lp + jb * 16);
+                    for (int64_t r = 0; r < REP; r++) { as[r] += (qf[r][x] * c) * kv; ap[r] += gf[r][x] * vv; }
+                }
+                for (int64_t r = 0; r < REP; r++) {
+                    float sc[16], dp[16];
+                    st(sc, as[r]); st(dp, ap[r]);
+                    for (int64_t u = 0; u < 16; u++) {
+                        int64_t j = jb * 16 + u;
+                        float pj = (j < n) ? exp2f(sc[u] - l[r]) : 0.0f;
+                        p[r * Lp + j] = pj; ds[r * Lp + j] = pj * (dp[u] - delta[r]);
+                    }
+                }
+            }
+            v16 aq[REP][NV];
+            for (int64_t r = 0; r < REP; r++) for (int64_t cc = 0; cc < NV; cc++) aq[r][cc] = (v16){0};
+            for (int64_t j = 0; j < n; j++) {
+                v16 kj[NV];
+                for (int64_t cc = 0; cc < NV; cc++) kj[cc] = ld(kr + j * D + cc * 16);
+                for (int64_t r = 0; r < REP; r++) { float w = ds[r * Lp + j]; for (int64_t cc = 0; cc < NV; cc++) aq[r][cc] += w * kj[cc]; }
+            }
+            for (int64_t j = 0; j < n; j++) {
+                for (int64_t cc = 0; cc < NV; cc++) {
+                    v16 a = ld(gk + j * D + cc * 16), e = ld(gv + j * D + cc * 16);
+                    for (int64_t r = 0; r < REP; r++) {
+                        a += ds[r * Lp + j] * ld(qf[r] + cc * 16);
+                        e += p[r * Lp + j] * ld(gf[r] + cc * 16);
+                    }
+                    st(gk + j * D + cc * 16, a); st(gv + j * D + cc * 16, e);
+                }
+            }
+            for (int64_t r = 0; r < REP; r++) {
+                uint16_t* dst = dq + b * dqs[0] + (g * REP + r) * dqs[1] + t * dqs[2];
+                float of[D];
+                for (int64_t cc = 0; cc < NV; cc++) st(of + cc * 16, aq[r][cc] * scale);
+                for (int64_t x = 0; x < D; x++) dst[x] = tobf(of[x]);
+            }
+        }
+        for (int64_t j = 0; j < L; j++) {
+            uint16_t *kdst = dk + b * dks[0] + g * dks[1] + (s + j) * dks[2], *vdst = dv + b * dks[0] + g * dks[1] + (s + j) * dks[2];
+            for (int64_t x = 0; x < D; x++) { kdst[x] = tobf(gk[j * D + x] * scale); vdst[x] = tobf(gv[j * D + x]); }
+        }
+        free(kt);
+    }
+    return 0;
+}

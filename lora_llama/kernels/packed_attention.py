@@ -1,0 +1,204 @@
+"""Causal attention over packed rows of short examples, bf16 on the CPU, as one C loop per example and key/value head.
+
+A packed chat row holds examples of tens of tokens: each is a small causal problem, and the blocked kernel
+(blocked_attention.py) spends most of its time around its batched products, in passes over score tiles, not in them.
+packed_attention.c computes an example's scores, softmax and sums in float32 registers over keys and values it holds
+as float32, with the query heads that share a key/value head in one pass, and writes bf16 outputs (forward: out and
+the base-2 log-sum-exp; backward: dq, dk, dv from the recomputed probabilities), in the blocked kernel's contract.
+Per layer (SmolLM2 shapes, 9:3 heads of 64, a 4 x 256 packed batch of the default recipe, 2 threads, EPYC with
+AVX512_BF16): forward 1.4-2.2 ms against the blocked kernel's 6.4-6.9, backward 4.9-6.7 against 9.6-10.7, both
+closer to float64 than the blocked kernel's bf16 products.
+
+The C file is compiled on first use for this CPU (`-march=native`, about a second) with the C compiler inductor's
+loops need too, and kept under ~/.cache/lora-llama; where that fails, one warning names the cause and the blocked
+kernel runs. Examples longer than LONGEST, head dimensions other than HEAD_DIMS and grouped heads beyond MAX_REP keep
+the blocked kernel (whose batched products win on long examples).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from lora_llama.kernels.blocked_attention import LOG2E
+
+LONGEST = 512  # positions of the longest example this kernel takes (its work per example grows as the square)
+HEAD_DIMS = (64, 128)
+MAX_REP = 8  # query heads per key/value head
+ENABLED = True  # tests switch it off to compare with the blocked kernel
+SOURCE = Path(__file__).with_name("packed_attention.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+
+_libraries: dict[tuple[int, int], ctypes.CDLL | None] = {}
+_broken: str | None = None  # why building failed, once it has
+_plans: dict[tuple, tuple[torch.Tensor, list[int], int]] = {}
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None) -> bool:
+    """bf16 q, k (B, H, T, d) and packed rows on the CPU whose examples this kernel takes, outside torch.compile."""
+    return (
+        ENABLED
+        and _broken is None
+        and segments is not None
+        and q.device.type == "cpu"
+        and q.dtype == k.dtype == torch.bfloat16
+        and q.shape[-1] in HEAD_DIMS
+        and q.shape[1] % k.shape[1] == 0
+        and q.shape[1] // k.shape[1] <= MAX_REP
+        and not torch.compiler.is_compiling()
+        and _plan(segments, k.shape[1])[2] <= LONGEST
+    )
+
+
+def forward(q, k, v, segments):
+    """out (B, H, T, d) bf16, contiguous, and the base-2 log-sum-exp (B, H, T) float32, as blocked_attention.forward;
+    None where the kernel cannot be built."""
+    lib = _library(q.shape[-1], q.shape[1] // k.shape[1])
+    if lib is None:
+        return None
+    q, k, v = (_last_contiguous(t) for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32)
+    c = LOG2E / math.sqrt(q.shape[-1])
+    pointers = [_ptr(t) for t in (q, k, v, out, lse)]
+    strides = [_strides(t) for t in (q, k, v, out, lse.unsqueeze(-1))]
+    _run(lib.packed_forward, segments, k.shape[1], lambda tasks, a, b: (*pointers, tasks, a, b, c, *strides))
+    return out, lse
+
+
+def backward(q, k, v, out, lse, grad_out, segments):
+    """dq, dk, dv (bf16, contiguous) as blocked_attention.backward; None where the kernel cannot be built."""
+    lib = _library(q.shape[-1], q.shape[1] // k.shape[1])
+    if lib is None:
+        return None
+    q, k, v, out, grad_out = (_last_contiguous(t) for t in (q, k, v, out, grad_out))
+    lse = lse.float()
+    dq, dk, dv = (torch.empty(t.shape, dtype=torch.bfloat16) for t in (q, k, v))
+    scale = 1 / math.sqrt(q.shape[-1])
+    pointers = [_ptr(t) for t in (q, k, v, out, grad_out, lse, dq, dk, dv)]
+    strides = [_strides(t) for t in (q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk)]
+    _run(
+        lib.packed_backward,
+        segments,
+        k.shape[1],
+        lambda tasks, a, b: (*pointers, tasks, a, b, scale * LOG2E, scale, *strides),
+    )
+    return dq, dk, dv
+
+
+def _run(function, segments, kv_heads: int, arguments) -> None:
+    """function over the tasks of these packed rows, split into one share of about equal work per thread."""
+    tasks, bounds, _ = _plan(segments, kv_heads)
+    address = _ptr(tasks)
+    calls = [arguments(address, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    global _pool
+    if len(calls) > 1 and (_pool is None or _pool._max_workers < len(calls) - 1):
+        _pool = concurrent.futures.ThreadPoolExecutor(len(calls) - 1, thread_name_prefix="packed-attention")
+    others = [_pool.submit(function, *call) for call in calls[1:]]  # ctypes lets go of the GIL during each call
+    failed = function(*calls[0]) if calls else 0
+    failed |= any(f.result() for f in others)
+    if failed:
+        raise MemoryError("packed attention: no memory for an example's keys and values")
+
+
+def _plan(segments: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, list[int], int]:
+    """(tasks, bounds, longest): (n, 4) int64 rows (batch row, key/value head, first position, length), longest first
+    and dealt into one run of about equal work (length²) per thread, the runs' bounds, and the longest example; kept
+    for the last two segment tensors (every layer of a step, forward and backward, has the same)."""
+    shares = torch.get_num_threads()
+    key = (tuple(segments.shape), kv_heads, shares, segments.contiguous().numpy().tobytes())
+    if key not in _plans:
+        examples = []
+        for b, row in enumerate(segments.tolist()):
+            starts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]]
+            ends = starts[1:] + [len(row)]
+            examples += [(b, g, s, e - s) for s, e in zip(starts, ends) for g in range(kv_heads)]
+        examples.sort(key=lambda e: -e[3])
+        runs: list[list] = [[] for _ in range(shares)]
+        work = [0] * shares
+        for e in examples:
+            i = work.index(min(work))
+            runs[i].append(e)
+            work[i] += e[3] * e[3]
+        bounds = [0]
+        for run in runs:
+            bounds.append(bounds[-1] + len(run))
+        rows = torch.tensor([e for run in runs for e in run], dtype=torch.int64).view(-1, 4)
+        _plans[key] = (rows, bounds, examples[0][3] if examples else 0)
+        while len(_plans) > 2:
+            del _plans[next(iter(_plans))]
+    return _plans[key]
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _strides(t: torch.Tensor):
+    return (ctypes.c_int64 * 3)(*t.stride()[:3])
+
+
+def _library(head_dim: int, rep: int) -> ctypes.CDLL | None:
+    """The kernel built for this head dimension and grouping, loaded; None (and one warning) where building fails."""
+    global _broken
+    if (head_dim, rep) not in _libraries:
+        try:
+            lib = ctypes.CDLL(str(_build(head_dim, rep)))
+        except (OSError, subprocess.SubprocessError) as e:
+            _broken = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            warnings.warn(f"packed attention runs the blocked kernel: building its C loop failed ({_broken})")
+            lib = None
+        if lib is not None:
+            pointer, count, number = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+            lib.packed_forward.argtypes = [pointer] * 6 + [count, count, number] + [pointer] * 5
+            lib.packed_backward.argtypes = [pointer] * 10 + [count, count, number, number] + [pointer] * 8
+            lib.packed_forward.restype = lib.packed_backward.restype = ctypes.c_int
+        _libraries[head_dim, rep] = lib
+    return _libraries[head_dim, rep]
+
+
+def _build(head_dim: int, rep: int) -> Path:
+    """The shared library for (head_dim, rep) on this CPU, compiled once into the cache (written atomically)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise OSError("no C compiler (cc, gcc, or CC) found")
+    source = SOURCE.read_bytes()
+    defines = (f"-DD={head_dim}", f"-DREP={rep}")
+    key = hashlib.sha256(b"\0".join([source, *map(str.encode, (compiler, *FLAGS, *defines, _cpu()))])).hexdigest()
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-llama" / "kernels"
+    target = folder / f"packed_attention-{key[:16]}.so"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            built = Path(tmp) / target.name
+            command = [compiler, *FLAGS, *defines, str(SOURCE), "-o", str(built), "-lm"]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if done.returncode:
+                raise OSError(f"{Path(compiler).name} failed: {(done.stderr or done.stdout).strip()[-300:]}")
+            os.replace(built, target)
+    return target
+
+
+def _cpu() -> str:
+    """What -march=native compiles for: the CPU's flags (the cache may be shared by machines)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.processor() + platform.machine()

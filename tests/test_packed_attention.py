@@ -1,0 +1,106 @@
+"""The C loop for packed rows of short bf16 examples (kernels/packed_attention.py) against float64 attention.
+
+Inputs are bf16 values, held exactly in float32; scores, softmax and sums are float32 and each output is rounded once
+to bf16, so an output lies within half a bf16 unit (2^-9 relative) of the float64 result plus float32 sums' error:
+the bound below is 2^-8 of the largest reference value."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lora_llama.kernels import attention, blocked_attention, packed_attention
+from lora_llama.kernels.attention import causal_segment_mask
+
+needs_kernel = pytest.mark.skipif(
+    packed_attention._library(64, 3) is None, reason="no C compiler: the blocked kernel serves (tested below)"
+)
+
+
+def packed_rows(lengths_per_row, heads, kv_heads, d, seed=0):
+    """q, k, v (B, H, T, d) bf16 as the model lays them out (transposed views of (B, T, H, d)) and segments."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(sum(r) for r in lengths_per_row)
+    segments = torch.full((len(lengths_per_row), T), -1)
+    for b, lengths in enumerate(lengths_per_row):
+        start = 0
+        for i, n in enumerate(lengths):
+            segments[b, start : start + n] = i
+            start += n
+
+    def make(h):
+        return torch.randn(len(lengths_per_row), T, h, d, generator=g).bfloat16().transpose(1, 2)
+
+    return make(heads), make(kv_heads), make(kv_heads), segments
+
+
+def reference(q, k, v, segments, grad_out):
+    mask = causal_segment_mask(segments)[:, None]
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, enable_gqa=True)
+    out.backward(grad_out.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+def close(got, want, kernel_output=True):
+    assert got.dtype == torch.bfloat16 and (got.is_contiguous() or not kernel_output)
+    bound = 2.0**-8 * want.abs().max().item() + 1e-6
+    assert (got.double() - want).abs().max().item() <= bound
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "rows, heads, kv_heads, d",
+    [
+        ([[53, 53, 44], [41, 41, 40, 11, 3], [150]], 9, 3, 64),  # SmolLM2's 9:3 heads, a row of one example
+        ([[1, 17, 30, 16], [64]], 4, 4, 128),  # no grouping, head dim 128, an example of one token
+        ([[33, 31], [20, 44]], 8, 1, 64),  # all eight query heads on one key/value head
+    ],
+)
+def test_forward_and_backward_equal_float64_attention(rows, heads, kv_heads, d):
+    q, k, v, segments = packed_rows(rows, heads, kv_heads, d)
+    assert packed_attention.applies(q, k, segments)
+    grad_out = torch.randn(q.shape).bfloat16()
+    out, lse = packed_attention.forward(q, k, v, segments)
+    grads = packed_attention.backward(q, k, v, out, lse, grad_out, segments)
+    want = reference(q, k, v, segments, grad_out)
+    for got, expected in zip((out, *grads), want):
+        close(got, expected)
+    _, blocked_lse = blocked_attention.forward(q, k, v, segments)
+    torch.testing.assert_close(lse, blocked_lse, rtol=0, atol=1e-4)  # the blocked kernel's log-sum-exp, base 2
+
+
+@needs_kernel
+def test_attend_runs_it_for_bf16_packed_rows_in_training(monkeypatch):
+    q, k, v, segments = packed_rows([[20, 30, 14], [64]], 9, 3, 64)
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(packed_attention, name)
+        monkeypatch.setattr(packed_attention, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn(q.shape).bfloat16()
+    attention.attend(q, k, v, causal=True, segments=segments).backward(grad_out)
+    assert calls == ["forward", "backward"]
+    want = reference(q.detach(), k.detach(), v.detach(), segments, grad_out)
+    for got, expected in zip((q.grad, k.grad, v.grad), want[1:]):
+        close(got, expected, kernel_output=False)  # autograd lays a leaf's gradient out as the leaf
+
+
+@needs_kernel
+def test_long_examples_and_float32_keep_the_blocked_kernel():
+    q, k, _, segments = packed_rows([[packed_attention.LONGEST + 1]], 9, 3, 64)
+    assert not packed_attention.applies(q, k, segments)
+    q, k, _, segments = packed_rows([[30, 30]], 9, 3, 64)
+    assert not packed_attention.applies(q.float(), k.float(), segments)
+    assert not packed_attention.applies(q, k, None)
+
+
+def test_without_a_compiler_one_warning_and_the_blocked_kernel(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(packed_attention, "_libraries", {})
+    monkeypatch.setattr(packed_attention, "_broken", None)
+    q, k, v, segments = packed_rows([[25, 39]], 9, 3, 64)
+    with pytest.warns(UserWarning, match="packed attention runs the blocked kernel"):
+        out = attention.causal_attention(q, k, v, segments)[0]
+    assert torch.equal(out, blocked_attention.forward(q, k, v, segments)[0])
+    assert not packed_attention.applies(q, k, segments)  # said once: the process keeps the blocked kernel
