@@ -6,8 +6,9 @@ kernel starts each block of queries at its examples' first keys and hides the ke
 (B, 1, T, T) mask exists, little work is spent on keys of other examples, and short examples share the batched
 products of whole rows. The kernel is wrapped as custom ops (opaque to torch.compile, one op that selective
 checkpointing keeps) and an autograd Function; in bf16 on a CPU with AMX the forward of unpacked rows is aten's flash
-kernel (`FLASH_FORWARD`), and bf16 packed rows of short examples run packed_attention.py's C loop. GPUs, float16, sliding windows, the KV cache and inference of unpacked rows keep SDPA and its
-kernels (packed rows there with a mask).
+kernel (`FLASH_FORWARD`), and bf16 packed rows of short examples run packed_attention.py's C loop. GPUs, float16,
+sliding windows, the KV cache and inference of unpacked rows keep SDPA and its kernels (packed rows there with a
+mask).
 """
 
 from __future__ import annotations
