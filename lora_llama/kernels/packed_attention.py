@@ -46,6 +46,14 @@ _plans: dict[tuple, tuple[torch.Tensor, list[int], int]] = {}
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child has none of the parent's threads: a pool of its own when it needs one
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None) -> bool:
     """bf16 q, k (B, H, T, d) and packed rows on the CPU whose examples this kernel takes, outside torch.compile."""
     return (
