@@ -1,4 +1,4 @@
-"""The C loop for packed rows of short bf16 examples (kernels/packed_attention.py) against float64 attention.
+"""The C loop for packed rows of short examples (kernels/packed_attention.py) against float64 attention.
 
 Inputs are bf16 values, held exactly in float32; scores, softmax and sums are float32 and each output is rounded once
 to bf16, so an output lies within half a bf16 unit (2^-9 relative) of the float64 result plus float32 sums' error:
@@ -11,7 +11,7 @@ from lora_llama.kernels import attention, blocked_attention, packed_attention
 from lora_llama.kernels.attention import causal_segment_mask
 
 needs_kernel = pytest.mark.skipif(
-    packed_attention._library(64, 3) is None, reason="no C compiler: the blocked kernel serves (tested below)"
+    packed_attention._library(64, 3, torch.bfloat16) is None, reason="no C compiler: the blocked kernel serves (tested below)"
 )
 
 
@@ -53,8 +53,9 @@ def reference(q, k, v, segments, grad_out, out):
 
 
 def close(got, want, kernel_output=True):
-    assert got.dtype == torch.bfloat16 and (got.is_contiguous() or not kernel_output)
-    bound = 2.0**-8 * want.abs().max().item() + 1e-6
+    """bf16: one rounding (2^-9 relative) and float32 sums; float32: the sums' rounding over up to LONGEST terms."""
+    assert got.is_contiguous() or not kernel_output
+    bound = (2.0**-8 if got.dtype == torch.bfloat16 else 2.0**-14) * want.abs().max().item() + 1e-6
     assert (got.double() - want).abs().max().item() <= bound
 
 
@@ -67,10 +68,11 @@ def close(got, want, kernel_output=True):
         ([[33, 31], [20, 44]], 8, 1, 64),  # all eight query heads on one key/value head
     ],
 )
-def test_forward_and_backward_equal_float64_attention(rows, heads, kv_heads, d):
-    q, k, v, segments = packed_rows(rows, heads, kv_heads, d)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_forward_and_backward_equal_float64_attention(rows, heads, kv_heads, d, dtype):
+    q, k, v, segments = (t.to(dtype) if t.is_floating_point() else t for t in packed_rows(rows, heads, kv_heads, d))
     assert packed_attention.applies(q, k, segments)
-    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     out, lse = packed_attention.forward(q, k, v, segments)
     grads = packed_attention.backward(q, k, v, out, lse, grad_out, segments)
     want = reference(q, k, v, segments, grad_out, out)
@@ -98,11 +100,22 @@ def test_attend_runs_it_for_bf16_packed_rows_in_training(monkeypatch):
 
 
 @needs_kernel
-def test_long_examples_and_float32_keep_the_blocked_kernel():
+def test_loading_the_kernel_leaves_subnormal_numbers_alone():
+    """A library linked with -ffast-math would turn on flush-to-zero for the whole process when loaded."""
+    packed_attention._library(64, 3, torch.bfloat16)
+    packed_attention._library(64, 3, torch.float32)
+    tiny = 1e-310
+    assert tiny * 1.0 != 0.0
+    assert torch.tensor(1e-40, dtype=torch.float32).mul(1.0).item() != 0.0
+
+
+@needs_kernel
+def test_long_examples_and_float16_keep_the_blocked_kernel():
     q, k, _, segments = packed_rows([[packed_attention.LONGEST + 1]], 9, 3, 64)
     assert not packed_attention.applies(q, k, segments)
     q, k, _, segments = packed_rows([[30, 30]], 9, 3, 64)
-    assert not packed_attention.applies(q.float(), k.float(), segments)
+    assert packed_attention.applies(q, k, segments) and packed_attention.applies(q.float(), k.float(), segments)
+    assert not packed_attention.applies(q.half(), k.half(), segments)
     assert not packed_attention.applies(q, k, None)
 
 

@@ -1,4 +1,4 @@
-// Causal attention over packed rows of short examples on the CPU, bf16 in and out, float32 inside: one task is one
+// Causal attention over packed rows of short examples on the CPU, bf16 (or, built with FLOAT_IN, float32) in and out, float32 inside: one task is one
 // example of one batch row and one key/value head with the REP query heads that share it. Scores are in base 2 (the
 // caller folds log2(e) into c), the keys and values of a task are held as float32 (transposed for the scores), and
 // every product runs on 16-float vectors with the REP rows that share a load in registers. Built and loaded by
@@ -16,16 +16,23 @@ typedef float v16 __attribute__((vector_size(64)));
 #endif
 #define NV (D / 16)
 
-static inline float bf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t tobf(float f) {
+#ifdef FLOAT_IN
+typedef float elem;  /* float32 tensors */
+static inline float bf(elem x) { return x; }
+static inline elem tobf(float f) { return f; }
+#else
+typedef uint16_t elem;  /* bf16 tensors, as their 16 bits */
+static inline float bf(elem h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline elem tobf(float f) {  /* rounded to nearest even */
     uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1); return (uint16_t)(u >> 16);
+    if ((u & 0x7fffffff) > 0x7f800000) return (elem)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1); return (elem)(u >> 16);
 }
+#endif
 static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
 static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
 
-int packed_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, float* lse,
+int packed_forward(const elem* q, const elem* k, const elem* v, elem* out, float* lse,
                     const int64_t* tasks, int64_t t0, int64_t t1, float c,
                     const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* ls) {
     for (int64_t task = t0; task < t1; task++) {
@@ -36,13 +43,13 @@ int packed_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint
         float *vr = kt + D * Lp, *p = vr + Lp * D;
         memset(kt, 0, sizeof(float) * D * Lp);
         for (int64_t j = 0; j < L; j++) {
-            const uint16_t *ks_ = k + b * ks[0] + g * ks[1] + (s + j) * ks[2], *vs_ = v + b * vs[0] + g * vs[1] + (s + j) * vs[2];
+            const elem *ks_ = k + b * ks[0] + g * ks[1] + (s + j) * ks[2], *vs_ = v + b * vs[0] + g * vs[1] + (s + j) * vs[2];
             for (int64_t x = 0; x < D; x++) { kt[x * Lp + j] = bf(ks_[x]); vr[j * D + x] = bf(vs_[x]); }
         }
         for (int64_t i = 0; i < L; i++) {
             float qf[REP][D];
             for (int64_t r = 0; r < REP; r++) {
-                const uint16_t* src = q + b * qs[0] + (g * REP + r) * qs[1] + (s + i) * qs[2];
+                const elem* src = q + b * qs[0] + (g * REP + r) * qs[1] + (s + i) * qs[2];
                 for (int64_t x = 0; x < D; x++) qf[r][x] = bf(src[x]) * c;
             }
             int64_t n = i + 1, nb = (n + 15) / 16;
@@ -75,7 +82,7 @@ int packed_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint
             }
             for (int64_t r = 0; r < REP; r++) {
                 int64_t h = g * REP + r;
-                uint16_t* dst = out + b * os[0] + h * os[1] + (s + i) * os[2];
+                elem* dst = out + b * os[0] + h * os[1] + (s + i) * os[2];
                 float of[D]; float inv = 1.0f / sum[r];
                 for (int64_t cc = 0; cc < NV; cc++) st(of + cc * 16, o[r][cc] * inv);
                 for (int64_t x = 0; x < D; x++) dst[x] = tobf(of[x]);
@@ -87,8 +94,8 @@ int packed_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint
     return 0;
 }
 
-int packed_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* out,
-                     const uint16_t* dout, const float* lse, uint16_t* dq, uint16_t* dk, uint16_t* dv,
+int packed_backward(const elem* q, const elem* k, const elem* v, const elem* out,
+                     const elem* dout, const float* lse, elem* dq, elem* dk, elem* dv,
                      const int64_t* tasks, int64_t t0, int64_t t1, float c, float scale,
                      const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* gs,
                      const int64_t* ls, const int64_t* dqs, const int64_t* dks) {
@@ -102,7 +109,7 @@ int packed_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v, con
         memset(kt, 0, sizeof(float) * 2 * D * Lp);
         memset(gk, 0, sizeof(float) * 2 * Lp * D);
         for (int64_t j = 0; j < L; j++) {
-            const uint16_t *ks_ = k + b * ks[0] + g * ks[1] + (s + j) * ks[2], *vs_ = v + b * vs[0] + g * vs[1] + (s + j) * vs[2];
+            const elem *ks_ = k + b * ks[0] + g * ks[1] + (s + j) * ks[2], *vs_ = v + b * vs[0] + g * vs[1] + (s + j) * vs[2];
             for (int64_t x = 0; x < D; x++) {
                 float kx = bf(ks_[x]);
                 kt[x * Lp + j] = kx; kr[j * D + x] = kx; vt[x * Lp + j] = bf(vs_[x]);
@@ -113,8 +120,8 @@ int packed_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v, con
             float qf[REP][D], gf[REP][D], delta[REP], l[REP];
             for (int64_t r = 0; r < REP; r++) {
                 int64_t h = g * REP + r;
-                const uint16_t *qsrc = q + b * qs[0] + h * qs[1] + t * qs[2], *gsrc = dout + b * gs[0] + h * gs[1] + t * gs[2];
-                const uint16_t* osrc = out + b * os[0] + h * os[1] + t * os[2];
+                const elem *qsrc = q + b * qs[0] + h * qs[1] + t * qs[2], *gsrc = dout + b * gs[0] + h * gs[1] + t * gs[2];
+                const elem* osrc = out + b * os[0] + h * os[1] + t * os[2];
                 float dl = 0.0f;
                 for (int64_t x = 0; x < D; x++) { qf[r][x] = bf(qsrc[x]); gf[r][x] = bf(gsrc[x]); dl += gf[r][x] * bf(osrc[x]); }
                 delta[r] = dl; l[r] = lse[b * ls[0] + h * ls[1] + t * ls[2]];
@@ -153,14 +160,14 @@ int packed_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v, con
                 }
             }
             for (int64_t r = 0; r < REP; r++) {
-                uint16_t* dst = dq + b * dqs[0] + (g * REP + r) * dqs[1] + t * dqs[2];
+                elem* dst = dq + b * dqs[0] + (g * REP + r) * dqs[1] + t * dqs[2];
                 float of[D];
                 for (int64_t cc = 0; cc < NV; cc++) st(of + cc * 16, aq[r][cc] * scale);
                 for (int64_t x = 0; x < D; x++) dst[x] = tobf(of[x]);
             }
         }
         for (int64_t j = 0; j < L; j++) {
-            uint16_t *kdst = dk + b * dks[0] + g * dks[1] + (s + j) * dks[2], *vdst = dv + b * dks[0] + g * dks[1] + (s + j) * dks[2];
+            elem *kdst = dk + b * dks[0] + g * dks[1] + (s + j) * dks[2], *vdst = dv + b * dks[0] + g * dks[1] + (s + j) * dks[2];
             for (int64_t x = 0; x < D; x++) { kdst[x] = tobf(gk[j * D + x] * scale); vdst[x] = tobf(gv[j * D + x]); }
         }
         free(kt);

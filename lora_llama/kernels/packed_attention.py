@@ -36,11 +36,14 @@ from lora_llama.kernels.blocked_attention import LOG2E
 LONGEST = 512  # positions of the longest example this kernel takes (its work per example grows as the square)
 HEAD_DIMS = (64, 128)
 MAX_REP = 8  # query heads per key/value head
+DTYPES = (torch.bfloat16, torch.float32)
 ENABLED = True  # tests switch it off to compare with the blocked kernel
 SOURCE = Path(__file__).with_name("packed_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+# -ffast-math lets exp2f and the sums vectorize; it is given to the compile step only: linked with it, gcc adds
+# crtfastmath.o, whose loading turns on flush-to-zero for the whole process
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 
-_libraries: dict[tuple[int, int], ctypes.CDLL | None] = {}
+_libraries: dict[tuple[int, int, torch.dtype], ctypes.CDLL | None] = {}
 _broken: str | None = None  # why building failed, once it has
 _plans: dict[tuple, tuple[torch.Tensor, list[int], int]] = {}
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -55,13 +58,14 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None) -> bool:
-    """bf16 q, k (B, H, T, d) and packed rows on the CPU whose examples this kernel takes, outside torch.compile."""
+    """bf16 or float32 q, k (B, H, T, d) and packed rows on the CPU whose examples this kernel takes, outside
+    torch.compile."""
     return (
         ENABLED
         and _broken is None
         and segments is not None
         and q.device.type == "cpu"
-        and q.dtype == k.dtype == torch.bfloat16
+        and q.dtype == k.dtype in DTYPES
         and q.shape[-1] in HEAD_DIMS
         and q.shape[1] % k.shape[1] == 0
         and q.shape[1] // k.shape[1] <= MAX_REP
@@ -71,9 +75,9 @@ def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None) -> 
 
 
 def forward(q, k, v, segments):
-    """out (B, H, T, d) bf16, contiguous, and the base-2 log-sum-exp (B, H, T) float32, as blocked_attention.forward;
-    None where the kernel cannot be built."""
-    lib = _library(q.shape[-1], q.shape[1] // k.shape[1])
+    """out (B, H, T, d) in q's dtype, contiguous, and the base-2 log-sum-exp (B, H, T) float32, as
+    blocked_attention.forward; None where the kernel cannot be built."""
+    lib = _library(q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
     if lib is None:
         return None
     q, k, v = (_last_contiguous(t) for t in (q, k, v))
@@ -87,13 +91,13 @@ def forward(q, k, v, segments):
 
 
 def backward(q, k, v, out, lse, grad_out, segments):
-    """dq, dk, dv (bf16, contiguous) as blocked_attention.backward; None where the kernel cannot be built."""
-    lib = _library(q.shape[-1], q.shape[1] // k.shape[1])
+    """dq, dk, dv (in q's dtype, contiguous) as blocked_attention.backward; None where the kernel cannot be built."""
+    lib = _library(q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
     if lib is None:
         return None
     q, k, v, out, grad_out = (_last_contiguous(t) for t in (q, k, v, out, grad_out))
     lse = lse.float()
-    dq, dk, dv = (torch.empty(t.shape, dtype=torch.bfloat16) for t in (q, k, v))
+    dq, dk, dv = (torch.empty(t.shape, dtype=q.dtype) for t in (q, k, v))
     scale = 1 / math.sqrt(q.shape[-1])
     pointers = [_ptr(t) for t in (q, k, v, out, grad_out, lse, dq, dk, dv)]
     strides = [_strides(t) for t in (q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk)]
@@ -162,12 +166,13 @@ def _strides(t: torch.Tensor):
     return (ctypes.c_int64 * 3)(*t.stride()[:3])
 
 
-def _library(head_dim: int, rep: int) -> ctypes.CDLL | None:
-    """The kernel built for this head dimension and grouping, loaded; None (and one warning) where building fails."""
+def _library(head_dim: int, rep: int, dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The kernel built for this head dimension, grouping and dtype, loaded; None (and one warning) where building
+    fails."""
     global _broken
-    if (head_dim, rep) not in _libraries:
+    if (head_dim, rep, dtype) not in _libraries:
         try:
-            lib = ctypes.CDLL(str(_build(head_dim, rep)))
+            lib = ctypes.CDLL(str(_build(head_dim, rep, dtype == torch.float32)))
         except (OSError, subprocess.SubprocessError) as e:
             _broken = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             warnings.warn(f"packed attention runs the blocked kernel: building its C loop failed ({_broken})")
@@ -177,28 +182,32 @@ def _library(head_dim: int, rep: int) -> ctypes.CDLL | None:
             lib.packed_forward.argtypes = [pointer] * 6 + [count, count, number] + [pointer] * 5
             lib.packed_backward.argtypes = [pointer] * 10 + [count, count, number, number] + [pointer] * 8
             lib.packed_forward.restype = lib.packed_backward.restype = ctypes.c_int
-        _libraries[head_dim, rep] = lib
-    return _libraries[head_dim, rep]
+        _libraries[head_dim, rep, dtype] = lib
+    return _libraries[head_dim, rep, dtype]
 
 
-def _build(head_dim: int, rep: int) -> Path:
-    """The shared library for (head_dim, rep) on this CPU, compiled once into the cache (written atomically)."""
+def _build(head_dim: int, rep: int, float_in: bool) -> Path:
+    """The shared library for (head_dim, rep, bf16 or float32 tensors) on this CPU, compiled once into the cache
+    (written atomically)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise OSError("no C compiler (cc, gcc, or CC) found")
     source = SOURCE.read_bytes()
-    defines = (f"-DD={head_dim}", f"-DREP={rep}")
+    defines = (f"-DD={head_dim}", f"-DREP={rep}", *(("-DFLOAT_IN",) if float_in else ()))
     key = hashlib.sha256(b"\0".join([source, *map(str.encode, (compiler, *FLAGS, *defines, _cpu()))])).hexdigest()
     folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-llama" / "kernels"
     target = folder / f"packed_attention-{key[:16]}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            built = Path(tmp) / target.name
-            command = [compiler, *FLAGS, *defines, str(SOURCE), "-o", str(built), "-lm"]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if done.returncode:
-                raise OSError(f"{Path(compiler).name} failed: {(done.stderr or done.stdout).strip()[-300:]}")
+            built, objects = Path(tmp) / target.name, Path(tmp) / "packed_attention.o"
+            for command in (
+                [compiler, *FLAGS, *defines, "-c", str(SOURCE), "-o", str(objects)],
+                [compiler, "-shared", str(objects), "-o", str(built), "-lm"],
+            ):
+                done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                if done.returncode:
+                    raise OSError(f"{Path(compiler).name} failed: {(done.stderr or done.stdout).strip()[-300:]}")
             os.replace(built, target)
     return target
 
