@@ -11,7 +11,8 @@ from lora_llama.kernels import attention, blocked_attention, packed_attention
 from lora_llama.kernels.attention import causal_segment_mask
 
 needs_kernel = pytest.mark.skipif(
-    packed_attention._library(64, 3, torch.bfloat16) is None, reason="no C compiler: the blocked kernel serves (tested below)"
+    packed_attention._library(64, 3, torch.bfloat16) is None,
+    reason="no C compiler: the blocked kernel serves (tested below)",
 )
 
 

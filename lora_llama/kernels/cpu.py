@@ -35,3 +35,12 @@ def cpu_bf16_instructions() -> list[str]:
     if cap is not None:
         found = {f for f in found if _ONEDNN_ISAS.index(cap) >= _ONEDNN_ISAS.index(_NEEDS[f])}
     return sorted(found)
+
+
+def compiler_march() -> str:
+    """gcc's -march for C loops built on this machine: native, or, where ONEDNN_MAX_CPU_ISA caps the process below
+    AVX-512, the x86-64 level the cap allows (a capped run measures the CPU as one without the instructions above)."""
+    cap = onednn_isa_cap()
+    if cap is None or _ONEDNN_ISAS.index(cap) >= _ONEDNN_ISAS.index("AVX512_CORE"):
+        return "-march=native"
+    return "-march=x86-64-v3" if _ONEDNN_ISAS.index(cap) >= _ONEDNN_ISAS.index("AVX2") else "-march=x86-64-v2"

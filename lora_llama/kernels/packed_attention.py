@@ -1,18 +1,20 @@
-"""Causal attention over packed rows of short examples, bf16 on the CPU, as one C loop per example and key/value head.
+"""Causal attention over packed rows of short examples on the CPU (bf16 or float32), as one C loop per example and
+key/value head.
 
 A packed chat row holds examples of tens of tokens: each is a small causal problem, and the blocked kernel
 (blocked_attention.py) spends most of its time around its batched products, in passes over score tiles, not in them.
 packed_attention.c computes an example's scores, softmax and sums in float32 registers over keys and values it holds
-as float32, with the query heads that share a key/value head in one pass, and writes bf16 outputs (forward: out and
-the base-2 log-sum-exp; backward: dq, dk, dv from the recomputed probabilities), in the blocked kernel's contract.
-Per layer (SmolLM2 shapes, 9:3 heads of 64, a 4 x 256 packed batch of the default recipe, 2 threads, EPYC with
-AVX512_BF16): forward 1.4-2.2 ms against the blocked kernel's 6.4-6.9, backward 4.9-6.7 against 9.6-10.7, both
-closer to float64 than the blocked kernel's bf16 products.
+as float32, with the query heads that share a key/value head in one pass, and writes outputs in the inputs' dtype
+(forward: out and the base-2 log-sum-exp; backward: dq, dk, dv from the recomputed probabilities), in the blocked
+kernel's contract. Per layer (SmolLM2 shapes, 9:3 heads of 64, a 4 x 256 packed batch of the default recipe, 2
+threads, EPYC with AVX512_BF16): bf16 forward 1.5-1.8 ms against the blocked kernel's 4.1-5.7, backward 3.8-4.2
+against 7.0-8.0, closer to float64 than the blocked kernel's bf16 products; float32 forward 2.0 against 6.0, backward
+4.5-5.9 against 10.2.
 
-The C file is compiled on first use for this CPU (`-march=native`, about a second) with the C compiler inductor's
-loops need too, and kept under ~/.cache/lora-llama; where that fails, one warning names the cause and the blocked
-kernel runs. Examples longer than LONGEST, head dimensions other than HEAD_DIMS and grouped heads beyond MAX_REP keep
-the blocked kernel (whose batched products win on long examples).
+The C file is compiled on first use for this CPU (`-march=native`, or the level ONEDNN_MAX_CPU_ISA caps it at; about
+a second) with the C compiler inductor's loops need too, and kept under ~/.cache/lora-llama; where that fails, one
+warning names the cause and the blocked kernel runs. Examples longer than LONGEST, head dimensions other than HEAD_DIMS
+and grouped heads beyond MAX_REP keep the blocked kernel (whose batched products win on long examples).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from lora_llama.kernels.blocked_attention import LOG2E
+from lora_llama.kernels.cpu import compiler_march
 
 LONGEST = 512  # positions of the longest example this kernel takes (its work per example grows as the square)
 HEAD_DIMS = (64, 128)
@@ -41,7 +44,7 @@ ENABLED = True  # tests switch it off to compare with the blocked kernel
 SOURCE = Path(__file__).with_name("packed_attention.c")
 # -ffast-math lets exp2f and the sums vectorize; it is given to the compile step only: linked with it, gcc adds
 # crtfastmath.o, whose loading turns on flush-to-zero for the whole process
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fPIC")
 
 _libraries: dict[tuple[int, int, torch.dtype], ctypes.CDLL | None] = {}
 _broken: str | None = None  # why building failed, once it has
@@ -193,7 +196,7 @@ def _build(head_dim: int, rep: int, float_in: bool) -> Path:
     if not compiler:
         raise OSError("no C compiler (cc, gcc, or CC) found")
     source = SOURCE.read_bytes()
-    defines = (f"-DD={head_dim}", f"-DREP={rep}", *(("-DFLOAT_IN",) if float_in else ()))
+    defines = (compiler_march(), f"-DD={head_dim}", f"-DREP={rep}", *(("-DFLOAT_IN",) if float_in else ()))
     key = hashlib.sha256(b"\0".join([source, *map(str.encode, (compiler, *FLAGS, *defines, _cpu()))])).hexdigest()
     folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-llama" / "kernels"
     target = folder / f"packed_attention-{key[:16]}.so"
