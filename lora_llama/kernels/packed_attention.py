@@ -36,7 +36,12 @@ import torch
 from lora_llama.kernels.blocked_attention import LOG2E
 from lora_llama.kernels.cpu import compiler_march
 
-LONGEST = 512  # positions of the longest example this kernel takes (its work per example grows as the square)
+# positions of the longest example this kernel takes: its backward's work per example grows as the square, and past
+# this the blocked kernel's batched products win (forward + backward per layer, rows of 512 all of one length, 9:3
+# heads of 64, 2 threads, EPYC with AVX512_BF16; blocked / C: bf16 examples of 64 15.3 / 8.9 ms, 128 19.8 / 15.7,
+# 256 25.7 / 28.1, 512 36.4 / 53.7; float32 256 25.4 / 22.2, 512 40.4 / 42.4). Batches of short examples beside
+# one of 256 (the default recipe's) still gain most of the short ones' saving.
+LONGEST = 256
 HEAD_DIMS = (64, 128)
 MAX_REP = 8  # query heads per key/value head
 DTYPES = (torch.bfloat16, torch.float32)
