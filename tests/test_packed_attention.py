@@ -130,3 +130,30 @@ def test_without_a_compiler_one_warning_and_the_blocked_kernel(monkeypatch, tmp_
         out = attention.causal_attention(q, k, v, segments)[0]
     assert torch.equal(out, blocked_attention.forward(q, k, v, segments)[0])
     assert not packed_attention.applies(q, k, segments)  # said once: the process keeps the blocked kernel
+
+
+@needs_kernel
+def test_a_forked_child_attends_with_threads_of_its_own(monkeypatch):
+    """The parent's thread pool does not survive fork(): a child that reused it would wait forever."""
+    import hashlib
+    import multiprocessing
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two shares: one runs on the pool
+    q, k, v, segments = packed_rows([[20, 30, 14], [40, 24]], 9, 3, 64)
+    def digest():  # the output's bytes, as plain data that a queue carries
+        return hashlib.sha256(packed_attention.forward(q, k, v, segments)[0].view(torch.int16).numpy()).hexdigest()
+
+    want = digest()
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+
+    def child():
+        results.put(digest())
+
+    process = context.Process(target=child)
+    process.start()
+    process.join(timeout=60)
+    alive = process.is_alive()
+    if alive:
+        process.kill()
+    assert not alive and results.get(timeout=5) == want

@@ -54,15 +54,14 @@ FLAGS = ("-O3", "-ffast-math", "-fPIC")
 _libraries: dict[tuple[int, int, torch.dtype], ctypes.CDLL | None] = {}
 _broken: str | None = None  # why building failed, once it has
 _plans: dict[tuple, tuple[torch.Tensor, list[int], int]] = {}
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by size: the threads beside the calling one
+os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the parent's threads
 
 
-def _forget_pool() -> None:
-    global _pool
-    _pool = None  # a forked child has none of the parent's threads: a pool of its own when it needs one
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+def _threads(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    if n not in _pools:
+        _pools[n] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="packed-attention")
+    return _pools[n]
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None) -> bool:
@@ -123,10 +122,7 @@ def _run(function, segments, kv_heads: int, arguments) -> None:
     tasks, bounds, _ = _plan(segments, kv_heads)
     address = _ptr(tasks)
     calls = [arguments(address, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-    global _pool
-    if len(calls) > 1 and (_pool is None or _pool._max_workers < len(calls) - 1):
-        _pool = concurrent.futures.ThreadPoolExecutor(len(calls) - 1, thread_name_prefix="packed-attention")
-    others = [_pool.submit(function, *call) for call in calls[1:]]  # ctypes lets go of the GIL during each call
+    others = [_threads(len(calls) - 1).submit(function, *call) for call in calls[1:]]  # ctypes lets go of the GIL
     failed = function(*calls[0]) if calls else 0
     failed |= any(f.result() for f in others)
     if failed:
