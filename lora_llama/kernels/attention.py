@@ -6,7 +6,7 @@ kernel starts each block of queries at its examples' first keys and hides the ke
 (B, 1, T, T) mask exists, little work is spent on keys of other examples, and short examples share the batched
 products of whole rows. The kernel is wrapped as custom ops (opaque to torch.compile, one op that selective
 checkpointing keeps) and an autograd Function; in bf16 on a CPU with AMX the forward of unpacked rows is aten's flash
-kernel (`FLASH_FORWARD`), and bf16 packed rows of short examples run packed_attention.py's C loop. GPUs, float16,
+kernel (`FLASH_FORWARD`), and packed rows of short examples run packed_attention.py's C loop. GPUs, float16,
 sliding windows, the KV cache and inference of unpacked rows keep SDPA and its kernels (packed rows there with a
 mask).
 """
@@ -124,8 +124,9 @@ def causal_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, base-2 log-sum-exp) of causal attention, each packed example (segments) on its own."""
     if segments is not None:
-        done = packed_attention.forward(q, k, v, segments) if packed_attention.applies(q, k, segments) else None
-        return forward(q, k, v, segments) if done is None else done
+        if packed_attention.applies(q, k, segments):
+            return packed_attention.forward(q, k, v, segments)
+        return forward(q, k, v, segments)
     return _causal_forward(q, k, v)
 
 
@@ -145,9 +146,7 @@ def causal_attention_backward(
     segments: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if packed_attention.applies(q, k, segments):
-        done = packed_attention.backward(q, k, v, out, lse, grad_out, segments)
-        if done is not None:
-            return done
+        return packed_attention.backward(q, k, v, out, lse, grad_out, segments)
     return backward(q, k, v, out, lse, grad_out, segments)
 
 

@@ -1,5 +1,6 @@
-// Causal attention over packed rows of short examples on the CPU, bf16 (or, built with FLOAT_IN, float32) in and out, float32 inside: one task is one
-// example of one batch row and one key/value head with the REP query heads that share it. Scores are in base 2 (the
+// Causal attention over packed rows of short examples on the CPU, bf16 (or, built with FLOAT_IN, float32) in and
+// out, float32 inside: one task is one example of one batch row and one key/value head with the REP query heads that
+// share it. Scores are in base 2 (the
 // caller folds log2(e) into c), the keys and values of a task are held as float32 (transposed for the scores), and
 // every product runs on 16-float vectors with the REP rows that share a load in registers. Built and loaded by
 // packed_attention.py; `lse` is the base-2 log-sum-exp the backward recomputes the probabilities from.

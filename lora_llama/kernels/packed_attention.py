@@ -35,6 +35,7 @@ import torch
 
 from lora_llama.kernels.blocked_attention import LOG2E
 from lora_llama.kernels.cpu import compiler_march
+from lora_llama.kernels.packed_rows import example_starts
 
 # positions of the longest example this kernel takes: its backward's work per example grows as the square, and past
 # this the blocked kernel's batched products win (forward + backward per layer, rows of 512 all of one length, 9:3
@@ -66,7 +67,7 @@ def _threads(n: int) -> concurrent.futures.ThreadPoolExecutor:
 
 def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None) -> bool:
     """bf16 or float32 q, k (B, H, T, d) and packed rows on the CPU whose examples this kernel takes, outside
-    torch.compile."""
+    torch.compile, where its C loop builds (the first call for a shape builds it)."""
     return (
         ENABLED
         and _broken is None
@@ -78,15 +79,14 @@ def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None) -> 
         and q.shape[1] // k.shape[1] <= MAX_REP
         and not torch.compiler.is_compiling()
         and _plan(segments, k.shape[1])[2] <= LONGEST
+        and _library(q.shape[-1], q.shape[1] // k.shape[1], q.dtype) is not None
     )
 
 
 def forward(q, k, v, segments):
     """out (B, H, T, d) in q's dtype, contiguous, and the base-2 log-sum-exp (B, H, T) float32, as
-    blocked_attention.forward; None where the kernel cannot be built."""
+    blocked_attention.forward (where `applies`)."""
     lib = _library(q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
-    if lib is None:
-        return None
     q, k, v = (_last_contiguous(t) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], dtype=torch.float32)
@@ -98,12 +98,9 @@ def forward(q, k, v, segments):
 
 
 def backward(q, k, v, out, lse, grad_out, segments):
-    """dq, dk, dv (in q's dtype, contiguous) as blocked_attention.backward; None where the kernel cannot be built."""
+    """dq, dk, dv (in q's dtype, contiguous) as blocked_attention.backward (where `applies`)."""
     lib = _library(q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
-    if lib is None:
-        return None
     q, k, v, out, grad_out = (_last_contiguous(t) for t in (q, k, v, out, grad_out))
-    lse = lse.float()
     dq, dk, dv = (torch.empty(t.shape, dtype=q.dtype) for t in (q, k, v))
     scale = 1 / math.sqrt(q.shape[-1])
     pointers = [_ptr(t) for t in (q, k, v, out, grad_out, lse, dq, dk, dv)]
@@ -137,9 +134,10 @@ def _plan(segments: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, list[int
     key = (tuple(segments.shape), kv_heads, shares, segments.contiguous().numpy().tobytes())
     if key not in _plans:
         examples = []
-        for b, row in enumerate(segments.tolist()):
-            starts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]]
-            ends = starts[1:] + [len(row)]
+        positions = torch.arange(segments.shape[1])
+        for b, first in enumerate(example_starts(segments) == positions):
+            starts = positions[first].tolist()
+            ends = starts[1:] + [segments.shape[1]]
             examples += [(b, g, s, e - s) for s, e in zip(starts, ends) for g in range(kv_heads)]
         examples.sort(key=lambda e: -e[3])
         runs: list[list] = [[] for _ in range(shares)]
