@@ -140,6 +140,7 @@ def test_a_forked_child_attends_with_threads_of_its_own(monkeypatch):
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two shares: one runs on the pool
     q, k, v, segments = packed_rows([[20, 30, 14], [40, 24]], 9, 3, 64)
+
     def digest():  # the output's bytes, as plain data that a queue carries
         return hashlib.sha256(packed_attention.forward(q, k, v, segments)[0].view(torch.int16).numpy()).hexdigest()
 
