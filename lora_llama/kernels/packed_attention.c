@@ -5,6 +5,7 @@
 // every product runs on 16-float vectors with the REP rows that share a load in registers. Built and loaded by
 // packed_attention.py; `lse` is the base-2 log-sum-exp the backward recomputes the probabilities from.
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,7 +34,7 @@ static inline elem tobf(float f) {  /* rounded to nearest even */
 static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
 static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
 
-int packed_forward(const elem* q, const elem* k, const elem* v, elem* out, float* lse,
+static int forward_tasks(const elem* q, const elem* k, const elem* v, elem* out, float* lse,
                     const int64_t* tasks, int64_t t0, int64_t t1, float c,
                     const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* ls) {
     for (int64_t task = t0; task < t1; task++) {
@@ -95,7 +96,7 @@ int packed_forward(const elem* q, const elem* k, const elem* v, elem* out, float
     return 0;
 }
 
-int packed_backward(const elem* q, const elem* k, const elem* v, const elem* out,
+static int backward_tasks(const elem* q, const elem* k, const elem* v, const elem* out,
                      const elem* dout, const float* lse, elem* dq, elem* dk, elem* dv,
                      const int64_t* tasks, int64_t t0, int64_t t1, float c, float scale,
                      const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* gs,
@@ -174,4 +175,30 @@ int packed_backward(const elem* q, const elem* k, const elem* v, const elem* out
         free(kt);
     }
     return 0;
+}
+
+/* The entry points: share i runs tasks bounds[i] .. bounds[i + 1] on a thread of an OpenMP team, the one torch's own
+   products use (packed_attention.py links this library against the OpenMP runtime torch loaded): a second set of
+   threads would compete with torch's, which spin a while after each product. Nonzero: out of memory. */
+int packed_forward(const elem* q, const elem* k, const elem* v, elem* out, float* lse,
+                   const int64_t* tasks, const int64_t* bounds, int64_t shares, float c,
+                   const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* ls) {
+#define FORWARD(i) forward_tasks(q, k, v, out, lse, tasks, bounds[i], bounds[(i) + 1], c, qs, ks, vs, os, ls)
+    int failed = 0;
+#pragma omp parallel num_threads(shares) reduction(| : failed)
+    for (int64_t i = omp_get_thread_num(); i < shares; i += omp_get_num_threads()) failed |= FORWARD(i);
+    return failed;
+}
+
+int packed_backward(const elem* q, const elem* k, const elem* v, const elem* out,
+                    const elem* dout, const float* lse, elem* dq, elem* dk, elem* dv,
+                    const int64_t* tasks, const int64_t* bounds, int64_t shares, float c, float scale,
+                    const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* gs,
+                    const int64_t* ls, const int64_t* dqs, const int64_t* dks) {
+#define BACKWARD(i) backward_tasks(q, k, v, out, dout, lse, dq, dk, dv, tasks, bounds[i], bounds[(i) + 1], c, scale, \
+                                   qs, ks, vs, os, gs, ls, dqs, dks)
+    int failed = 0;
+#pragma omp parallel num_threads(shares) reduction(| : failed)
+    for (int64_t i = omp_get_thread_num(); i < shares; i += omp_get_num_threads()) failed |= BACKWARD(i);
+    return failed;
 }

@@ -9,7 +9,9 @@ as float32, with the query heads that share a key/value head in one pass, and wr
 kernel's contract. Per layer (SmolLM2 shapes, 9:3 heads of 64, a 4 x 256 packed batch of the default recipe, 2
 threads, EPYC with AVX512_BF16): bf16 forward 1.5-1.8 ms against the blocked kernel's 4.1-5.7, backward 3.8-4.2
 against 7.0-8.0, closer to float64 than the blocked kernel's bf16 products; float32 forward 2.0 against 6.0, backward
-4.5-5.9 against 10.2.
+4.5-5.9 against 10.2. Its examples are dealt to torch's own OpenMP threads (the library is linked against the
+runtime torch loaded): threads of its own would compete for the cores with torch's, which spin for a while after each
+product, and take twice these times inside a training step.
 
 The C file is compiled on first use for this CPU (`-march=native`, or the level ONEDNN_MAX_CPU_ISA caps it at; about
 a second) with the C compiler inductor's loops need too, and kept under ~/.cache/lora-llama; where that fails, one
@@ -19,7 +21,6 @@ and grouped heads beyond MAX_REP keep the blocked kernel (whose batched products
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import hashlib
 import math
@@ -50,19 +51,11 @@ ENABLED = True  # tests switch it off to compare with the blocked kernel
 SOURCE = Path(__file__).with_name("packed_attention.c")
 # -ffast-math lets exp2f and the sums vectorize; it is given to the compile step only: linked with it, gcc adds
 # crtfastmath.o, whose loading turns on flush-to-zero for the whole process
-FLAGS = ("-O3", "-ffast-math", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fPIC", "-fopenmp")
 
 _libraries: dict[tuple[int, int, torch.dtype], ctypes.CDLL | None] = {}
 _broken: str | None = None  # why building failed, once it has
-_plans: dict[tuple, tuple[torch.Tensor, list[int], int]] = {}
-_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by size: the threads beside the calling one
-os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the parent's threads
-
-
-def _threads(n: int) -> concurrent.futures.ThreadPoolExecutor:
-    if n not in _pools:
-        _pools[n] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="packed-attention")
-    return _pools[n]
+_plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None) -> bool:
@@ -93,7 +86,7 @@ def forward(q, k, v, segments):
     c = LOG2E / math.sqrt(q.shape[-1])
     pointers = [_ptr(t) for t in (q, k, v, out, lse)]
     strides = [_strides(t) for t in (q, k, v, out, lse.unsqueeze(-1))]
-    _run(lib.packed_forward, segments, k.shape[1], lambda tasks, a, b: (*pointers, tasks, a, b, c, *strides))
+    _run(lib.packed_forward, segments, k.shape[1], lambda *plan: (*pointers, *plan, c, *strides))
     return out, lse
 
 
@@ -109,24 +102,19 @@ def backward(q, k, v, out, lse, grad_out, segments):
         lib.packed_backward,
         segments,
         k.shape[1],
-        lambda tasks, a, b: (*pointers, tasks, a, b, scale * LOG2E, scale, *strides),
+        lambda *plan: (*pointers, *plan, scale * LOG2E, scale, *strides),
     )
     return dq, dk, dv
 
 
 def _run(function, segments, kv_heads: int, arguments) -> None:
-    """function over the tasks of these packed rows, split into one share of about equal work per thread."""
+    """function over the tasks of these packed rows, in one share of about equal work per thread of torch's."""
     tasks, bounds, _ = _plan(segments, kv_heads)
-    address = _ptr(tasks)
-    calls = [arguments(address, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-    others = [_threads(len(calls) - 1).submit(function, *call) for call in calls[1:]]  # ctypes lets go of the GIL
-    failed = function(*calls[0]) if calls else 0
-    failed |= any(f.result() for f in others)
-    if failed:
+    if function(*arguments(_ptr(tasks), _ptr(bounds), len(bounds) - 1)):
         raise MemoryError("packed attention: no memory for an example's keys and values")
 
 
-def _plan(segments: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, list[int], int]:
+def _plan(segments: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(tasks, bounds, longest): (n, 4) int64 rows (batch row, key/value head, first position, length), longest first
     and dealt into one run of about equal work (length²) per thread, the runs' bounds, and the longest example; kept
     for the last two segment tensors (every layer of a step, forward and backward, has the same)."""
@@ -150,7 +138,7 @@ def _plan(segments: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, list[int
         for run in runs:
             bounds.append(bounds[-1] + len(run))
         rows = torch.tensor([e for run in runs for e in run], dtype=torch.int64).view(-1, 4)
-        _plans[key] = (rows, bounds, examples[0][3] if examples else 0)
+        _plans[key] = (rows, torch.tensor(bounds, dtype=torch.int64), examples[0][3] if examples else 0)
         while len(_plans) > 2:
             del _plans[next(iter(_plans))]
     return _plans[key]
@@ -181,8 +169,8 @@ def _library(head_dim: int, rep: int, dtype: torch.dtype) -> ctypes.CDLL | None:
             lib = None
         if lib is not None:
             pointer, count, number = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-            lib.packed_forward.argtypes = [pointer] * 6 + [count, count, number] + [pointer] * 5
-            lib.packed_backward.argtypes = [pointer] * 10 + [count, count, number, number] + [pointer] * 8
+            lib.packed_forward.argtypes = [pointer] * 7 + [count, number] + [pointer] * 5
+            lib.packed_backward.argtypes = [pointer] * 11 + [count, number, number] + [pointer] * 8
             lib.packed_forward.restype = lib.packed_backward.restype = ctypes.c_int
         _libraries[head_dim, rep, dtype] = lib
     return _libraries[head_dim, rep, dtype]
@@ -196,7 +184,10 @@ def _build(head_dim: int, rep: int, float_in: bool) -> Path:
         raise OSError("no C compiler (cc, gcc, or CC) found")
     source = SOURCE.read_bytes()
     defines = (compiler_march(), f"-DD={head_dim}", f"-DREP={rep}", *(("-DFLOAT_IN",) if float_in else ()))
-    key = hashlib.sha256(b"\0".join([source, *map(str.encode, (compiler, *FLAGS, *defines, _cpu()))])).hexdigest()
+    runtime = openmp_runtime()
+    link = [runtime] if runtime else ["-fopenmp"]
+    key = hashlib.sha256(b"\0".join([source, *map(str.encode, (compiler, *FLAGS, *defines, *link, _cpu()))]))
+    key = key.hexdigest()
     folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-llama" / "kernels"
     target = folder / f"packed_attention-{key[:16]}.so"
     if not target.exists():
@@ -205,13 +196,24 @@ def _build(head_dim: int, rep: int, float_in: bool) -> Path:
             built, objects = Path(tmp) / target.name, Path(tmp) / "packed_attention.o"
             for command in (
                 [compiler, *FLAGS, *defines, "-c", str(SOURCE), "-o", str(objects)],
-                [compiler, "-shared", str(objects), "-o", str(built), "-lm"],
+                [compiler, "-shared", str(objects), *link, "-o", str(built), "-lm"],
             ):
                 done = subprocess.run(command, capture_output=True, text=True, timeout=300)
                 if done.returncode:
                     raise OSError(f"{Path(compiler).name} failed: {(done.stderr or done.stdout).strip()[-300:]}")
             os.replace(built, target)
     return target
+
+
+def openmp_runtime() -> str | None:
+    """The GNU OpenMP library this process has loaded (torch's), by path, where /proc says; linked against it by path,
+    the kernel needs it by its own name and so shares its threads even where torch's copy is renamed."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    return min(paths) if paths else None
 
 
 def _cpu() -> str:
