@@ -7,11 +7,11 @@ packed_attention.c computes an example's scores, softmax and sums in float32 reg
 as float32, with the query heads that share a key/value head in one pass, and writes outputs in the inputs' dtype
 (forward: out and the base-2 log-sum-exp; backward: dq, dk, dv from the recomputed probabilities), in the blocked
 kernel's contract. Per layer (SmolLM2 shapes, 9:3 heads of 64, a 4 x 256 packed batch of the default recipe, 2
-threads, EPYC with AVX512_BF16): bf16 forward 1.5-1.8 ms against the blocked kernel's 4.1-5.7, backward 3.8-4.2
-against 7.0-8.0, closer to float64 than the blocked kernel's bf16 products; float32 forward 2.0 against 6.0, backward
-4.5-5.9 against 10.2. Its examples are dealt to torch's own OpenMP threads (the library is linked against the
-runtime torch loaded): threads of its own would compete for the cores with torch's, which spin for a while after each
-product, and take twice these times inside a training step.
+threads, EPYC with AVX512_BF16): bf16 forward 1.3-1.4 ms against the blocked kernel's 4.3-6.3, backward 3.1-3.4
+against 6.9-10.2, closer to float64 than the blocked kernel's bf16 products; float32 forward 1.3-1.4 against 5.6-6.0,
+backward 3.5-3.6 against 9.3-9.9. Its examples are dealt to torch's own OpenMP threads (the library is linked
+against the runtime torch loaded): threads of its own would compete for the cores with torch's, which spin for a while
+after each product, and take twice these times inside a training step.
 
 The C file is compiled on first use for this CPU (`-march=native`, or the level ONEDNN_MAX_CPU_ISA caps it at; about
 a second) with the C compiler inductor's loops need too, and kept under ~/.cache/lora-llama; where that fails, one
@@ -40,8 +40,8 @@ from lora_llama.kernels.packed_rows import example_starts
 
 # positions of the longest example this kernel takes: its backward's work per example grows as the square, and past
 # this the blocked kernel's batched products win (forward + backward per layer, rows of 512 all of one length, 9:3
-# heads of 64, 2 threads, EPYC with AVX512_BF16; blocked / C: bf16 examples of 64 15.3 / 8.9 ms, 128 19.8 / 15.7,
-# 256 25.7 / 28.1, 512 36.4 / 53.7; float32 256 25.4 / 22.2, 512 40.4 / 42.4). Batches of short examples beside
+# heads of 64, 2 threads, EPYC with AVX512_BF16; blocked / C: bf16 examples of 64 13.4 / 6.0 ms, 128 15.6 / 10.3,
+# 256 20.4 / 18.5, 512 31.0 / 35.1; float32 256 25.0 / 18.2, 512 40.3 / 33.3). Batches of short examples beside
 # one of 256 (the default recipe's) still gain most of the short ones' saving.
 LONGEST = 256
 HEAD_DIMS = (64, 128)
@@ -49,7 +49,7 @@ MAX_REP = 8  # query heads per key/value head
 DTYPES = (torch.bfloat16, torch.float32)
 ENABLED = True  # tests switch it off to compare with the blocked kernel
 SOURCE = Path(__file__).with_name("packed_attention.c")
-# -ffast-math lets exp2f and the sums vectorize; it is given to the compile step only: linked with it, gcc adds
+# -ffast-math lets the sums vectorize; it is given to the compile step only: linked with it, gcc adds
 # crtfastmath.o, whose loading turns on flush-to-zero for the whole process
 FLAGS = ("-O3", "-ffast-math", "-fPIC", "-fopenmp")
 
