@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lora_llama.kernels import packed_attention
-from lora_llama.kernels.blocked_attention import LOG2E, backward, forward, work_dtype
+from lora_llama.kernels.blocked_attention import LOG2E, backward, forward, positions_major, work_dtype
 from lora_llama.kernels.cpu import cpu_bf16_instructions
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16)
@@ -101,7 +101,8 @@ def _causal_forward(q, k, v):
     aten's flash kernel keeps the same numerics: float32 scores and softmax, p rounded to bf16 for p·v."""
     if FLASH_FORWARD is not None and q.dtype == torch.bfloat16:
         out, lse = FLASH_FORWARD(q, k, v, 0.0, True)  # lse in base e, (B, T, H) in memory
-        return out.contiguous(), lse.contiguous().mul_(LOG2E)  # contiguous, as register_fake says
+        # the layouts register_fake says
+        return positions_major(q.shape, q.dtype, q).copy_(out), lse.contiguous().mul_(LOG2E)
     return forward(q, k, v)
 
 
@@ -132,7 +133,7 @@ def causal_attention(
 
 @causal_attention.register_fake
 def _(q, k, v, segments):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=work_dtype(q))  # contiguous, as the kernel's
+    return positions_major(q.shape, q.dtype, q), q.new_empty(q.shape[:3], dtype=work_dtype(q))  # as the kernels
 
 
 @torch.library.custom_op("lora_llama::causal_attention_backward", mutates_args=())
@@ -152,7 +153,7 @@ def causal_attention_backward(
 
 @causal_attention_backward.register_fake
 def _(q, k, v, out, lse, grad_out, segments):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return tuple(positions_major(t.shape, t.dtype, t) for t in (q, k, v))
 
 
 class _CausalAttention(torch.autograd.Function):

@@ -77,9 +77,13 @@ class _Layout:
         return t.to(dtype or work_dtype(t)).contiguous().view(self.n, self.T, self.d)
 
     def heads(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...), in dtype (one copy, the cast included)."""
-        out = t.new_empty((self.B, self.H, self.T, *t.shape[2:]), dtype=dtype)
-        out.view(self.B, self.Hkv, self.rep, self.T, *t.shape[2:]).copy_(
+        """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...), in dtype (one copy, the cast included); rows
+        of d values (out, dq) in positions_major's layout."""
+        if t.dim() == 3:
+            out = positions_major((self.B, self.H, self.T, t.shape[2]), dtype, t)
+        else:
+            out = t.new_empty((self.B, self.H, self.T), dtype=dtype)
+        out.unflatten(1, (self.Hkv, self.rep)).copy_(
             t.view(self.B, self.Hkv, self.T, self.rep, *t.shape[2:]).transpose(2, 3)
         )
         return out
@@ -166,6 +170,13 @@ def _hidden(offset: int, queries: int, keys: int, rep: int, keys_first: bool, dt
     return bias.t().contiguous() if keys_first else bias
 
 
+def positions_major(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, T, d) tensor laid out as (B, T, H, d), the layout of the attention ops' outputs and gradients:
+    the model's (B, T, H·d) view of the output, and autograd's of the gradients, read it without a copy."""
+    B, H, T, d = shape
+    return like.new_empty((B, T, H, d), dtype=dtype).transpose(1, 2)
+
+
 def work_dtype(t: torch.Tensor) -> torch.dtype:
     """Scores, softmax and sums of bf16 attention are float32 (float64 stays)."""
     return torch.float32 if t.dtype == torch.bfloat16 else t.dtype
@@ -204,7 +215,8 @@ def _groups(L: _Layout, bf16: bool) -> int:
 
 
 def forward(q, k, v, segments=None):
-    """out (B, H, T, d) in q's dtype and the base-2 log-sum-exp (B, H, T) of plain causal attention.
+    """out (B, H, T, d) in q's dtype (laid out by positions_major) and the base-2 log-sum-exp (B, H, T) of plain
+    causal attention.
 
     Per block of queries, over tiles of keys: scores in base 2 (exp2 runs ~4x faster than exp on the CPU), the online
     softmax rescaling the running sum and output when a row spans tiles, over `_groups` groups at a time. Float: the
@@ -273,7 +285,8 @@ def _bf16_sums(active: bool):
 
 
 def backward(q, k, v, out, lse, grad_out, segments=None):
-    """dq, dk, dv of plain causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse (B, H, T) from forward).
+    """dq, dk, dv of plain causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse (B, H, T) from forward), laid
+    out by positions_major.
 
     Keys-first tiles: Pᵀ = exp2(k·qᵀ - lse) and dPᵀ - delta = v·dOᵀ - delta come out of one product each, the
     subtraction fused into it as the product's bias (one per query row)."""
@@ -299,8 +312,8 @@ def backward(q, k, v, out, lse, grad_out, segments=None):
     # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs/log2(e)
     return (
         L.heads(dq.mul_(scale), q.dtype),
-        dk.mul_(1 / LOG2E).view(k.shape).to(k.dtype),
-        dv.view(v.shape).to(v.dtype),
+        positions_major(k.shape, k.dtype, k).copy_(dk.mul_(1 / LOG2E).view(k.shape)),
+        positions_major(v.shape, v.dtype, v).copy_(dv.view(v.shape)),
     )
 
 
@@ -341,6 +354,6 @@ def _backward_bf16(q, k, v, out, lse, grad_out, segments):
     # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q
     return (
         L.heads(dq.mul_(scale), q.dtype),
-        dk.mul_(scale).view(k.shape).to(k.dtype),
-        dv.view(v.shape).to(v.dtype),
+        positions_major(k.shape, k.dtype, k).copy_(dk.mul_(scale).view(k.shape)),
+        positions_major(v.shape, v.dtype, v).copy_(dv.view(v.shape)),
     )

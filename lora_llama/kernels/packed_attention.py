@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from lora_llama.kernels.blocked_attention import LOG2E
+from lora_llama.kernels.blocked_attention import LOG2E, positions_major
 from lora_llama.kernels.cpu import compiler_march
 from lora_llama.kernels.packed_rows import example_starts
 
@@ -77,11 +77,11 @@ def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None) -> 
 
 
 def forward(q, k, v, segments):
-    """out (B, H, T, d) in q's dtype, contiguous, and the base-2 log-sum-exp (B, H, T) float32, as
+    """out (B, H, T, d) in q's dtype, positions-major, and the base-2 log-sum-exp (B, H, T) float32, as
     blocked_attention.forward (where `applies`)."""
     lib = _library(q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
     q, k, v = (_last_contiguous(t) for t in (q, k, v))
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = positions_major(q.shape, q.dtype, q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32)
     c = LOG2E / math.sqrt(q.shape[-1])
     pointers = [_ptr(t) for t in (q, k, v, out, lse)]
@@ -91,10 +91,10 @@ def forward(q, k, v, segments):
 
 
 def backward(q, k, v, out, lse, grad_out, segments):
-    """dq, dk, dv (in q's dtype, contiguous) as blocked_attention.backward (where `applies`)."""
+    """dq, dk, dv (in q's dtype, positions-major) as blocked_attention.backward (where `applies`)."""
     lib = _library(q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
     q, k, v, out, grad_out = (_last_contiguous(t) for t in (q, k, v, out, grad_out))
-    dq, dk, dv = (torch.empty(t.shape, dtype=q.dtype) for t in (q, k, v))
+    dq, dk, dv = (positions_major(t.shape, q.dtype, q) for t in (q, k, v))
     scale = 1 / math.sqrt(q.shape[-1])
     pointers = [_ptr(t) for t in (q, k, v, out, grad_out, lse, dq, dk, dv)]
     strides = [_strides(t) for t in (q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk)]
