@@ -175,15 +175,20 @@ def test_long_packed_rows_in_float64():
         assert (got - want).abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
-def test_kernels_are_well_formed_custom_ops(packed):
+def test_kernels_are_well_formed_custom_ops(packed, rope):
     """torch.library.opcheck: schema, fake (meta) outputs equal the real ones' shapes and strides (what
-    torch.compile traces with), no aliasing of inputs."""
-    q, k, v = (t.detach().float() for t in qkv(2, 6, 2, 20, 8))
+    torch.compile traces with), no aliasing of inputs; with RoPE's cos and sin too (packed rows of head dimension
+    64: the C loop's)."""
+    q, k, v = (t.detach().float() for t in qkv(2, 6, 2, 20, 64))
     seg = packed_segments(2, 20, 5) if packed else None
-    out, lse = attention.causal_attention(q, k, v, seg)
-    torch.library.opcheck(attention.causal_attention, (q, k, v, seg))
-    torch.library.opcheck(attention.causal_attention_backward, (q, k, v, out, lse, torch.randn_like(out), seg))
+    angles = torch.rand(2, 1, 20, 32, generator=torch.Generator().manual_seed(3)) * 6
+    tables = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rope else (None, None)
+    out, lse = attention.causal_attention(q, k, v, seg, *tables)
+    torch.library.opcheck(attention.causal_attention, (q, k, v, seg, *tables))
+    grad_out = torch.randn_like(out)
+    torch.library.opcheck(attention.causal_attention_backward, (q, k, v, out, lse, grad_out, seg, *tables))
 
 
 def test_packed_rows_are_made_once_per_batch_and_mask_by_hand():

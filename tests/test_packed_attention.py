@@ -33,6 +33,21 @@ def packed_rows(lengths_per_row, heads, kv_heads, d, seed=0):
     return make(heads), make(kv_heads), make(kv_heads), segments
 
 
+def rope_tables(B, T, d, dtype, seed=2):
+    """cos, sin (B, 1, T, d) as the model makes them: angles position·θ_i (positions up to 255), equal in both
+    halves."""
+    positions = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed)).double()
+    angles = positions[..., None] * 10000.0 ** (-torch.arange(0, d, 2).double() / d)
+    angles = torch.cat([angles, angles], -1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x, cos, sin, sign=1):
+    """HF's apply_rotary_pos_emb in float64; sign -1: the inverse rotation (a gradient)."""
+    x1, x2 = x.double().chunk(2, -1)
+    return x.double() * cos.double() + torch.cat((-x2, x1), -1) * sin.double() * sign
+
+
 def reference(q, k, v, segments, grad_out, out):
     """out and dq, dk, dv in float64. The backward takes delta = rowsum(dO·out) from the kernel's own bf16 `out`,
     as flash attention's backward does (and the blocked kernel): the rounding of out is part of the contract, so
@@ -82,6 +97,44 @@ def test_forward_and_backward_equal_float64_attention(rows, heads, kv_heads, d, 
         close(got, expected)
     _, blocked_lse = blocked_attention.forward(q, k, v, segments)
     torch.testing.assert_close(lse, blocked_lse, rtol=0, atol=1e-4)  # the blocked kernel's log-sum-exp, base 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("tables_per_row", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_on_the_way_in_equals_attention_of_rotated_q_and_k(dtype, tables_per_row):
+    """Given cos and sin, the kernel attends with q and k rotated, and its dq, dk are the gradients of q and k before
+    the rotation (float64 reference: rotate, attend, rotate the gradients back)."""
+    rows = [[53, 53, 44], [41, 41, 40, 11, 3], [150]]
+    q, k, v, segments = (t.to(dtype) if t.is_floating_point() else t for t in packed_rows(rows, 9, 3, 64))
+    cos, sin = rope_tables(3 if tables_per_row else 1, q.shape[2], 64, dtype)
+    assert packed_attention.applies(q, k, segments, (cos, sin))
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out, lse = packed_attention.forward(q, k, v, segments, (cos, sin))
+    dq, dk, dv = packed_attention.backward(q, k, v, out, lse, grad_out, segments, (cos, sin))
+    want = reference(rotate(q, cos, sin), rotate(k, cos, sin), v, segments, grad_out, out)
+    close(out, want[0])
+    close(dq, rotate(want[1], cos, sin, -1))
+    close(dk, rotate(want[2], cos, sin, -1))
+    close(dv, want[3])
+
+
+@needs_kernel
+def test_attend_hands_rope_to_it(monkeypatch):
+    q, k, v, segments = packed_rows([[20, 30, 14], [64]], 9, 3, 64)
+    cos, sin = rope_tables(2, 64, 64, torch.bfloat16)
+    calls = []
+    real = packed_attention.forward
+    monkeypatch.setattr(packed_attention, "forward", lambda *a: calls.append(a[-1] is not None) or real(*a))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = attention.attend(q, k, v, causal=True, segments=segments, rope=(cos, sin))
+    out.backward(grad_out)
+    assert calls == [True]
+    want = reference(rotate(q.detach(), cos, sin), rotate(k.detach(), cos, sin), v.detach(), segments, grad_out, out.detach())
+    for got, expected in zip((out, q.grad, k.grad, v.grad), (want[0], *(rotate(g, cos, sin, -1) for g in want[1:3]))):
+        close(got, expected, kernel_output=False)
+    close(v.grad, want[3], kernel_output=False)
 
 
 @needs_kernel

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lora_llama.kernels import packed_attention
 from lora_llama.kernels.blocked_attention import LOG2E, backward, forward, positions_major, work_dtype
 from lora_llama.kernels.cpu import cpu_bf16_instructions
+from lora_llama.kernels.elementwise import apply_rope, rotate_back
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16)
 # enable_gqa lets SDPA read k/v with fewer heads without a repeated copy (torch >= 2.5)
@@ -32,24 +33,29 @@ def attend(
     mask=None,
     causal: bool = False,
     segments: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q·kᵀ/√d + mask)·v for q (B, H, T, d) and k, v (B, H_kv, S, d), H a multiple of H_kv.
 
     causal: the plain causal mask (mask must be None). segments (B, T) with causal: packed rows, each
     position sees the earlier positions of its own segment. A float CPU training step, and packed rows
     on the CPU, run `_CausalAttention`; anything else SDPA (packed rows with a mask built here).
+    rope (cos, sin): q and k are rotated by them first (apply_rope); packed rows' C loop rotates them on its way in.
     """
-    if (
+    ours = (
         causal
         and mask is None
         and q.device.type == "cpu"
         and q.dtype in _FLOATS
         and q.dtype == k.dtype == v.dtype
         and q.shape[2] == k.shape[2]
-    ):
+    )
+    if rope is not None and not (ours and packed_attention.applies(q, k, segments, rope)):
+        q, k, rope = apply_rope(q, *rope), apply_rope(k, *rope), None
+    if ours:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if segments is not None or training:
-            return _CausalAttention.apply(q, k, v, segments)
+            return _CausalAttention.apply(q, k, v, segments, *(rope or (None, None)))
     if segments is not None:
         mask, causal = causal_segment_mask(segments)[:, None], False
     if q.is_cuda and q.shape[2] == 1 and k.shape[1] != q.shape[1] and mask is not None:
@@ -121,18 +127,29 @@ def causal_segment_mask(segments: torch.Tensor) -> torch.Tensor:
 # custom ops: opaque to torch.compile (no loop to unroll) and one op that selective checkpointing can keep
 @torch.library.custom_op("lora_llama::causal_attention", mutates_args=())
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: torch.Tensor | None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, base-2 log-sum-exp) of causal attention, each packed example (segments) on its own."""
-    if segments is not None:
-        if packed_attention.applies(q, k, segments):
-            return packed_attention.forward(q, k, v, segments)
-        return forward(q, k, v, segments)
-    return _causal_forward(q, k, v)
+    """(out, base-2 log-sum-exp) of causal attention, each packed example (segments) on its own; with cos and sin,
+    of q and k rotated by them (RoPE)."""
+    rope = None if cos is None else (cos, sin)
+    if packed_attention.applies(q, k, segments, rope):
+        return packed_attention.forward(q, k, v, segments, rope)
+    q, k = _rotated(q, k, rope)
+    return forward(q, k, v, segments) if segments is not None else _causal_forward(q, k, v)
+
+
+def _rotated(q, k, rope):
+    """q and k rotated by rope (cos, sin) where it is given: what the blocked kernels and aten's take."""
+    return (q, k) if rope is None else (apply_rope(q, *rope), apply_rope(k, *rope))
 
 
 @causal_attention.register_fake
-def _(q, k, v, segments):
+def _(q, k, v, segments, cos=None, sin=None):
     return positions_major(q.shape, q.dtype, q), q.new_empty(q.shape[:3], dtype=work_dtype(q))  # as the kernels
 
 
@@ -145,25 +162,31 @@ def causal_attention_backward(
     lse: torch.Tensor,
     grad_out: torch.Tensor,
     segments: torch.Tensor | None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if packed_attention.applies(q, k, segments):
-        return packed_attention.backward(q, k, v, out, lse, grad_out, segments)
-    return backward(q, k, v, out, lse, grad_out, segments)
+    """dq, dk, dv of causal_attention (with cos and sin, the gradients of q and k before their rotation)."""
+    rope = None if cos is None else (cos, sin)
+    if packed_attention.applies(q, k, segments, rope):
+        return packed_attention.backward(q, k, v, out, lse, grad_out, segments, rope)
+    dq, dk, dv = backward(*_rotated(q, k, rope), v, out, lse, grad_out, segments)
+    return (dq, dk, dv) if rope is None else (rotate_back(dq, *rope), rotate_back(dk, *rope), dv)
 
 
 @causal_attention_backward.register_fake
-def _(q, k, v, out, lse, grad_out, segments):
+def _(q, k, v, out, lse, grad_out, segments, cos=None, sin=None):
     return tuple(positions_major(t.shape, t.dtype, t) for t in (q, k, v))
 
 
 class _CausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segments):
-        out, lse = causal_attention(q, k, v, segments)
-        ctx.save_for_backward(q, k, v, out, lse, segments)
+    def forward(ctx, q, k, v, segments, cos=None, sin=None):
+        out, lse = causal_attention(q, k, v, segments, cos, sin)
+        ctx.save_for_backward(q, k, v, out, lse, segments, cos, sin)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, segments = ctx.saved_tensors  # read once: checkpointing unpacks each saved tensor once
-        return (*causal_attention_backward(q, k, v, out, lse, grad_out, segments), None)
+        # read once: checkpointing unpacks each saved tensor once
+        q, k, v, out, lse, segments, cos, sin = ctx.saved_tensors
+        return (*causal_attention_backward(q, k, v, out, lse, grad_out, segments, cos, sin), None, None, None)

@@ -109,6 +109,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return _Rope.apply(x, cos, sin)
 
 
+def rotate_back(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of apply_rope's input from its output's (the inverse rotation), outside autograd."""
+    return _Rope.rotate(grad, cos, sin, sign=-1)
+
+
 class _SwiGLU(torch.autograd.Function):
     """silu(g)·u that keeps only g and u for backward and recomputes silu(g) there:
     one (B, T, intermediate) activation less per layer than autograd would store."""

@@ -1,9 +1,10 @@
 // Causal attention over packed rows of short examples on the CPU, bf16 (or, built with FLOAT_IN, float32) in and
 // out, float32 inside: one task is one example of one batch row and one key/value head with the REP query heads that
-// share it. Scores are in base 2 (the
-// caller folds log2(e) into c), the keys and values of a task are held as float32 (transposed for the scores), and
-// every product runs on 16-float vectors with the REP rows that share a load in registers. Built and loaded by
-// packed_attention.py; `lse` is the base-2 log-sum-exp the backward recomputes the probabilities from.
+// share it. Scores are in base 2 (the caller folds log2(e) into c), the keys and values of a task are held as float32
+// (transposed for the scores), and every product runs on 16-float vectors with the REP rows that share a load in
+// registers. Given cos and sin, q and k are rotated (RoPE) as they are read and dq, dk rotated back as they are
+// written. Built and loaded by packed_attention.py; `lse` is the base-2 log-sum-exp the backward recomputes the
+// probabilities from.
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -52,9 +53,23 @@ static inline v16 exp2v(v16 x) {
     return (v16)((v16i)y & ~under);
 }
 
+/* RoPE at one position, in HF's layout (each half rotated with the other, cos and sin equal in both halves):
+   y = x·cos + rotate_half(x)·sin; sign -1 rotates back (a gradient). cs NULL: no rotation. y may be x. */
+static inline void rope(float* y, const float* x, const elem* cs, const elem* sn, float sign) {
+    if (!cs) { if (y != x) memcpy(y, x, sizeof(float) * D); return; }
+    for (int64_t i = 0; i < D / 2; i++) {
+        float a = x[i], b = x[i + D / 2], c = bf(cs[i]), s = bf(sn[i]) * sign;
+        y[i] = a * c - b * s; y[i + D / 2] = b * c + a * s;
+    }
+}
+/* cos and sin at batch row b, position t (rs: their strides), or NULL without RoPE */
+#define COS(b, t) (cs ? cs + (b) * rs[0] + (t) * rs[1] : NULL)
+#define SIN(b, t) (cs ? sn + (b) * rs[0] + (t) * rs[1] : NULL)
+
 static int forward_tasks(const elem* q, const elem* k, const elem* v, elem* out, float* lse,
                     const int64_t* tasks, int64_t t0, int64_t t1, float c,
-                    const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* ls) {
+                    const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* ls,
+                    const elem* cs, const elem* sn, const int64_t* rs) {
     for (int64_t task = t0; task < t1; task++) {
         int64_t b = tasks[4 * task], g = tasks[4 * task + 1], s = tasks[4 * task + 2], L = tasks[4 * task + 3];
         int64_t Lp = (L + 15) / 16 * 16;
@@ -64,13 +79,18 @@ static int forward_tasks(const elem* q, const elem* k, const elem* v, elem* out,
         memset(kt, 0, sizeof(float) * D * Lp);
         for (int64_t j = 0; j < L; j++) {
             const elem *ks_ = k + b * ks[0] + g * ks[1] + (s + j) * ks[2], *vs_ = v + b * vs[0] + g * vs[1] + (s + j) * vs[2];
-            for (int64_t x = 0; x < D; x++) { kt[x * Lp + j] = bf(ks_[x]); vr[j * D + x] = bf(vs_[x]); }
+            float kx[D];
+            for (int64_t x = 0; x < D; x++) { kx[x] = bf(ks_[x]); vr[j * D + x] = bf(vs_[x]); }
+            rope(kx, kx, COS(b, s + j), SIN(b, s + j), 1.0f);
+            for (int64_t x = 0; x < D; x++) kt[x * Lp + j] = kx[x];
         }
         for (int64_t i = 0; i < L; i++) {
             float qf[REP][D];
             for (int64_t r = 0; r < REP; r++) {
                 const elem* src = q + b * qs[0] + (g * REP + r) * qs[1] + (s + i) * qs[2];
-                for (int64_t x = 0; x < D; x++) qf[r][x] = bf(src[x]) * c;
+                for (int64_t x = 0; x < D; x++) qf[r][x] = bf(src[x]);
+                rope(qf[r], qf[r], COS(b, s + i), SIN(b, s + i), 1.0f);
+                for (int64_t x = 0; x < D; x++) qf[r][x] *= c;
             }
             int64_t n = i + 1, nb = (n + 15) / 16;
             for (int64_t jb = 0; jb < nb; jb++) {
@@ -124,7 +144,8 @@ static int backward_tasks(const elem* q, const elem* k, const elem* v, const ele
                      const elem* dout, const float* lse, elem* dq, elem* dk, elem* dv,
                      const int64_t* tasks, int64_t t0, int64_t t1, float c, float scale,
                      const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* gs,
-                     const int64_t* ls, const int64_t* dqs, const int64_t* dks) {
+                     const int64_t* ls, const int64_t* dqs, const int64_t* dks,
+                     const elem* cs, const elem* sn, const int64_t* rs) {
     for (int64_t task = t0; task < t1; task++) {
         int64_t b = tasks[4 * task], g = tasks[4 * task + 1], s = tasks[4 * task + 2], L = tasks[4 * task + 3];
         int64_t Lp = (L + 15) / 16 * 16;
@@ -136,10 +157,10 @@ static int backward_tasks(const elem* q, const elem* k, const elem* v, const ele
         memset(gk, 0, sizeof(float) * 2 * Lp * D);
         for (int64_t j = 0; j < L; j++) {
             const elem *ks_ = k + b * ks[0] + g * ks[1] + (s + j) * ks[2], *vs_ = v + b * vs[0] + g * vs[1] + (s + j) * vs[2];
-            for (int64_t x = 0; x < D; x++) {
-                float kx = bf(ks_[x]);
-                kt[x * Lp + j] = kx; kr[j * D + x] = kx; vt[x * Lp + j] = bf(vs_[x]);
-            }
+            float* kx = kr + j * D;
+            for (int64_t x = 0; x < D; x++) { kx[x] = bf(ks_[x]); vt[x * Lp + j] = bf(vs_[x]); }
+            rope(kx, kx, COS(b, s + j), SIN(b, s + j), 1.0f);
+            for (int64_t x = 0; x < D; x++) kt[x * Lp + j] = kx[x];
         }
         for (int64_t i = 0; i < L; i++) {
             const int64_t t = s + i, n = i + 1, nb = (n + 15) / 16;
@@ -150,6 +171,7 @@ static int backward_tasks(const elem* q, const elem* k, const elem* v, const ele
                 const elem* osrc = out + b * os[0] + h * os[1] + t * os[2];
                 float dl = 0.0f;
                 for (int64_t x = 0; x < D; x++) { qf[r][x] = bf(qsrc[x]); gf[r][x] = bf(gsrc[x]); dl += gf[r][x] * bf(osrc[x]); }
+                rope(qf[r], qf[r], COS(b, t), SIN(b, t), 1.0f);
                 delta[r] = dl; l[r] = lse[b * ls[0] + h * ls[1] + t * ls[2]];
             }
             for (int64_t jb = 0; jb < nb; jb++) {
@@ -186,12 +208,16 @@ static int backward_tasks(const elem* q, const elem* k, const elem* v, const ele
                 elem* dst = dq + b * dqs[0] + (g * REP + r) * dqs[1] + t * dqs[2];
                 float of[D];
                 for (int64_t cc = 0; cc < NV; cc++) st(of + cc * 16, aq[r][cc] * scale);
+                rope(of, of, COS(b, t), SIN(b, t), -1.0f);
                 for (int64_t x = 0; x < D; x++) dst[x] = tobf(of[x]);
             }
         }
         for (int64_t j = 0; j < L; j++) {
             elem *kdst = dk + b * dks[0] + g * dks[1] + (s + j) * dks[2], *vdst = dv + b * dks[0] + g * dks[1] + (s + j) * dks[2];
-            for (int64_t x = 0; x < D; x++) { kdst[x] = tobf(gk[j * D + x] * scale); vdst[x] = tobf(gv[j * D + x]); }
+            float* gkj = gk + j * D;
+            for (int64_t x = 0; x < D; x++) { gkj[x] *= scale; vdst[x] = tobf(gv[j * D + x]); }
+            rope(gkj, gkj, COS(b, s + j), SIN(b, s + j), -1.0f);
+            for (int64_t x = 0; x < D; x++) kdst[x] = tobf(gkj[x]);
         }
         free(kt);
     }
@@ -203,8 +229,9 @@ static int backward_tasks(const elem* q, const elem* k, const elem* v, const ele
    threads would compete with torch's, which spin a while after each product. Nonzero: out of memory. */
 int packed_forward(const elem* q, const elem* k, const elem* v, elem* out, float* lse,
                    const int64_t* tasks, const int64_t* bounds, int64_t shares, float c,
-                   const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* ls) {
-#define FORWARD(i) forward_tasks(q, k, v, out, lse, tasks, bounds[i], bounds[(i) + 1], c, qs, ks, vs, os, ls)
+                   const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* ls,
+                   const elem* cs, const elem* sn, const int64_t* rs) {
+#define FORWARD(i) forward_tasks(q, k, v, out, lse, tasks, bounds[i], bounds[(i) + 1], c, qs, ks, vs, os, ls, cs, sn, rs)
     int failed = 0;
 #pragma omp parallel num_threads(shares) reduction(| : failed)
     for (int64_t i = omp_get_thread_num(); i < shares; i += omp_get_num_threads()) failed |= FORWARD(i);
@@ -215,9 +242,10 @@ int packed_backward(const elem* q, const elem* k, const elem* v, const elem* out
                     const elem* dout, const float* lse, elem* dq, elem* dk, elem* dv,
                     const int64_t* tasks, const int64_t* bounds, int64_t shares, float c, float scale,
                     const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, const int64_t* gs,
-                    const int64_t* ls, const int64_t* dqs, const int64_t* dks) {
+                    const int64_t* ls, const int64_t* dqs, const int64_t* dks,
+                    const elem* cs, const elem* sn, const int64_t* rs) {
 #define BACKWARD(i) backward_tasks(q, k, v, out, dout, lse, dq, dk, dv, tasks, bounds[i], bounds[(i) + 1], c, scale, \
-                                   qs, ks, vs, os, gs, ls, dqs, dks)
+                                   qs, ks, vs, os, gs, ls, dqs, dks, cs, sn, rs)
     int failed = 0;
 #pragma omp parallel num_threads(shares) reduction(| : failed)
     for (int64_t i = omp_get_thread_num(); i < shares; i += omp_get_num_threads()) failed |= BACKWARD(i);

@@ -124,13 +124,15 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = k.transpose(1, 2)  # (B, n_kv, T, head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rope = (cos, sin)  # attend rotates q and k (in its packed rows' C loop, on the way in)
+        if cache is not None or (self.q_scale is not None and self.q_scale != 1.0):  # these need them rotated here
+            q, k, rope = apply_rope(q, cos, sin), apply_rope(k, cos, sin), None
         if self.q_scale is not None and self.q_scale != 1.0:
             q = q * self.q_scale
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, n_kv, pos + T, head_dim)
         # mask None with T == 1: one query sees every key
-        y = attend(q, k, v, mask, causal=mask is None and T > 1, segments=segments if T > 1 else None)
+        y = attend(q, k, v, mask, causal=mask is None and T > 1, segments=segments if T > 1 else None, rope=rope)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return run_linear(self.o_proj, kept(y, keep))
 
