@@ -131,7 +131,8 @@ def test_attend_hands_rope_to_it(monkeypatch):
     out = attention.attend(q, k, v, causal=True, segments=segments, rope=(cos, sin))
     out.backward(grad_out)
     assert calls == [True]
-    want = reference(rotate(q.detach(), cos, sin), rotate(k.detach(), cos, sin), v.detach(), segments, grad_out, out.detach())
+    rotated = rotate(q.detach(), cos, sin), rotate(k.detach(), cos, sin)
+    want = reference(*rotated, v.detach(), segments, grad_out, out.detach())
     for got, expected in zip((out, q.grad, k.grad, v.grad), (want[0], *(rotate(g, cos, sin, -1) for g in want[1:3]))):
         close(got, expected, kernel_output=False)
     close(v.grad, want[3], kernel_output=False)

@@ -77,12 +77,9 @@ class _Layout:
         return t.to(dtype or work_dtype(t)).contiguous().view(self.n, self.T, self.d)
 
     def heads(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...), in dtype (one copy, the cast included); rows
-        of d values (out, dq) in positions_major's layout."""
-        if t.dim() == 3:
-            out = positions_major((self.B, self.H, self.T, t.shape[2]), dtype, t)
-        else:
-            out = t.new_empty((self.B, self.H, self.T), dtype=dtype)
+        """The inverse of rows: (B·H_kv, T·rep, ...) -> (B, H, T, ...) in dtype, out and dq positions-major (a copy)."""
+        shape = (self.B, self.H, self.T, *t.shape[2:])
+        out = positions_major(shape, dtype, t) if t.dim() == 3 else t.new_empty(shape, dtype=dtype)
         out.unflatten(1, (self.Hkv, self.rep)).copy_(
             t.view(self.B, self.Hkv, self.T, self.rep, *t.shape[2:]).transpose(2, 3)
         )
@@ -171,10 +168,14 @@ def _hidden(offset: int, queries: int, keys: int, rep: int, keys_first: bool, dt
 
 
 def positions_major(shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """An empty (B, H, T, d) tensor laid out as (B, T, H, d), the layout of the attention ops' outputs and gradients:
-    the model's (B, T, H·d) view of the output, and autograd's of the gradients, read it without a copy."""
-    B, H, T, d = shape
-    return like.new_empty((B, T, H, d), dtype=dtype).transpose(1, 2)
+    """An empty (B, H, T, d) tensor laid out as (B, T, H, d), as the attention ops' outputs and gradients are: the
+    model's (B, T, H·d) view of the output, and autograd's of the gradients, read it without a copy."""
+    return like.new_empty((shape[0], shape[2], shape[1], shape[3]), dtype=dtype).transpose(1, 2)
+
+
+def _as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A key gradient (B·H_kv, T, d) in like's shape and dtype, positions-major (one copy, the cast included)."""
+    return positions_major(like.shape, like.dtype, like).copy_(t.view(like.shape))
 
 
 def work_dtype(t: torch.Tensor) -> torch.dtype:
@@ -215,8 +216,7 @@ def _groups(L: _Layout, bf16: bool) -> int:
 
 
 def forward(q, k, v, segments=None):
-    """out (B, H, T, d) in q's dtype (laid out by positions_major) and the base-2 log-sum-exp (B, H, T) of plain
-    causal attention.
+    """out (B, H, T, d) in q's dtype, positions-major, and the base-2 log-sum-exp (B, H, T) of causal attention.
 
     Per block of queries, over tiles of keys: scores in base 2 (exp2 runs ~4x faster than exp on the CPU), the online
     softmax rescaling the running sum and output when a row spans tiles, over `_groups` groups at a time. Float: the
@@ -285,8 +285,7 @@ def _bf16_sums(active: bool):
 
 
 def backward(q, k, v, out, lse, grad_out, segments=None):
-    """dq, dk, dv of plain causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse (B, H, T) from forward), laid
-    out by positions_major.
+    """dq, dk, dv (positions-major) of causal attention (q (B, H, T, d), k/v (B, H_kv, T, d), lse from forward).
 
     Keys-first tiles: Pᵀ = exp2(k·qᵀ - lse) and dPᵀ - delta = v·dOᵀ - delta come out of one product each, the
     subtraction fused into it as the product's bias (one per query row)."""
@@ -310,11 +309,7 @@ def backward(q, k, v, out, lse, grad_out, segments=None):
             dk[grp, keys] += _bnn(dst, q_blk)
             dq[grp, rows] += _btn(dst, k_t)
     # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q = dSᵀ·qs/log2(e)
-    return (
-        L.heads(dq.mul_(scale), q.dtype),
-        positions_major(k.shape, k.dtype, k).copy_(dk.mul_(1 / LOG2E).view(k.shape)),
-        positions_major(v.shape, v.dtype, v).copy_(dv.view(v.shape)),
-    )
+    return L.heads(dq.mul_(scale), q.dtype), _as(dk.mul_(1 / LOG2E), k), _as(dv, v)
 
 
 def _backward_bf16(q, k, v, out, lse, grad_out, segments):
@@ -352,8 +347,4 @@ def _backward_bf16(q, k, v, out, lse, grad_out, segments):
             else:
                 dq[grp, rows] += part
     # dS is the gradient of the natural-log scores: dq = scale·dS·k, dk = scale·dSᵀ·q
-    return (
-        L.heads(dq.mul_(scale), q.dtype),
-        positions_major(k.shape, k.dtype, k).copy_(dk.mul_(scale).view(k.shape)),
-        positions_major(v.shape, v.dtype, v).copy_(dv.view(v.shape)),
-    )
+    return L.heads(dq.mul_(scale), q.dtype), _as(dk.mul_(scale), k), _as(dv, v)

@@ -3,16 +3,17 @@ key/value head.
 
 A packed chat row holds examples of tens of tokens: each is a small causal problem, and the blocked kernel
 (blocked_attention.py) spends most of its time around its batched products, in passes over score tiles, not in them.
-packed_attention.c computes an example's scores, softmax and sums in float32 registers over keys and values it holds
-as float32, with the query heads that share a key/value head in one pass, and writes outputs in the inputs' dtype
-(forward: out and the base-2 log-sum-exp; backward: dq, dk, dv from the recomputed probabilities), in the blocked
-kernel's contract; given RoPE's cos and sin, it rotates q and k as it reads them (and dq, dk back as it writes them),
-where a separate rotation takes three passes over each way (the default recipe's step: ~1.5% shorter). Per layer (SmolLM2 shapes, 9:3 heads of 64, a 4 x 256 packed batch of the default recipe, 2
-threads, EPYC with AVX512_BF16): bf16 forward 1.3-1.4 ms against the blocked kernel's 4.3-6.3, backward 3.1-3.4
-against 6.9-10.2, closer to float64 than the blocked kernel's bf16 products; float32 forward 1.3-1.4 against 5.6-6.0,
-backward 3.5-3.6 against 9.3-9.9. Its examples are dealt to torch's own OpenMP threads (the library is linked
-against the runtime torch loaded): threads of its own would compete for the cores with torch's, which spin for a while
-after each product, and take twice these times inside a training step.
+packed_attention.c computes an example's scores, softmax and sums in float32 registers over keys and values it holds as
+float32, with the query heads that share a key/value head in one pass, and writes outputs in the inputs' dtype (forward:
+out and the base-2 log-sum-exp; backward: dq, dk, dv from the recomputed probabilities), in the blocked kernel's
+contract; given RoPE's cos and sin, it rotates q and k as it reads them (and dq, dk back as it writes them), where a
+separate rotation takes three passes over each way (the default recipe's step: ~1.5% shorter). Per layer (SmolLM2
+shapes, 9:3 heads of 64, a 4 x 256 packed batch of the default recipe, 2 threads, EPYC with AVX512_BF16): bf16 forward
+1.3-1.4 ms against the blocked kernel's 4.3-6.3, backward 3.1-3.4 against 6.9-10.2, closer to float64 than the blocked
+kernel's bf16 products; float32 forward 1.3-1.4 against 5.6-6.0, backward 3.5-3.6 against 9.3-9.9. Its examples are
+dealt to torch's own OpenMP threads (the library is linked against the runtime torch loaded): threads of its own would
+compete for the cores with torch's, which spin for a while after each product, and take twice these times inside a
+training step.
 
 The C file is compiled on first use for this CPU (`-march=native`, or the level ONEDNN_MAX_CPU_ISA caps it at; about
 a second) with the C compiler inductor's loops need too, and kept under ~/.cache/lora-llama; where that fails, one
