@@ -235,14 +235,16 @@ def _build(head_dim: int, rep: int, float_in: bool) -> Path:
 
 
 def openmp_runtime() -> str | None:
-    """The GNU OpenMP library this process has loaded (torch's), by path, where /proc says; linked against it by path,
-    the kernel needs it by its own name and so shares its threads even where torch's copy is renamed."""
+    """The GNU OpenMP library this process has loaded (torch's, where another is loaded too), by path, where /proc
+    says; linked against it by path, the kernel needs it by its own name and so shares its threads even where torch's
+    copy is renamed."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split(maxsplit=5)[-1].strip() for line in f if "libgomp" in line}
     except OSError:
         return None
-    return min(paths) if paths else None
+    torch_lib = str(Path(torch.__file__).parent)
+    return min(paths, key=lambda path: (not path.startswith(torch_lib), path)) if paths else None
 
 
 def _cpu() -> str:
