@@ -51,7 +51,7 @@ def attend(
         and q.shape[2] == k.shape[2]
     )
     if rope is not None and not (ours and packed_attention.applies(q, k, segments, rope)):
-        q, k, rope = apply_rope(q, *rope), apply_rope(k, *rope), None
+        (q, k), rope = _rotated(q, k, rope), None
     if ours:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if segments is not None or training:

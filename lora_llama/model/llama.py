@@ -125,9 +125,10 @@ class Attention(nn.Module):
         k = k.transpose(1, 2)  # (B, n_kv, T, head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         rope = (cos, sin)  # attend rotates q and k (in its packed rows' C loop, on the way in)
-        if cache is not None or (self.q_scale is not None and self.q_scale != 1.0):  # these need them rotated here
+        scaled = self.q_scale is not None and self.q_scale != 1.0
+        if cache is not None or scaled:  # these need q and k rotated here
             q, k, rope = apply_rope(q, cos, sin), apply_rope(k, cos, sin), None
-        if self.q_scale is not None and self.q_scale != 1.0:
+        if scaled:
             q = q * self.q_scale
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, n_kv, pos + T, head_dim)
