@@ -7,7 +7,7 @@ the bound below is 2^-8 of the largest reference value."""
 import pytest
 import torch
 
-from lora_llama.kernels import attention, blocked_attention, packed_attention
+from lora_llama.kernels import attention, blocked_attention, cpu, packed_attention
 from lora_llama.kernels.attention import causal_segment_mask
 
 needs_kernel = pytest.mark.skipif(
@@ -188,7 +188,7 @@ def test_without_a_compiler_one_warning_and_the_blocked_kernel(monkeypatch, tmp_
 
 
 @needs_kernel
-@pytest.mark.skipif(packed_attention.openmp_runtime() is None, reason="torch loaded no GNU OpenMP runtime here")
+@pytest.mark.skipif(cpu.openmp_runtime() is None, reason="torch loaded no GNU OpenMP runtime here")
 def test_it_runs_on_the_openmp_runtime_torch_loaded(monkeypatch, tmp_path):
     """A second runtime would bring a second set of threads, competing with torch's for the cores."""
 

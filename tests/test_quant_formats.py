@@ -17,6 +17,36 @@ def test_int8_by_hand():
     assert torch.equal(dequantize_int8(q, scale), q.float() * scale[:, None])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_weight_is_the_float32_product_rounded_once(dtype):
+    """Every code value against row scales of every magnitude (a subnormal product included), and odd widths: the
+    weight is q · scale in float32 rounded to nearest even, as torch rounds it, whichever kernel writes it."""
+    codes = torch.arange(-127, 128, dtype=torch.int8)
+    scales = torch.tensor([1.0, 1e-3, 0.0078740157, 3.7e-42, 1.9, 2.0**-100, 0.0, 1234.5])
+    q = codes.repeat(len(scales), 3)[:, :757]  # 757 columns: no whole number of vectors a row
+    want = q.to(torch.float32).mul_(scales[:, None]).to(dtype)
+    got = dequantize_int8(q, scales, dtype)
+    assert got.dtype == dtype and torch.equal(
+        got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
+    assert torch.equal(dequantize_int8(q[:, 1::2], scales, dtype), want[:, 1::2])  # strided codes
+
+
+def test_int8_without_a_compiler_one_warning_and_torch_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    formats._int8_loop.cache_clear()
+    try:
+        q, scale = quantize_int8(torch.randn(6, 70, generator=torch.Generator().manual_seed(3)))
+        with pytest.warns(UserWarning, match="int8 bases dequantize through torch's kernels"):
+            got = dequantize_int8(q, scale, torch.bfloat16)
+        assert formats._int8_loop() is None
+        assert torch.equal(got, (q.float() * scale[:, None]).bfloat16())
+    finally:
+        formats._int8_loop.cache_clear()
+
+
 @pytest.mark.parametrize("bnb_kernel", [True, False])  # on the CPU by bitsandbytes' kernel, or by the formulas here
 @pytest.mark.parametrize("shape", [(96, 128), (7, 40), (3, 5), (1, 50)])  # (1, 50): an odd count of bytes
 def test_nf4_equals_bitsandbytes(shape, bnb_kernel, monkeypatch):

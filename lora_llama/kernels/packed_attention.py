@@ -15,29 +15,23 @@ dealt to torch's own OpenMP threads (the library is linked against the runtime t
 compete for the cores with torch's, which spin for a while after each product, and take twice these times inside a
 training step.
 
-The C file is compiled on first use for this CPU (`-march=native`, or the level ONEDNN_MAX_CPU_ISA caps it at; about
-a second) with the C compiler inductor's loops need too, and kept under ~/.cache/lora-llama; where that fails, one
-warning names the cause and the blocked kernel runs. Examples longer than LONGEST, head dimensions other than HEAD_DIMS
-and grouped heads beyond MAX_REP keep the blocked kernel (whose batched products win on long examples).
+The C file is built for this CPU on first use (kernels/cpu.py); where that fails, one warning names the cause and the
+blocked kernel runs. Examples longer than LONGEST, head dimensions other than HEAD_DIMS and grouped heads beyond
+MAX_REP keep the blocked kernel (whose batched products win on long examples).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
 from lora_llama.kernels.blocked_attention import LOG2E, positions_major
-from lora_llama.kernels.cpu import compiler_march
+from lora_llama.kernels.cpu import c_library
 from lora_llama.kernels.packed_rows import example_starts
 
 # positions of the longest example this kernel takes: its backward's work per example grows as the square, and past
@@ -51,9 +45,6 @@ MAX_REP = 8  # query heads per key/value head
 DTYPES = (torch.bfloat16, torch.float32)
 ENABLED = True  # tests switch it off to compare with the blocked kernel
 SOURCE = Path(__file__).with_name("packed_attention.c")
-# -ffast-math lets the sums vectorize; it is given to the compile step only: linked with it, gcc adds
-# crtfastmath.o, whose loading turns on flush-to-zero for the whole process
-FLAGS = ("-O3", "-ffast-math", "-fPIC", "-fopenmp")
 
 _libraries: dict[tuple[int, int, torch.dtype], ctypes.CDLL | None] = {}
 _broken: str | None = None  # why building failed, once it has
@@ -191,7 +182,8 @@ def _library(head_dim: int, rep: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     global _broken
     if (head_dim, rep, dtype) not in _libraries:
         try:
-            lib = ctypes.CDLL(str(_build(head_dim, rep, dtype == torch.float32)))
+            defines = (f"-DD={head_dim}", f"-DREP={rep}", *(("-DFLOAT_IN",) if dtype == torch.float32 else ()))
+            lib = c_library(SOURCE, defines)
         except (OSError, subprocess.SubprocessError) as e:
             _broken = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             warnings.warn(f"packed attention runs the blocked kernel: building its C loop failed ({_broken})")
@@ -203,54 +195,3 @@ def _library(head_dim: int, rep: int, dtype: torch.dtype) -> ctypes.CDLL | None:
             lib.packed_forward.restype = lib.packed_backward.restype = ctypes.c_int
         _libraries[head_dim, rep, dtype] = lib
     return _libraries[head_dim, rep, dtype]
-
-
-def _build(head_dim: int, rep: int, float_in: bool) -> Path:
-    """The shared library for (head_dim, rep, bf16 or float32 tensors) on this CPU, compiled once into the cache
-    (written atomically)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise OSError("no C compiler (cc, gcc, or CC) found")
-    source = SOURCE.read_bytes()
-    defines = (compiler_march(), f"-DD={head_dim}", f"-DREP={rep}", *(("-DFLOAT_IN",) if float_in else ()))
-    runtime = openmp_runtime()
-    link = [runtime] if runtime else ["-fopenmp"]
-    key = hashlib.sha256(b"\0".join([source, *map(str.encode, (compiler, *FLAGS, *defines, *link, _cpu()))]))
-    key = key.hexdigest()
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-llama" / "kernels"
-    target = folder / f"packed_attention-{key[:16]}.so"
-    if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            built, objects = Path(tmp) / target.name, Path(tmp) / "packed_attention.o"
-            for command in (
-                [compiler, *FLAGS, *defines, "-c", str(SOURCE), "-o", str(objects)],
-                [compiler, "-shared", str(objects), *link, "-o", str(built), "-lm"],
-            ):
-                done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-                if done.returncode:
-                    raise OSError(f"{Path(compiler).name} failed: {(done.stderr or done.stdout).strip()[-300:]}")
-            os.replace(built, target)
-    return target
-
-
-def openmp_runtime() -> str | None:
-    """The GNU OpenMP library this process has loaded (torch's, where another is loaded too), by path, where /proc
-    says; linked against it by path, the kernel needs it by its own name and so shares its threads even where torch's
-    copy is renamed."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split(maxsplit=5)[-1].strip() for line in f if "libgomp" in line}
-    except OSError:
-        return None
-    torch_lib = str(Path(torch.__file__).parent)
-    return min(paths, key=lambda path: (not path.startswith(torch_lib), path)) if paths else None
-
-
-def _cpu() -> str:
-    """What -march=native compiles for: the CPU's flags (the cache may be shared by machines)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
-    except OSError:
-        return platform.processor() + platform.machine()
