@@ -17,41 +17,63 @@ def test_int8_by_hand():
     assert torch.equal(dequantize_int8(q, scale), q.float() * scale[:, None])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_weight_is_the_float32_product_rounded_once(dtype):
-    """Every code value against row scales of every magnitude (a subnormal product included), and odd widths: the
-    weight is q · scale in float32 rounded to nearest even, as torch rounds it, whichever kernel writes it."""
-    codes = torch.arange(-127, 128, dtype=torch.int8)
-    scales = torch.tensor([1.0, 1e-3, 0.0078740157, 3.7e-42, 1.9, 2.0**-100, 0.0, 1234.5])
-    q = codes.repeat(len(scales), 3)[:, :757]  # 757 columns: no whole number of vectors a row
-    want = q.to(torch.float32).mul_(scales[:, None]).to(dtype)
-    got = dequantize_int8(q, scales, dtype)
-    assert got.dtype == dtype and torch.equal(
-        got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-    )
-    assert torch.equal(dequantize_int8(q[:, 1::2], scales, dtype), want[:, 1::2])  # strided codes
+@pytest.mark.parametrize("isa", [None, "AVX2", "SSE41"])  # the loops built for AVX-512 (where the CPU has it), AVX2, C
+def test_each_build_of_the_loops_writes_the_formulas_values(isa, monkeypatch, tmp_path):
+    """Every byte value of nf4 and every int8 code against scales of every magnitude (subnormal products and ties
+    between two bf16 values included), bf16 and float32, by each instruction set's build of dequantize.c
+    (ONEDNN_MAX_CPU_ISA caps the build): the float32 product rounded to nearest even, as torch rounds it."""
+    if isa is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    formats._library.cache_clear()
+    try:
+        if formats._library() is None:
+            pytest.skip("no C compiler here")
+        g = torch.Generator().manual_seed(5)
+        packed = torch.arange(256, dtype=torch.uint8).repeat(4)[torch.randperm(1024, generator=g)].view(16, 64)
+        absmax = torch.tensor([1.0, 0.03, 7.5, 1e-39, 2.0**-126, 0.0, 123.4, 1 + 2**-7 + 2**-8]).repeat(4).view(16, 2)
+        scales = torch.tensor([1.0, 1e-3, 0.0078740157, 3.7e-42, 2.0**-100, 0.0, 1234.5, 1 + 2**-7 + 2**-8])
+        q = torch.arange(-127, 128, dtype=torch.int8).repeat(len(scales), 3)[:, :757]  # no whole number of vectors
+        for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+            want = formats._nf4_eager(packed, absmax, 2048, dtype).view(16, 128)
+            assert torch.equal(dequantize_nf4(packed, absmax, (16, 128), dtype).view(bits), want.view(bits))
+            want = q.to(torch.float32).mul_(scales[:, None]).to(dtype)
+            assert torch.equal(dequantize_int8(q, scales, dtype).view(bits), want.view(bits))
+            assert torch.equal(dequantize_int8(q[:, 1::2], scales, dtype), want[:, 1::2])  # strided codes
+    finally:
+        formats._library.cache_clear()
 
 
-def test_int8_without_a_compiler_one_warning_and_torch_kernels(monkeypatch, tmp_path):
+def test_without_a_compiler_one_warning_and_torch_kernels(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    formats._int8_loop.cache_clear()
+    monkeypatch.setattr(formats, "_bitsandbytes_on_cpu", lambda: False)
+    formats._library.cache_clear()
     try:
-        q, scale = quantize_int8(torch.randn(6, 70, generator=torch.Generator().manual_seed(3)))
-        with pytest.warns(UserWarning, match="int8 bases dequantize through torch's kernels"):
+        q, scale = quantize_int8(torch.randn(6, 128, generator=torch.Generator().manual_seed(3)))
+        codes, absmax = quantize_nf4(q.float())
+        with pytest.warns(UserWarning, match="quantized bases dequantize through torch's kernels"):
             got = dequantize_int8(q, scale, torch.bfloat16)
-        assert formats._int8_loop() is None
+        assert formats._library() is None
         assert torch.equal(got, (q.float() * scale[:, None]).bfloat16())
+        assert torch.equal(
+            dequantize_nf4(codes, absmax, q.shape, torch.bfloat16),
+            formats._nf4_eager(codes, absmax, q.numel(), torch.bfloat16).view(q.shape),
+        )
     finally:
-        formats._int8_loop.cache_clear()
+        formats._library.cache_clear()
 
 
-@pytest.mark.parametrize("bnb_kernel", [True, False])  # on the CPU by bitsandbytes' kernel, or by the formulas here
-@pytest.mark.parametrize("shape", [(96, 128), (7, 40), (3, 5), (1, 50)])  # (1, 50): an odd count of bytes
-def test_nf4_equals_bitsandbytes(shape, bnb_kernel, monkeypatch):
+# on the CPU by dequantize.c's loop, by bitsandbytes' kernel, or by the formulas here
+@pytest.mark.parametrize("kernel", ["loop", "bitsandbytes", "formulas"])
+@pytest.mark.parametrize("shape", [(96, 128), (7, 40), (3, 5), (1, 50), (40, 64)])  # (1, 50): an odd count of bytes
+def test_nf4_equals_bitsandbytes(shape, kernel, monkeypatch):
     bnb = pytest.importorskip("bitsandbytes.functional")
-    if not bnb_kernel:
+    if kernel != "loop":
+        monkeypatch.setattr(formats, "_loop", lambda kind, dtype: None)
+    if kernel == "formulas":
         monkeypatch.setattr(formats, "_bitsandbytes_on_cpu", lambda: False)
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 0.05
     w[0, 0] = 0.9  # an outlier: its block's absmax
@@ -63,7 +85,7 @@ def test_nf4_equals_bitsandbytes(shape, bnb_kernel, monkeypatch):
     shifted = torch.empty(codes.numel() + 1, dtype=torch.uint8)[1:]  # the same bytes at an odd offset
     shifted.copy_(codes.reshape(-1))
     assert torch.equal(dequantize_nf4(shifted, absmax, w.shape), bnb.dequantize_4bit(packed, state))
-    # bf16: bitsandbytes' float32 weight rounded once (on the CPU whole blocks go through one compiled loop)
+    # bf16: bitsandbytes' float32 weight rounded once
     assert torch.equal(
         dequantize_nf4(codes, absmax, w.shape, torch.bfloat16), bnb.dequantize_4bit(packed, state).bfloat16()
     )
@@ -73,6 +95,7 @@ def test_nf4_by_bitsandbytes_on_cpu_only_where_equal(monkeypatch):
     """bf16 on the CPU takes bitsandbytes' kernel once it has reproduced the formulas on every byte value (float32
     keeps the formulas: the import's memory); a kernel that differs is never used."""
     pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(formats, "_loop", lambda kind, dtype: None)  # as where dequantize.c is not built
     formats._bitsandbytes_on_cpu.cache_clear()
     try:
         assert formats._bitsandbytes_on_cpu()

@@ -52,37 +52,45 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
-# On the CPU, one C loop reads each code once and writes each weight once (int8_dequantize.c), where torch's kernels
-# write a float32 weight, scale it and round it in three passes (SmolLM2's 1536 x 576, AVX512_BF16 EPYC, 2 threads:
-# bf16 56 against inductor's one loop's 106 µs plus its call's ~70, float32 34 against 57; the same values)
-INT8_LOOP = Path(__file__).with_name("int8_dequantize.c")
-_INT8_LOOP_DTYPES = {torch.bfloat16: "int8_to_bf16", torch.float32: "int8_to_float"}
+# On the CPU, one C loop (dequantize.c, on torch's threads) reads each code once and writes each weight once, where
+# torch's kernels write a float32 weight, scale it and round it in three passes. SmolLM2's 1536 x 576, AVX512_BF16
+# EPYC, 2 threads: int8 in bf16 56 µs against inductor's one loop's 106 plus its call's ~70, in float32 34 against
+# 57; nf4 in bf16 39 against bitsandbytes' CPU kernel's 78; the same values.
+LOOPS = Path(__file__).with_name("dequantize.c")
+_LOOP_DTYPES = {torch.bfloat16: "bf16", torch.float32: "float"}
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """q · scale in float32, rounded once into dtype (a mixed int8·float32 multiply runs ~10x slower)."""
-    loop = _int8_loop() if q.device.type == "cpu" and dtype in _INT8_LOOP_DTYPES and q.dim() == 2 else None
+    loop = _loop("int8", dtype) if q.device.type == "cpu" and q.dim() == 2 else None
     if loop is None:
         return q.to(torch.float32).mul_(scale[:, None]).to(dtype)
     q, scale = q.contiguous(), scale.to(torch.float32).contiguous()
     out = torch.empty(q.shape, dtype=dtype)
-    pointers = (ctypes.c_void_p(t.data_ptr()) for t in (q, scale, out))
-    getattr(loop, _INT8_LOOP_DTYPES[dtype])(*pointers, *q.shape)
+    loop(*(ctypes.c_void_p(t.data_ptr()) for t in (q, scale, out)), *q.shape)
     return out
 
 
+def _loop(kind: str, dtype: torch.dtype):
+    """dequantize.c's loop writing `kind`'s weight in `dtype`, or None (no such loop, or no build of the file)."""
+    lib = _library() if dtype in _LOOP_DTYPES else None
+    return None if lib is None else getattr(lib, f"{kind}_to_{_LOOP_DTYPES[dtype]}")
+
+
 @functools.cache
-def _int8_loop() -> ctypes.CDLL | None:
-    """int8_dequantize.c built and loaded; None (and one warning) where building fails."""
+def _library() -> ctypes.CDLL | None:
+    """dequantize.c built and loaded; None (and one warning) where building fails."""
     try:
-        lib = c_library(INT8_LOOP)
+        lib = c_library(LOOPS)
     except (OSError, subprocess.SubprocessError) as e:
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        warnings.warn(f"int8 bases dequantize through torch's kernels: building their C loop failed ({cause})")
+        warnings.warn(f"quantized bases dequantize through torch's kernels: building their C loop failed ({cause})")
         return None
-    for name in _INT8_LOOP_DTYPES.values():
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-        getattr(lib, name).restype = None
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    for dtype in _LOOP_DTYPES.values():
+        getattr(lib, f"int8_to_{dtype}").argtypes = [pointer] * 3 + [count] * 2
+        getattr(lib, f"nf4_to_{dtype}").argtypes = [pointer] * 4 + [count]
+        getattr(lib, f"int8_to_{dtype}").restype = getattr(lib, f"nf4_to_{dtype}").restype = None
     return lib
 
 
@@ -181,18 +189,6 @@ def _code_values(packed: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(words, _word_table(flat.device)).view(-1)
 
 
-def _nf4_formula(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """The weights of whole blocks in bf16: each nibble's code value times its block's absmax, in float32."""
-    values = torch.stack([code[(packed >> 4).long()], code[(packed & 15).long()]], -1)
-    return (values.view(-1, NF4_BLOCK) * absmax.view(-1, 1)).to(torch.bfloat16)
-
-
-# bf16 on the CPU: one compiled loop reads each byte once and writes bf16, where the eager chain writes a float32
-# weight, scales it in place and casts it (SmolLM2's 1536 x 576 on an AVX512_BF16 EPYC, 2 threads: 0.19 against 0.41
-# ms, the same values); in float32 the eager chain is as fast, and stays
-_nf4_compiled = fused.compiled(_nf4_formula, slower="nf4 bases dequantize slower", dynamic=True)
-
-
 @fused.made_once
 def _code_table(device: torch.device) -> torch.Tensor:
     return torch.tensor(NF4_CODE, device=device)
@@ -240,18 +236,22 @@ def _bitsandbytes_on_cpu() -> bool:
 
 
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
-    """The weight. bf16 on the CPU: by bitsandbytes' kernel where it is installed (same values, 3-4x faster than the
-    compiled formula: SmolLM2's 1536 x 576, 2 threads of an AVX512_BF16 EPYC, 0.06 against 0.19-0.28 ms). Its import
-    brings triton and what torch.compile imports: ~30 MB more at a bf16 step's peak, where the compiled formulas have
-    loaded most of it already, ~200 MB in a float32 process, which keeps the formulas here."""
+    """The weight. On the CPU, whole blocks by dequantize.c's loop; bf16 where that is not built by bitsandbytes'
+    kernel where it is installed (same values, 1.5-2x slower than the loop; its import brings triton and what
+    torch.compile imports: ~30 MB more at a bf16 step's peak, ~200 MB in a float32 process, which keeps the formulas
+    here)."""
     n = torch.Size(shape).numel()
     whole_blocks = n == 2 * packed.numel() and n % NF4_BLOCK == 0
-    bf16_cpu = dtype == torch.bfloat16 and packed.device.type == "cpu" and whole_blocks
-    if bf16_cpu and _bitsandbytes_on_cpu():
+    cpu = packed.device.type == "cpu" and whole_blocks
+    if cpu and (loop := _loop("nf4", dtype)) is not None:
+        packed, absmax = packed.reshape(-1).contiguous(), absmax.reshape(-1).to(torch.float32).contiguous()
+        out = torch.empty(shape, dtype=dtype)
+        loop(
+            *(ctypes.c_void_p(t.data_ptr()) for t in (packed, absmax, _code_table(packed.device), out)), n // NF4_BLOCK
+        )
+        return out
+    if cpu and dtype == torch.bfloat16 and _bitsandbytes_on_cpu():
         return nf4_by_bitsandbytes(packed, absmax, shape, dtype)
-    if bf16_cpu and fused.compiling():
-        table = _code_table(packed.device)
-        return _nf4_compiled(packed.reshape(-1), absmax.reshape(-1).float(), table).view(shape)
     return _nf4_eager(packed, absmax, n, dtype).view(shape)
 
 
