@@ -72,8 +72,9 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
 
 
 def _loop(kind: str, dtype: torch.dtype):
-    """dequantize.c's loop writing `kind`'s weight in `dtype`, or None (no such loop, or no build of the file)."""
-    lib = _library() if dtype in _LOOP_DTYPES else None
+    """dequantize.c's loop writing `kind`'s weight in `dtype`, or None (no such loop, no build of the file, or a
+    formula being compiled: a graph holds the formulas)."""
+    lib = _library() if dtype in _LOOP_DTYPES and not torch.compiler.is_compiling() else None
     return None if lib is None else getattr(lib, f"{kind}_to_{_LOOP_DTYPES[dtype]}")
 
 
