@@ -45,10 +45,21 @@ def check(fn, inputs_bf16, inputs_64, seed=9):
         assert a.dtype == torch.bfloat16 and rel(a, b) < BF16, rel(a, b)
 
 
-# compiled: kernels/fused.py's torch.compile'd formulas (what a bf16 CPU training step runs), or PyTorch's eager kernels
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
-def test_rms_norm_rope_swiglu_in_bf16(monkeypatch, compiled):
-    monkeypatch.setattr(fused, "ENABLED", compiled)
+def refuse(*args):
+    raise AssertionError("the other kernel ran")
+
+
+# kernels/fused.py's C loops (what a bf16 CPU training step runs), its torch.compile'd formulas (where the loops are
+# not built), or PyTorch's eager kernels
+@pytest.mark.parametrize("kernel", ["loops", "compiled", "eager"])
+def test_rms_norm_rope_swiglu_in_bf16(monkeypatch, kernel):
+    monkeypatch.setattr(fused, "ENABLED", kernel != "eager")
+    if kernel == "compiled":
+        monkeypatch.setattr(fused, "_loops", lambda: None)
+    if kernel == "loops":
+        assert fused._loops() is not None, "elementwise.c did not build"
+        for name in ("_rms_norm_forward", "_rms_norm_backward", "_swiglu_forward", "_swiglu_backward"):
+            monkeypatch.setattr(fused, name, refuse)
     calls = []
     for name in ("rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward"):
         monkeypatch.setattr(
@@ -67,9 +78,42 @@ def test_rms_norm_rope_swiglu_in_bf16(monkeypatch, compiled):
     u, u64 = pair(3, 5, 32, seed=4)
     check(swiglu, (g, u), (g64, u64))
     assert sorted(set(calls)) == (
-        ["rms_norm_backward", "rms_norm_forward", "swiglu_backward", "swiglu_forward"] if compiled else []
+        ["rms_norm_backward", "rms_norm_forward", "swiglu_backward", "swiglu_forward"] if kernel != "eager" else []
     )
     assert fused._broken is None
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units in the last place of bf16 at the larger of the two (8 significant bits)."""
+    a, b = a.double(), b.double()
+    scale = torch.maximum(a.abs(), b.abs()).clamp(min=2.0**-126)
+    return (a - b).abs() / torch.exp2(torch.floor(torch.log2(scale)) - 7)
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 576), (5, 77), (1, 4100)])  # rows of odd widths, a part-filled chunk
+def test_c_loops_round_the_formulas_values(shape):
+    """The C loops against the formulas run by PyTorch's eager kernels (x/rms rounded to bf16 before the weight, as HF
+    does; inductor's compiled loop skips that rounding and differs from both in a quarter of the outputs): the same
+    float32 formula, its sums and exp in another order, so each output is the same float32 value give or take a few
+    float32 ulps, rounded once to bf16. The two differ by at most one bf16 ulp, and only for the few values within
+    those ulps of a rounding boundary."""
+    if fused._loops() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(11)
+    x, u, grad = ((torch.randn(shape, generator=g) * 3).bfloat16() for _ in range(3))
+    weight = (1 + torch.randn(shape[-1], generator=g) * 0.1).bfloat16()
+    y, rstd = fused.rms_norm_forward(x, weight, 1e-5)
+    loops = [y, fused.swiglu_forward(x, u), *fused.swiglu_backward(x, u, grad)]
+    loops += fused.rms_norm_backward(x, weight, rstd, grad, True)
+    y_eager, rstd_eager = fused.rms_norm_formula(x, weight, 1e-5)
+    rows = [t.reshape(-1, shape[-1]) for t in (x, u, grad)]
+    formulas = [y_eager, fused.swiglu_formula(x, u), *fused._swiglu_backward.__wrapped__(*rows)]
+    formulas += fused._rms_norm_backward.__wrapped__(rows[0], weight, rstd_eager.reshape(-1, 1), rows[2], True)
+    assert torch.allclose(rstd, rstd_eager, rtol=2e-6, atol=0)  # 1/rms in float32: a few ulps
+    for name, a, b in zip(["norm", "swiglu", "d/dg", "d/du", "norm dx", "norm d/dweight"], loops, formulas):
+        assert a.dtype == b.dtype == torch.bfloat16, name
+        ulps = bf16_ulps(a, b.view(a.shape))
+        assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01, (name, ulps.max(), (ulps > 0).float().mean())
 
 
 def test_compile_failure_falls_back_to_eager_once(monkeypatch):
@@ -83,7 +127,9 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch):
         assert torch.equal(formula(x), x * 3.25 + 1.5)
         assert torch.equal(formula(x), x * 3.25 + 1.5)
     assert len([w for w in record if "torch.compile unavailable" in str(w.message)]) == 1
-    assert fused._broken and not fused.active(x)
+    assert fused._broken
+    monkeypatch.setattr(fused, "_loops", lambda: None)  # nor are the C loops built
+    assert not fused.active(x)
 
 
 THREAD_USE = """

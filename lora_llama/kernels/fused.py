@@ -1,27 +1,37 @@
-"""bfloat16 elementwise math of a CPU training step as compiled loops (torch.compile's inductor), eager as fallback.
+"""bfloat16 elementwise math of a CPU training step (RMSNorm, SwiGLU) as one loop each: C loops (elementwise.c), or
+loops compiled by torch.compile's inductor where those are not built; `compiled`, every torch.compile of the package.
 
 PyTorch's eager kernels take a bf16 formula one operation at a time, each a pass over memory that converts to float32
-and back: no faster per element than float32 on the CPU, so they cap what bf16 gains over a float32 step. Inductor
-writes one C++ loop per formula with the conversions in registers. On an AMD EPYC with AVX512_BF16 (2 threads; forward
-plus backward): RMSNorm (4, 512, 576) 1.53 -> 0.28 ms, SwiGLU (2048, 1536) 3.4 -> 2.3 ms; the bf16 training step 6.8%
-faster (paired), the float32 one unchanged, so float32 and other devices keep the eager kernels and compile nothing.
+and back: no faster per element than float32 on the CPU, so they cap what bf16 gains over a float32 step. One loop per
+formula keeps the conversions in registers. On an AMD EPYC with AVX512_BF16 (2 threads; forward plus backward):
+RMSNorm (4, 512, 576) 1.53 -> 0.28 ms compiled, SwiGLU (2048, 1536) 3.4 -> 2.3 ms compiled, 1.9 in C; the bf16
+training step 6.8% faster compiled (paired), the float32 one unchanged, so float32 and other devices keep the eager
+kernels. The C loops also spare each call the ~0.2 ms that calling a compiled function costs (a 135M step makes ~200
+such calls) and the first step its compiling.
 
-The formulas are the eager kernels' (elementwise.py), float32 inside. Each compiles on first use (seconds; inductor
-keeps them on disk for later runs), with dynamic shapes (a new row count is no new compile). Where compiling fails (no
-C++ compiler, an unsupported build), a warning says so once and the eager kernels run from then on. `compiled` also
-serves quant/linear.py, whose dequantization compiles on CUDA, and the model's compiled blocks.
+The formulas are the eager kernels' (elementwise.py), float32 inside. elementwise.c is built for this CPU on first use
+(kernels/cpu.py); a compiled formula compiles on first use (seconds; inductor keeps them on disk for later runs), with
+dynamic shapes (a new row count is no new compile). Where building or compiling fails (no C or C++ compiler, an
+unsupported build), a warning says so once and the next kernel runs: compiled, then eager. `compiled` also serves
+quant/linear.py, whose dequantization compiles on CUDA, and the model's compiled blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import subprocess
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from lora_llama.kernels.cpu import c_library
+
 ENABLED = True  # tests switch it off to compare with the eager kernels
+LOOPS = Path(__file__).with_name("elementwise.c")
 _broken: str | None = None  # why compiling failed, once it has
 
 
@@ -32,8 +42,32 @@ def compiling() -> bool:
 
 
 def active(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled bf16 formulas take these tensors: bf16 on the CPU, while compiling works."""
-    return compiling() and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
+    """Whether the bf16 loops take these tensors: bf16 on the CPU, outside an enclosing torch.compile, while the C loops
+    are built or compiling works."""
+    bf16_cpu = all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
+    return bf16_cpu and ENABLED and not torch.compiler.is_compiling() and (_broken is None or _loops() is not None)
+
+
+@functools.cache
+def _loops() -> ctypes.CDLL | None:
+    """elementwise.c built and loaded; None (and one warning) where building fails."""
+    try:
+        lib = c_library(LOOPS)
+    except (OSError, subprocess.SubprocessError) as e:
+        cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        warnings.warn(f"bf16 RMSNorm and SwiGLU run as compiled formulas: building their C loops failed ({cause})")
+        return None
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    lib.rms_norm_forward.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, count, count]
+    lib.rms_norm_backward.argtypes = [pointer] * 5 + [count, count]
+    lib.rms_norm_weight_grad.argtypes = [pointer] * 4 + [count, count]
+    lib.swiglu_forward.argtypes = [pointer] * 3 + [count]
+    lib.swiglu_backward.argtypes = [pointer] * 5 + [count]
+    return lib
+
+
+def _pointers(*tensors: torch.Tensor) -> list[ctypes.c_void_p]:
+    return [ctypes.c_void_p(t.data_ptr()) for t in tensors]
 
 
 def made_once(make):
@@ -146,7 +180,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight · x/rms(x), 1/rms(x) (..., 1)), x/rms in float32 and cast back before the weight, as HF does."""
-    y, rstd = _rms_norm_forward(_rows(x), weight, eps)
+    lib = _loops() if weight.dtype == torch.bfloat16 else None
+    if lib is None:
+        y, rstd = _rms_norm_forward(_rows(x), weight, eps)
+    else:
+        rows, weight = _rows(x).contiguous(), weight.detach().contiguous()
+        y, rstd = torch.empty_like(rows), torch.empty(rows.shape[0], dtype=torch.float32)
+        lib.rms_norm_forward(*_pointers(rows, weight), eps, *_pointers(y, rstd), *rows.shape)
     return y.view(x.shape), rstd.view(*x.shape[:-1], 1)
 
 
@@ -155,17 +195,39 @@ def rms_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dx = (gw - x̂·mean(gw·x̂))·rstd with x̂ = x·rstd, gw = grad·weight (kernels._RMSNorm), and, if asked,
     the weight's gradient Σ grad·x̂ over the rows."""
-    dx, grad_w = _rms_norm_backward(_rows(x), weight, _rows(rstd), _rows(grad), weight_grad)
+    lib = _loops() if weight.dtype == torch.bfloat16 else None
+    if lib is None:
+        dx, grad_w = _rms_norm_backward(_rows(x), weight, _rows(rstd), _rows(grad), weight_grad)
+        return dx.view(x.shape), grad_w
+    rows, weight, rstd, grad = (_rows(t).contiguous() for t in (x, weight, rstd, grad))
+    dx, grad_w = torch.empty_like(rows), None
+    lib.rms_norm_backward(*_pointers(rows, weight, rstd, grad, dx), *rows.shape)
+    if weight_grad:
+        grad_w = torch.empty(rows.shape[1], dtype=torch.float32)
+        lib.rms_norm_weight_grad(*_pointers(rows, rstd, grad, grad_w), *rows.shape)
+        grad_w = grad_w.to(weight.dtype)
     return dx.view(x.shape), grad_w
 
 
 def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return _swiglu_forward(_rows(g), _rows(u)).view(g.shape)
+    lib = _loops()
+    if lib is None:
+        return _swiglu_forward(_rows(g), _rows(u)).view(g.shape)
+    rows = [_rows(t).contiguous() for t in (g, u)]
+    out = torch.empty_like(rows[0])
+    lib.swiglu_forward(*_pointers(*rows, out), g.numel())
+    return out.view(g.shape)
 
 
 def swiglu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(d/dg, d/du) of silu(g)·u."""
-    dg, du = _swiglu_backward(_rows(g), _rows(u), _rows(grad))
+    lib = _loops()
+    if lib is None:
+        dg, du = _swiglu_backward(_rows(g), _rows(u), _rows(grad))
+        return dg.view(g.shape), du.view(u.shape)
+    rows = [_rows(t).contiguous() for t in (g, u, grad)]
+    dg, du = torch.empty_like(rows[0]), torch.empty_like(rows[1])
+    lib.swiglu_backward(*_pointers(*rows, dg, du), g.numel())
     return dg.view(g.shape), du.view(u.shape)
 
 
