@@ -270,8 +270,8 @@ def _describe_setup(
         )
     if precision == "bf16-mixed" and device == "cpu" and fused.ENABLED:
         log(
-            "bf16 on the CPU: RMSNorm and SwiGLU run as compiled loops, built during the first step "
-            "(seconds; kept on disk for later runs)"
+            "bf16 on the CPU: RMSNorm and SwiGLU run as C loops, built for this CPU on first use "
+            "(about a second; kept on disk for later runs)"
         )
     if sharded:
         frozen = [p for p in model.parameters() if not p.requires_grad]
