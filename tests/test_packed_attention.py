@@ -179,7 +179,7 @@ def test_without_a_compiler_one_warning_and_the_blocked_kernel(monkeypatch, tmp_
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(packed_attention, "_libraries", {})
-    monkeypatch.setattr(packed_attention, "_broken", None)
+    monkeypatch.setattr(packed_attention, "_broken", False)
     q, k, v, segments = packed_rows([[25, 39]], 9, 3, 64)
     with pytest.warns(UserWarning, match="packed attention runs the blocked kernel"):
         out = attention.causal_attention(q, k, v, segments)[0]

@@ -116,6 +116,21 @@ def test_c_loops_round_the_formulas_values(shape):
         assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01, (name, ulps.max(), (ulps > 0).float().mean())
 
 
+def test_without_a_c_compiler_one_warning_and_the_compiled_formulas(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fused._loops.cache_clear()
+    try:
+        g, u = (torch.randn(4, 96, generator=torch.Generator().manual_seed(i)).bfloat16() for i in (1, 2))
+        assert fused.active(g, u)  # the compiled formulas take them
+        with pytest.warns(UserWarning, match="RMSNorm and SwiGLU run as compiled formulas: building elementwise.c"):
+            out = fused.swiglu_forward(g, u)
+        assert fused._loops() is None
+        assert torch.equal(out, fused._swiglu_forward(g, u))
+    finally:
+        fused._loops.cache_clear()
+
+
 def test_compile_failure_falls_back_to_eager_once(monkeypatch):
     """Without a working C++ compiler the compiled formulas warn once and run eagerly, with the same result."""
     monkeypatch.setattr(fused, "_broken", None)

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -88,6 +89,16 @@ def c_library(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
                     raise OSError(f"{Path(compiler).name} failed: {(done.stderr or done.stdout).strip()[-300:]}")
             os.replace(built, target)
     return ctypes.CDLL(str(target))
+
+
+def c_library_or_none(source: Path, instead: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """c_library(source, defines), or None and one warning where building fails: what runs `instead`, and why."""
+    try:
+        return c_library(source, defines)
+    except (OSError, subprocess.SubprocessError) as e:
+        cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        warnings.warn(f"{instead}: building {source.name} failed ({cause})", stacklevel=3)
+        return None
 
 
 def openmp_runtime() -> str | None:

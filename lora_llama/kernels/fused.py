@@ -21,14 +21,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import subprocess
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from lora_llama.kernels.cpu import c_library
+from lora_llama.kernels.cpu import c_library_or_none
 
 ENABLED = True  # tests switch it off to compare with the eager kernels
 LOOPS = Path(__file__).with_name("elementwise.c")
@@ -51,11 +50,8 @@ def active(*tensors: torch.Tensor) -> bool:
 @functools.cache
 def _loops() -> ctypes.CDLL | None:
     """elementwise.c built and loaded; None (and one warning) where building fails."""
-    try:
-        lib = c_library(LOOPS)
-    except (OSError, subprocess.SubprocessError) as e:
-        cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        warnings.warn(f"bf16 RMSNorm and SwiGLU run as compiled formulas: building their C loops failed ({cause})")
+    lib = c_library_or_none(LOOPS, "bf16 RMSNorm and SwiGLU run as compiled formulas")
+    if lib is None:
         return None
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     lib.rms_norm_forward.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, count, count]

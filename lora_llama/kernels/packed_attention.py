@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import subprocess
-import warnings
 from pathlib import Path
 
 import torch
 
 from lora_llama.kernels.blocked_attention import LOG2E, positions_major
-from lora_llama.kernels.cpu import c_library
+from lora_llama.kernels.cpu import c_library_or_none
 from lora_llama.kernels.packed_rows import example_starts
 
 # positions of the longest example this kernel takes: its backward's work per example grows as the square, and past
@@ -47,7 +45,7 @@ ENABLED = True  # tests switch it off to compare with the blocked kernel
 SOURCE = Path(__file__).with_name("packed_attention.c")
 
 _libraries: dict[tuple[int, int, torch.dtype], ctypes.CDLL | None] = {}
-_broken: str | None = None  # why building failed, once it has
+_broken = False  # building failed once: the process keeps the blocked kernel
 _plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
 
@@ -58,7 +56,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None, rop
     return (
         ENABLED
         and (rope is None or _takes_rope(q, *rope))
-        and _broken is None
+        and not _broken
         and segments is not None
         and q.device.type == "cpu"
         and q.dtype == k.dtype in DTYPES
@@ -181,13 +179,9 @@ def _library(head_dim: int, rep: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     fails."""
     global _broken
     if (head_dim, rep, dtype) not in _libraries:
-        try:
-            defines = (f"-DD={head_dim}", f"-DREP={rep}", *(("-DFLOAT_IN",) if dtype == torch.float32 else ()))
-            lib = c_library(SOURCE, defines)
-        except (OSError, subprocess.SubprocessError) as e:
-            _broken = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            warnings.warn(f"packed attention runs the blocked kernel: building its C loop failed ({_broken})")
-            lib = None
+        defines = (f"-DD={head_dim}", f"-DREP={rep}", *(("-DFLOAT_IN",) if dtype == torch.float32 else ()))
+        lib = c_library_or_none(SOURCE, "packed attention runs the blocked kernel", defines)
+        _broken = _broken or lib is None
         if lib is not None:
             pointer, count, number = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
             lib.packed_forward.argtypes = [pointer] * 7 + [count, number] + [pointer] * 8

@@ -12,14 +12,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
-import warnings
 from pathlib import Path
 
 import torch
 
 from lora_llama.kernels import fused
-from lora_llama.kernels.cpu import c_library
+from lora_llama.kernels.cpu import c_library_or_none
 
 INT8_MAX = 127
 NF4_BLOCK = 64
@@ -81,11 +79,8 @@ def _loop(kind: str, dtype: torch.dtype):
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """dequantize.c built and loaded; None (and one warning) where building fails."""
-    try:
-        lib = c_library(LOOPS)
-    except (OSError, subprocess.SubprocessError) as e:
-        cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        warnings.warn(f"quantized bases dequantize through torch's kernels: building their C loop failed ({cause})")
+    lib = c_library_or_none(LOOPS, "quantized bases dequantize through torch's kernels")
+    if lib is None:
         return None
     pointer, count = ctypes.c_void_p, ctypes.c_int64
     for dtype in _LOOP_DTYPES.values():
