@@ -91,14 +91,20 @@ def c_library(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
-def c_library_or_none(source: Path, instead: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """c_library(source, defines), or None and one warning where building fails: what runs `instead`, and why."""
+def c_library_or_none(
+    source: Path, instead: str, signatures: dict[str, list], defines: tuple[str, ...] = ()
+) -> ctypes.CDLL | None:
+    """c_library(source, defines) with each function's argument types set (`signatures`: name -> ctypes types), or
+    None and one warning where building fails: what runs `instead`, and why."""
     try:
-        return c_library(source, defines)
+        lib = c_library(source, defines)
     except (OSError, subprocess.SubprocessError) as e:
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         warnings.warn(f"{instead}: building {source.name} failed ({cause})", stacklevel=3)
         return None
+    for name, types in signatures.items():
+        getattr(lib, name).argtypes = types
+    return lib
 
 
 def openmp_runtime() -> str | None:

@@ -50,16 +50,15 @@ def active(*tensors: torch.Tensor) -> bool:
 @functools.cache
 def _loops() -> ctypes.CDLL | None:
     """elementwise.c built and loaded; None (and one warning) where building fails."""
-    lib = c_library_or_none(LOOPS, "bf16 RMSNorm and SwiGLU run as compiled formulas")
-    if lib is None:
-        return None
     pointer, count = ctypes.c_void_p, ctypes.c_int64
-    lib.rms_norm_forward.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, count, count]
-    lib.rms_norm_backward.argtypes = [pointer] * 5 + [count, count]
-    lib.rms_norm_weight_grad.argtypes = [pointer] * 4 + [count, count]
-    lib.swiglu_forward.argtypes = [pointer] * 3 + [count]
-    lib.swiglu_backward.argtypes = [pointer] * 5 + [count]
-    return lib
+    signatures = {
+        "rms_norm_forward": [pointer, pointer, ctypes.c_float, pointer, pointer, count, count],
+        "rms_norm_backward": [pointer] * 5 + [count, count],
+        "rms_norm_weight_grad": [pointer] * 4 + [count, count],
+        "swiglu_forward": [pointer] * 3 + [count],
+        "swiglu_backward": [pointer] * 5 + [count],
+    }
+    return c_library_or_none(LOOPS, "bf16 RMSNorm and SwiGLU run as compiled formulas", signatures)
 
 
 def _pointers(*tensors: torch.Tensor) -> list[ctypes.c_void_p]:

@@ -180,12 +180,12 @@ def _library(head_dim: int, rep: int, dtype: torch.dtype) -> ctypes.CDLL | None:
     global _broken
     if (head_dim, rep, dtype) not in _libraries:
         defines = (f"-DD={head_dim}", f"-DREP={rep}", *(("-DFLOAT_IN",) if dtype == torch.float32 else ()))
-        lib = c_library_or_none(SOURCE, "packed attention runs the blocked kernel", defines)
+        pointer, count, number = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        signatures = {
+            "packed_forward": [pointer] * 7 + [count, number] + [pointer] * 8,
+            "packed_backward": [pointer] * 11 + [count, number, number] + [pointer] * 11,
+        }  # each returns an int: nonzero where it found no memory
+        lib = c_library_or_none(SOURCE, "packed attention runs the blocked kernel", signatures, defines)
         _broken = _broken or lib is None
-        if lib is not None:
-            pointer, count, number = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-            lib.packed_forward.argtypes = [pointer] * 7 + [count, number] + [pointer] * 8
-            lib.packed_backward.argtypes = [pointer] * 11 + [count, number, number] + [pointer] * 11
-            lib.packed_forward.restype = lib.packed_backward.restype = ctypes.c_int
         _libraries[head_dim, rep, dtype] = lib
     return _libraries[head_dim, rep, dtype]

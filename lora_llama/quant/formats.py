@@ -79,15 +79,10 @@ def _loop(kind: str, dtype: torch.dtype):
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """dequantize.c built and loaded; None (and one warning) where building fails."""
-    lib = c_library_or_none(LOOPS, "quantized bases dequantize through torch's kernels")
-    if lib is None:
-        return None
     pointer, count = ctypes.c_void_p, ctypes.c_int64
-    for dtype in _LOOP_DTYPES.values():
-        getattr(lib, f"int8_to_{dtype}").argtypes = [pointer] * 3 + [count] * 2
-        getattr(lib, f"nf4_to_{dtype}").argtypes = [pointer] * 4 + [count]
-        getattr(lib, f"int8_to_{dtype}").restype = getattr(lib, f"nf4_to_{dtype}").restype = None
-    return lib
+    signatures = {f"int8_to_{dtype}": [pointer] * 3 + [count] * 2 for dtype in _LOOP_DTYPES.values()}
+    signatures.update({f"nf4_to_{dtype}": [pointer] * 4 + [count] for dtype in _LOOP_DTYPES.values()})
+    return c_library_or_none(LOOPS, "quantized bases dequantize through torch's kernels", signatures)
 
 
 def _blockwise_scaled(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
