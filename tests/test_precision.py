@@ -116,6 +116,20 @@ def test_c_loops_round_the_formulas_values(shape):
         assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01, (name, ulps.max(), (ulps > 0).float().mean())
 
 
+def test_swiglu_loops_at_the_ends_of_the_range():
+    """Gates far beyond where sigmoid saturates, up to bf16's largest values: no NaN or infinity (the loops are compiled
+    with -ffast-math, which assumes none), and the formulas' values."""
+    if fused._loops() is None:
+        pytest.skip("no C compiler here")
+    ends = [1e4, 200.0, 100.0, 88.0, 20.0, 1e-3, 0.0, 3e38]
+    g = torch.tensor([[v for e in ends for v in (e, -e)]]).bfloat16()
+    u, grad = torch.full_like(g, 0.5), torch.full_like(g, -0.75)  # products within range at 3e38
+    loops = [fused.swiglu_forward(g, u), *fused.swiglu_backward(g, u, grad)]
+    formulas = [fused.swiglu_formula(g, u), *fused._swiglu_backward.__wrapped__(g, u, grad)]
+    for a, b in zip(loops, formulas):
+        assert torch.isfinite(a).all() and bf16_ulps(a, b).max() <= 1, (a, b)
+
+
 def test_without_a_c_compiler_one_warning_and_the_compiled_formulas(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

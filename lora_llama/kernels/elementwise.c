@@ -21,6 +21,15 @@ static inline uint16_t to_bf16(float v) { /* nearest even; the formulas give no 
     return (uint16_t)(bits >> 16);
 }
 
+/* sigmoid(v) = 1 / (1 + e^-v) and 1 - sigmoid(v), each from e^-|v|, which never overflows (-ffast-math assumes no
+ * infinities: e^100 taken as one made silu(-100) a NaN), and 1 - sigmoid(v) not as a difference (v·(1 - s) in the
+ * gradient would multiply the difference's rounding error by v) */
+static inline float sigmoid(float v, float *complement) {
+    const float e = expf(-fabsf(v)), r = 1.0f / (1.0f + e);
+    *complement = (v >= 0.0f ? e : 1.0f) * r;
+    return (v >= 0.0f ? 1.0f : e) * r;
+}
+
 /* y = weight · bf16(x / rms(x)) per row of n, rstd = 1 / rms(x) = 1 / sqrt(mean(x²) + eps) */
 void rms_norm_forward(const uint16_t *x, const uint16_t *weight, float eps, uint16_t *y, float *rstd, int64_t rows,
                       int64_t n) {
@@ -83,7 +92,8 @@ void swiglu_forward(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t
 #pragma omp simd
         for (int64_t i = start; i < end; i++) {
             const float v = bf(g[i]);
-            out[i] = to_bf16(v / (1.0f + expf(-v)) * bf(u[i]));
+            float complement;
+            out[i] = to_bf16(v * sigmoid(v, &complement) * bf(u[i]));
         }
     }
 }
@@ -96,8 +106,9 @@ void swiglu_backward(const uint16_t *g, const uint16_t *u, const uint16_t *grad,
         const int64_t end = start + CHUNK < count ? start + CHUNK : count;
 #pragma omp simd
         for (int64_t i = start; i < end; i++) {
-            const float v = bf(g[i]), d = bf(grad[i]), s = 1.0f / (1.0f + expf(-v));
-            dg[i] = to_bf16(d * bf(u[i]) * s * (1.0f + v * (1.0f - s)));
+            float complement;
+            const float v = bf(g[i]), d = bf(grad[i]), s = sigmoid(v, &complement);
+            dg[i] = to_bf16(d * bf(u[i]) * s * (1.0f + v * complement));
             du[i] = to_bf16(d * v * s);
         }
     }
