@@ -116,18 +116,26 @@ def test_c_loops_round_the_formulas_values(shape):
         assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01, (name, ulps.max(), (ulps > 0).float().mean())
 
 
-def test_swiglu_loops_at_the_ends_of_the_range():
-    """Gates far beyond where sigmoid saturates, up to bf16's largest values: no NaN or infinity (the loops are compiled
-    with -ffast-math, which assumes none), and the formulas' values."""
+def test_loops_at_the_ends_of_the_range():
+    """Gates far beyond where sigmoid saturates, up to bf16's largest values, and rows whose squares overflow float32:
+    the formulas' values, no NaN (the loops are compiled with -ffast-math, which assumes no infinities)."""
     if fused._loops() is None:
         pytest.skip("no C compiler here")
     ends = [1e4, 200.0, 100.0, 88.0, 20.0, 1e-3, 0.0, 3e38]
     g = torch.tensor([[v for e in ends for v in (e, -e)]]).bfloat16()
     u, grad = torch.full_like(g, 0.5), torch.full_like(g, -0.75)  # products within range at 3e38
-    loops = [fused.swiglu_forward(g, u), *fused.swiglu_backward(g, u, grad)]
-    formulas = [fused.swiglu_formula(g, u), *fused._swiglu_backward.__wrapped__(g, u, grad)]
+    x = torch.tensor(
+        [[1e30, -2e30, 3e30, 1.0], [0.0] * 4, [3e38, 1.0, 1.0, 1.0], [1e-30, 2e-38, 0.0, 1e-38]]
+    ).bfloat16()
+    weight = torch.tensor([1.0, 0.5, 2.0, 1.0]).bfloat16()
+    y, rstd = fused.rms_norm_forward(x, weight, 1e-5)
+    y_eager, rstd_eager = fused.rms_norm_formula(x, weight, 1e-5)
+    loops = [fused.swiglu_forward(g, u), *fused.swiglu_backward(g, u, grad), y]
+    loops += fused.rms_norm_backward(x, weight, rstd, torch.ones_like(x), True)
+    formulas = [fused.swiglu_formula(g, u), *fused._swiglu_backward.__wrapped__(g, u, grad), y_eager]
+    formulas += fused._rms_norm_backward.__wrapped__(x, weight, rstd_eager, torch.ones_like(x), True)
     for a, b in zip(loops, formulas):
-        assert torch.isfinite(a).all() and bf16_ulps(a, b).max() <= 1, (a, b)
+        assert not a.isnan().any() and bf16_ulps(a, b).max() <= 1, (a, b)
 
 
 def test_without_a_c_compiler_one_warning_and_the_compiled_formulas(monkeypatch, tmp_path):

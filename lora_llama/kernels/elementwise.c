@@ -40,7 +40,8 @@ void rms_norm_forward(const uint16_t *x, const uint16_t *weight, float eps, uint
         float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
         for (int64_t i = 0; i < n; i++) squares += bf(xr[i]) * bf(xr[i]);
-        const float s = 1.0f / sqrtf(squares / (float)n + eps);
+        /* in double: -ffast-math turns a float 1/sqrt into an estimate, which gives NaN where x² overflows */
+        const float s = (float)(1.0 / sqrt((double)(squares / (float)n + eps)));
         rstd[r] = s;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) yr[i] = to_bf16(bf(to_bf16(bf(xr[i]) * s)) * bf(weight[i]));
