@@ -3,11 +3,11 @@ loops compiled by torch.compile's inductor where those are not built; `compiled`
 
 PyTorch's eager kernels take a bf16 formula one operation at a time, each a pass over memory that converts to float32
 and back: no faster per element than float32 on the CPU, so they cap what bf16 gains over a float32 step. One loop per
-formula keeps the conversions in registers. On an AMD EPYC with AVX512_BF16 (2 threads; forward plus backward):
-RMSNorm (4, 512, 576) 1.53 -> 0.28 ms compiled, SwiGLU (2048, 1536) 3.4 -> 2.3 ms compiled, 1.9 in C; the bf16
-training step 6.8% faster compiled (paired), the float32 one unchanged, so float32 and other devices keep the eager
-kernels. The C loops also spare each call the ~0.2 ms that calling a compiled function costs (a 135M step makes ~200
-such calls) and the first step its compiling.
+formula keeps the conversions in registers. On AMD EPYCs with AVX512_BF16 (2 threads; forward plus backward): RMSNorm
+(4, 512, 576) 1.53 ms eager, 0.28-0.51 compiled, 0.39 in C; SwiGLU (2048, 1536) 3.4 eager, 2.3-2.6 compiled, 2.3 in
+C; the bf16 training step 6.8% faster compiled than eager (paired), the float32 one unchanged, so float32 and other
+devices keep the eager kernels. The C loops also spare each call the ~0.2 ms that calling a compiled function costs
+(a 135M step makes ~200 such calls) and the first step its compiling.
 
 The formulas are the eager kernels' (elementwise.py), float32 inside. elementwise.c is built for this CPU on first use
 (kernels/cpu.py); a compiled formula compiles on first use (seconds; inductor keeps them on disk for later runs), with
