@@ -107,6 +107,11 @@ def c_library_or_none(
     return lib
 
 
+def pointers(*tensors: torch.Tensor) -> list[ctypes.c_void_p]:
+    """The tensors' data addresses, as a C loop takes them."""
+    return [ctypes.c_void_p(t.data_ptr()) for t in tensors]
+
+
 def openmp_runtime() -> str | None:
     """The GNU OpenMP library this process has loaded (torch's, where another is loaded too), by path, where /proc
     says; linked against it by path, a C loop needs it by its own name and so shares its threads even where torch's

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lora_llama.kernels.cpu import c_library_or_none
+from lora_llama.kernels.cpu import c_library_or_none, pointers
 
 ENABLED = True  # tests switch it off to compare with the eager kernels
 LOOPS = Path(__file__).with_name("elementwise.c")
@@ -59,10 +59,6 @@ def _loops() -> ctypes.CDLL | None:
         "swiglu_backward": [pointer] * 5 + [count],
     }
     return c_library_or_none(LOOPS, "bf16 RMSNorm and SwiGLU run as compiled formulas", signatures)
-
-
-def _pointers(*tensors: torch.Tensor) -> list[ctypes.c_void_p]:
-    return [ctypes.c_void_p(t.data_ptr()) for t in tensors]
 
 
 def made_once(make):
@@ -181,7 +177,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     else:
         rows, weight = _rows(x).contiguous(), weight.detach().contiguous()
         y, rstd = torch.empty_like(rows), torch.empty(rows.shape[0], dtype=torch.float32)
-        lib.rms_norm_forward(*_pointers(rows, weight), eps, *_pointers(y, rstd), *rows.shape)
+        lib.rms_norm_forward(*pointers(rows, weight), eps, *pointers(y, rstd), *rows.shape)
     return y.view(x.shape), rstd.view(*x.shape[:-1], 1)
 
 
@@ -196,10 +192,10 @@ def rms_norm_backward(
         return dx.view(x.shape), grad_w
     rows, weight, rstd, grad = (_rows(t).contiguous() for t in (x, weight, rstd, grad))
     dx, grad_w = torch.empty_like(rows), None
-    lib.rms_norm_backward(*_pointers(rows, weight, rstd, grad, dx), *rows.shape)
+    lib.rms_norm_backward(*pointers(rows, weight, rstd, grad, dx), *rows.shape)
     if weight_grad:
         grad_w = torch.empty(rows.shape[1], dtype=torch.float32)
-        lib.rms_norm_weight_grad(*_pointers(rows, rstd, grad, grad_w), *rows.shape)
+        lib.rms_norm_weight_grad(*pointers(rows, rstd, grad, grad_w), *rows.shape)
         grad_w = grad_w.to(weight.dtype)
     return dx.view(x.shape), grad_w
 
@@ -210,7 +206,7 @@ def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return _swiglu_forward(_rows(g), _rows(u)).view(g.shape)
     rows = [_rows(t).contiguous() for t in (g, u)]
     out = torch.empty_like(rows[0])
-    lib.swiglu_forward(*_pointers(*rows, out), g.numel())
+    lib.swiglu_forward(*pointers(*rows, out), g.numel())
     return out.view(g.shape)
 
 
@@ -222,7 +218,7 @@ def swiglu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor) -> tup
         return dg.view(g.shape), du.view(u.shape)
     rows = [_rows(t).contiguous() for t in (g, u, grad)]
     dg, du = torch.empty_like(rows[0]), torch.empty_like(rows[1])
-    lib.swiglu_backward(*_pointers(*rows, dg, du), g.numel())
+    lib.swiglu_backward(*pointers(*rows, dg, du), g.numel())
     return dg.view(g.shape), du.view(u.shape)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from lora_llama.kernels.blocked_attention import LOG2E, positions_major
-from lora_llama.kernels.cpu import c_library_or_none
+from lora_llama.kernels.cpu import c_library_or_none, pointers
 from lora_llama.kernels.packed_rows import example_starts
 
 # positions of the longest example this kernel takes: its backward's work per example grows as the square, and past
@@ -93,9 +93,9 @@ def forward(q, k, v, segments, rope=None):
     out = positions_major(q.shape, q.dtype, q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32)
     c = LOG2E / math.sqrt(q.shape[-1])
-    pointers = [_ptr(t) for t in (q, k, v, out, lse)]
+    tensors = pointers(q, k, v, out, lse)
     strides = [_strides(t) for t in (q, k, v, out, lse.unsqueeze(-1))]
-    _run(lib.packed_forward, segments, k.shape[1], lambda *plan: (*pointers, *plan, c, *strides, *_rope(q, rope)))
+    _run(lib.packed_forward, segments, k.shape[1], lambda *plan: (*tensors, *plan, c, *strides, *_rope(q, rope)))
     return out, lse
 
 
@@ -106,13 +106,13 @@ def backward(q, k, v, out, lse, grad_out, segments, rope=None):
     q, k, v, out, grad_out = (_last_contiguous(t) for t in (q, k, v, out, grad_out))
     dq, dk, dv = (positions_major(t.shape, q.dtype, q) for t in (q, k, v))
     scale = 1 / math.sqrt(q.shape[-1])
-    pointers = [_ptr(t) for t in (q, k, v, out, grad_out, lse, dq, dk, dv)]
+    tensors = pointers(q, k, v, out, grad_out, lse, dq, dk, dv)
     strides = [_strides(t) for t in (q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk)]
     _run(
         lib.packed_backward,
         segments,
         k.shape[1],
-        lambda *plan: (*pointers, *plan, scale * LOG2E, scale, *strides, *_rope(q, rope)),
+        lambda *plan: (*tensors, *plan, scale * LOG2E, scale, *strides, *_rope(q, rope)),
     )
     return dq, dk, dv
 
@@ -120,7 +120,7 @@ def backward(q, k, v, out, lse, grad_out, segments, rope=None):
 def _run(function, segments, kv_heads: int, arguments) -> None:
     """function over the tasks of these packed rows, in one share of about equal work per thread of torch's."""
     tasks, bounds, _ = _plan(segments, kv_heads)
-    if function(*arguments(_ptr(tasks), _ptr(bounds), len(bounds) - 1)):
+    if function(*arguments(*pointers(tasks, bounds), len(bounds) - 1)):
         raise MemoryError("packed attention: no memory for an example's keys and values")
 
 
@@ -159,15 +159,11 @@ def _rope(q: torch.Tensor, rope) -> tuple:
     if rope is None:
         return None, None, None
     cos, sin = (t.expand(q.shape[0], *t.shape[1:]) for t in rope)
-    return _ptr(cos), _ptr(sin), (ctypes.c_int64 * 2)(cos.stride(0), cos.stride(2))
+    return *pointers(cos, sin), (ctypes.c_int64 * 2)(cos.stride(0), cos.stride(2))
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
 
 
 def _strides(t: torch.Tensor):

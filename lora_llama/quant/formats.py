@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lora_llama.kernels import fused
-from lora_llama.kernels.cpu import c_library_or_none
+from lora_llama.kernels.cpu import c_library_or_none, pointers
 
 INT8_MAX = 127
 NF4_BLOCK = 64
@@ -52,8 +52,9 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # On the CPU, one C loop (dequantize.c, on torch's threads) reads each code once and writes each weight once, where
 # torch's kernels write a float32 weight, scale it and round it in three passes. SmolLM2's 1536 x 576, AVX512_BF16
-# EPYC, 2 threads: int8 in bf16 56 µs against inductor's one loop's 106 plus its call's ~70, in float32 34 against
-# 57; nf4 in bf16 39 against bitsandbytes' CPU kernel's 78; the same values.
+# EPYC, 2 threads: int8 in bf16 56 µs against torch's kernels' 103 (inductor's one loop: 106, plus ~70 to call it), in
+# float32 37 against 55; nf4 in bf16 64 against bitsandbytes' CPU kernel's 75, in float32 36 against the formulas'
+# 429; the same values.
 LOOPS = Path(__file__).with_name("dequantize.c")
 _LOOP_DTYPES = {torch.bfloat16: "bf16", torch.float32: "float"}
 
@@ -65,7 +66,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
         return q.to(torch.float32).mul_(scale[:, None]).to(dtype)
     q, scale = q.contiguous(), scale.to(torch.float32).contiguous()
     out = torch.empty(q.shape, dtype=dtype)
-    loop(*(ctypes.c_void_p(t.data_ptr()) for t in (q, scale, out)), *q.shape)
+    loop(*pointers(q, scale, out), *q.shape)
     return out
 
 
@@ -228,7 +229,7 @@ def _bitsandbytes_on_cpu() -> bool:
 
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
     """The weight. On the CPU, whole blocks by dequantize.c's loop; bf16 where that is not built by bitsandbytes'
-    kernel where it is installed (same values, 1.5-2x slower than the loop; its import brings triton and what
+    kernel where it is installed (same values, ~1.2x slower than the loop; its import brings triton and what
     torch.compile imports: ~30 MB more at a bf16 step's peak, ~200 MB in a float32 process, which keeps the formulas
     here)."""
     n = torch.Size(shape).numel()
@@ -237,9 +238,7 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, dtype=torc
     if cpu and (loop := _loop("nf4", dtype)) is not None:
         packed, absmax = packed.reshape(-1).contiguous(), absmax.reshape(-1).to(torch.float32).contiguous()
         out = torch.empty(shape, dtype=dtype)
-        loop(
-            *(ctypes.c_void_p(t.data_ptr()) for t in (packed, absmax, _code_table(packed.device), out)), n // NF4_BLOCK
-        )
+        loop(*pointers(packed, absmax, _code_table(packed.device), out), n // NF4_BLOCK)
         return out
     if cpu and dtype == torch.bfloat16 and _bitsandbytes_on_cpu():
         return nf4_by_bitsandbytes(packed, absmax, shape, dtype)
